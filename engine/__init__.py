@@ -1,0 +1,1 @@
+"""The engine: config, loading, tokenizer, hand-written Llama forward, KV cache, sessions, sampling, FLOPs."""

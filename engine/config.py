@@ -1,0 +1,140 @@
+"""Model configuration for the Llama family, read from HF `config.json` or GGUF metadata, plus named presets."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder: RMSNorm, RoPE, GQA, SwiGLU, optional QKV bias."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    max_seq_len: int
+    head_dim: int = 0  # 0 = dim // n_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelLoadError(f"config: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"config: head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict; unsupported architectures are refused by name."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {arch!r}; nodekv runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            n_heads = int(cfg["num_attention_heads"])
+            scaling = cfg.get("rope_scaling") or None
+            rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+            return cls(
+                vocab_size=int(cfg["vocab_size"]),
+                dim=int(cfg["hidden_size"]),
+                n_layers=int(cfg["num_hidden_layers"]),
+                n_heads=n_heads,
+                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+                intermediate_size=int(cfg["intermediate_size"]),
+                max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+                head_dim=int(cfg.get("head_dim") or 0),
+                rope_theta=float(rope_theta),
+                rope_scaling=_rope_scaling_from_hf(scaling),
+                norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                architecture=arch,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _rope_scaling_from_hf(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ModelLoadError(f"unsupported rope_scaling type {kind!r}; nodekv implements 'llama3'")
+    return RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+_LLAMA3_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+        max_seq_len=131072, rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), norm_eps=1e-5,
+    ),
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, intermediate_size=8192,
+        max_seq_len=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING, norm_eps=1e-5, tie_embeddings=True,
+    ),
+    "llama-3.2-3b": ModelConfig(
+        vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, intermediate_size=8192,
+        max_seq_len=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING, norm_eps=1e-5, tie_embeddings=True,
+    ),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
+        max_seq_len=8192, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True,
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """A named config without weights, for FLOP projection."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None

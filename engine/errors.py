@@ -1,0 +1,13 @@
+"""Errors nodekv raises for bad input; each message names the problem."""
+
+
+class NodeKVError(Exception):
+    """Base class of nodekv's own errors."""
+
+
+class ModelLoadError(NodeKVError, ValueError):
+    """A model cannot be loaded: unsupported architecture, missing/mis-shaped tensor, corrupt file."""
+
+
+class ContextOverflowError(NodeKVError, ValueError):
+    """A prompt or generation would exceed the model's context window."""

@@ -1,0 +1,109 @@
+"""Exact FLOP counts of the forward pass, an account that accumulates them per scope, and the papers' conventions.
+
+Counted: every matmul (2·m·n·k: Q/K/V, output, gate/up/down projections, lm_head only at positions whose logits
+are taken) and attention with its causal shape (QKᵀ and PV: 2·head_dim FLOPs each per query head per visible key).
+Not counted: norms, RoPE, softmax, activations and residual adds (O(d) per token, <1% for these models), as in
+the papers' tables.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from .config import ModelConfig
+
+
+def linear_flops_per_token(c: ModelConfig) -> int:
+    """Matmul FLOPs of one token through all decoder layers (no attention scores, no lm_head)."""
+    qkv = 2 * c.dim * (c.q_dim + 2 * c.kv_dim)
+    out = 2 * c.q_dim * c.dim
+    mlp = 2 * c.dim * 2 * c.intermediate_size + 2 * c.intermediate_size * c.dim
+    return c.n_layers * (qkv + out + mlp)
+
+
+def attention_flops(c: ModelConfig, n_new: int, n_past: int) -> int:
+    """QKᵀ + PV FLOPs for n_new causal queries after n_past cached tokens (query t sees n_past + t + 1 keys)."""
+    visible = n_new * n_past + n_new * (n_new + 1) // 2
+    return c.n_layers * c.n_heads * 4 * c.head_dim * visible
+
+
+def forward_flops(c: ModelConfig, n_new: int, n_past: int = 0, n_logits: int = 1) -> int:
+    """Exact FLOPs of one forward of n_new tokens after n_past cached ones, with logits at n_logits positions."""
+    return n_new * linear_flops_per_token(c) + attention_flops(c, n_new, n_past) + n_logits * 2 * c.dim * c.vocab_size
+
+
+def parameter_count(c: ModelConfig, embeddings: bool = True) -> int:
+    """N: weights of the matmuls and norms, with the input embedding and an untied lm_head when `embeddings`."""
+    per_layer = (c.dim * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.dim + 3 * c.dim * c.intermediate_size + 2 * c.dim
+                 + (c.q_dim + 2 * c.kv_dim if c.qkv_bias else 0))
+    n = c.n_layers * per_layer + c.dim
+    if embeddings:
+        n += c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
+    return n
+
+
+def per_token_convention(c: ModelConfig, n_ctx: int) -> int:
+    """Kaplan et al.'s forward cost per token: 2N + 2·L·n_ctx·d, N without embeddings, n_ctx the window."""
+    return 2 * parameter_count(c, embeddings=False) + 2 * c.n_layers * n_ctx * c.dim
+
+
+def per_example_convention(c: ModelConfig, tokens: int) -> int:
+    """The per-example cost many long-context papers quote: 2N·T + 2·L·d·T², N including embeddings."""
+    return 2 * parameter_count(c, embeddings=True) * tokens + 2 * c.n_layers * c.dim * tokens * tokens
+
+
+@dataclass
+class FlopAccount:
+    """Running totals of FLOPs and tokens, also per named scope (scopes may nest; each level is charged)."""
+
+    total: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    scopes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _active: list[str] = field(default_factory=list)
+
+    def add(self, flops: int, n_new: int, decode: bool = False) -> None:
+        self.total += flops
+        if decode:
+            self.decode_tokens += n_new
+        else:
+            self.prefill_tokens += n_new
+        for name in set(self._active):
+            self.scopes[name] += flops
+
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator["FlopAccount"]:
+        """Charge every forward inside the block to `name` as well as to the total."""
+        self._active.append(name)
+        try:
+            yield self
+        finally:
+            self._active.pop()
+
+    def reset(self) -> None:
+        self.total = self.prefill_tokens = self.decode_tokens = 0
+        self.scopes.clear()
+
+
+def format_report(c: ModelConfig, name: str, tokens: int, n_ctx: int | None = None) -> str:
+    """The `nodekv flops` table: exact count of one prefill plus the papers' conventions."""
+    n_ctx = n_ctx or min(tokens, c.max_seq_len)
+    exact = forward_flops(c, tokens, 0, n_logits=1)
+    rows = [
+        ("model", name),
+        ("tokens T", f"{tokens:,}"),
+        ("params N (with embeddings)", f"{parameter_count(c):,}"),
+        ("params N (without embeddings)", f"{parameter_count(c, embeddings=False):,}"),
+        ("exact prefill FLOPs (causal attention, last-position logits)", f"{exact:,}  ({exact / 1e12:.3f} TFLOPs)"),
+        ("  of which matmuls", f"{tokens * linear_flops_per_token(c):,}"),
+        ("  of which attention", f"{attention_flops(c, tokens, 0):,}"),
+        (f"per-token 2N + 2·L·n_ctx·d (n_ctx={n_ctx:,})", f"{per_token_convention(c, n_ctx):,}"),
+        ("  x T", f"{per_token_convention(c, n_ctx) * tokens:,}  "
+                  f"({per_token_convention(c, n_ctx) * tokens / 1e12:.3f} TFLOPs)"),
+        ("per-example 2N·T + 2·L·d·T²", f"{per_example_convention(c, tokens):,}  "
+                                        f"({per_example_convention(c, tokens) / 1e12:.3f} TFLOPs)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,74 @@
+"""A contiguous, growable KV cache: the simple cache behind `Session` until the paged node cache replaces it.
+
+Layout [layers, kv_heads, capacity, head_dim] so a layer's keys for the first n positions are one strided view.
+Attention is grouped-query without materialising repeated K/V: for a single query token the G query heads that
+share a KV head are laid out as G query rows of that head, which needs no mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .errors import ContextOverflowError
+
+
+class ContiguousKVCache:
+    """Keys and values of one token sequence, grown by doubling up to the model's context window."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, capacity: int = 256):
+        self.config, self.dtype = config, dtype
+        self.length = 0
+        self._k = self._v = torch.empty(config.n_layers, config.n_kv_heads, 0, config.head_dim, dtype=dtype)
+        self._reserve(min(capacity, config.max_seq_len))
+
+    def _reserve(self, needed: int) -> None:
+        cap = self._k.shape[2]
+        if needed <= cap:
+            return
+        new_cap = min(max(needed, 2 * cap), self.config.max_seq_len)
+        shape = (self.config.n_layers, self.config.n_kv_heads, new_cap, self.config.head_dim)
+        k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
+        k[:, :, : self.length] = self._k[:, :, : self.length]
+        v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v = k, v
+
+    def begin(self, n_tokens: int) -> int:
+        end = self.length + n_tokens
+        if end > self.config.max_seq_len:
+            raise ContextOverflowError(
+                f"{end} tokens exceed the model's context window of {self.config.max_seq_len} "
+                f"({self.length} cached + {n_tokens} new)"
+            )
+        self._reserve(end)
+        return self.length
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v ([T, kv_heads, hd]) after the cached tokens; causal attention of q ([T, heads, hd])
+        over everything cached. Returns [T, heads * hd]."""
+        T, H, hd = q.shape
+        start, end = self.length, self.length + T
+        self._k[layer, :, start:end] = k.transpose(0, 1)
+        self._v[layer, :, start:end] = v.transpose(0, 1)
+        keys, values = self._k[layer, :, :end], self._v[layer, :, :end]
+        hkv = keys.shape[0]
+        if T == 1:
+            out = F.scaled_dot_product_attention(q.view(hkv, H // hkv, hd), keys, values)
+            return out.view(1, H * hd)
+        qh = q.transpose(0, 1)
+        if start == 0:
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            rows = torch.arange(start, end)[:, None]
+            mask = torch.arange(end)[None, :] <= rows
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1).reshape(T, H * hd)
+
+    def commit(self, n_tokens: int) -> None:
+        self.length += n_tokens
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (the stale K/V are overwritten by the next append)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length

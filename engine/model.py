@@ -1,0 +1,199 @@
+"""The hand-written Llama forward pass (RMSNorm, RoPE, GQA attention, SwiGLU), over any KV cache with `attend`.
+
+Weights are fused where that saves calls on the decode hot path: Q|K|V into one matrix, gate|up into one.
+On CPUs without native bf16 matrix units (torch's bf16 GEMM there is ~100x slower than fp32), a bf16 model keeps
+bf16-valued weights in fp32 storage and runs every matmul in fp32 with the output rounded to bf16 — the same
+arithmetic a bf16 GEMM with fp32 accumulation performs, at fp32 speed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Union
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.quant import QuantWeight, quant_linear
+from .config import ModelConfig
+from .errors import ModelLoadError
+
+# Up to this many tokens per forward the quantised kernel beats the dense GEMM (weight bandwidth dominates).
+QUANT_MAX_TOKENS = 4
+
+
+def native_bf16_matmul() -> bool:
+    """Whether torch has a fast bf16 GEMM on this CPU (AVX512-BF16 / AMX through oneDNN)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class KVCache(Protocol):
+    """What the forward needs from a cache: room for T tokens, store-and-attend per layer, then commit."""
+
+    length: int  # tokens cached
+
+    def begin(self, n_tokens: int) -> int: ...  # reserve room; returns the absolute position of the first token
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def commit(self, n_tokens: int) -> None: ...
+
+
+@dataclass
+class Linear:
+    """A linear layer: `dense` [out, in] (in the dtype its matmul runs in) for many-token steps and, for GGUF
+    models, the quantised blocks for few-token steps."""
+
+    dense: torch.Tensor
+    quant: QuantWeight | None = None
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None and x.shape[0] <= QUANT_MAX_TOKENS:
+            y = quant_linear(x.float(), self.quant)
+            return (y if self.bias is None else y + self.bias).to(x.dtype)
+        if x.dtype != self.dense.dtype:
+            return F.linear(x.to(self.dense.dtype), self.dense, self.bias).to(x.dtype)
+        return F.linear(x, self.dense, self.bias)
+
+
+@dataclass
+class Layer:
+    """One decoder block's weights."""
+
+    attn_norm: torch.Tensor
+    wqkv: Linear
+    wo: Linear
+    ffn_norm: torch.Tensor
+    w13: Linear
+    w2: Linear
+
+
+class Llama:
+    """A Llama-family decoder with fused weights; `forward` runs new tokens through a KV cache."""
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, Union[torch.Tensor, QuantWeight]],
+                 dtype: torch.dtype = torch.float32):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        self.config = config
+        self.dtype = dtype
+        matmul_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
+        weights = _WeightReader(config, tensors, dtype, matmul_dtype)
+
+        self.embed = weights.dense("embed", (config.vocab_size, config.dim), dtype)
+        self.norm = weights.dense("norm", (config.dim,), dtype)
+        head = "embed" if config.tie_embeddings else "lm_head"
+        self.lm_head = weights.linear([head], config.dim, out_sizes=[config.vocab_size])
+        self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.n_layers)]
+        inv_freq = rope_inv_freq(config)
+        if "rope_freqs" in tensors:
+            inv_freq = inv_freq / weights.dense("rope_freqs", (config.head_dim // 2,), torch.float32)
+        self.inv_freq = inv_freq
+        self._cos = self._sin = torch.empty(0)
+
+    def _layer(self, w: _WeightReader, p: str) -> Layer:
+        c = self.config
+        bias = [p + "bq", p + "bk", p + "bv"] if c.qkv_bias else None
+        return Layer(
+            attn_norm=w.dense(p + "attn_norm", (c.dim,), self.dtype),
+            wqkv=w.linear([p + "wq", p + "wk", p + "wv"], c.dim, bias,
+                          out_sizes=[c.q_dim, c.kv_dim, c.kv_dim]),
+            wo=w.linear([p + "wo"], c.q_dim, out_sizes=[c.dim]),
+            ffn_norm=w.dense(p + "ffn_norm", (c.dim,), self.dtype),
+            w13=w.linear([p + "w1", p + "w3"], c.dim, out_sizes=[c.intermediate_size] * 2),
+            w2=w.linear([p + "w2"], c.intermediate_size, out_sizes=[c.dim]),
+        )
+
+    def rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin for positions [start, start+n), each [n, head_dim] in the model dtype."""
+        end = start + n
+        if end > self._cos.shape[0]:
+            size = min(max(end, 2 * self._cos.shape[0], 256), max(end, self.config.max_seq_len))
+            freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: one roll instead of two slices, a neg and a cat
+            self._cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.dtype)
+            self._sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(self.dtype)
+        return self._cos[start:end], self._sin[start:end]
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, logits: str | None = "last") -> torch.Tensor | None:
+        """Run `tokens` ([T] int64) after what `cache` holds; logits ("last", "all" or None) as float32 [n, vocab]."""
+        c = self.config
+        T = tokens.shape[0]
+        start = cache.begin(T)
+        cos, sin = self.rope(start, T)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        half = c.head_dim // 2
+        n_qk = c.n_heads + c.n_kv_heads
+        x = self.embed[tokens]
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps)
+            qkv = layer.wqkv(h)
+            qk = qkv[:, : n_qk * c.head_dim].view(T, n_qk, c.head_dim)
+            qk = qk * cos + qk.roll(half, -1) * sin
+            q, k = qk.split([c.n_heads, c.n_kv_heads], 1)
+            v = qkv[:, n_qk * c.head_dim:].view(T, c.n_kv_heads, c.head_dim)
+            x = x + layer.wo(cache.attend(i, q, k, v))
+            h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
+            gate, up = layer.w13(h).chunk(2, -1)
+            x = x + layer.w2(F.silu(gate) * up)
+        cache.commit(T)
+        if logits is None:
+            return None
+        if logits == "last":
+            x = x[-1:]
+        elif logits != "all":
+            raise ValueError(f"logits must be 'last', 'all' or None, got {logits!r}")
+        return self.lm_head(F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)).float()
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim/2], with Llama-3 frequency-dependent scaling when configured."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class _WeightReader:
+    """Checks each canonical tensor's presence and shape, fuses, and converts to the model's dtypes."""
+
+    def __init__(self, config, tensors, dtype, matmul_dtype):
+        self.tensors, self.dtype, self.matmul_dtype = tensors, dtype, matmul_dtype
+
+    def _get(self, name: str, shape: tuple[int, ...]):
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
+        got = (t.out_features, t.in_features) if isinstance(t, QuantWeight) else tuple(t.shape)
+        if got != tuple(shape):
+            raise ModelLoadError(f"tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+        return t
+
+    def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = self._get(name, shape)
+        t = t.dequantize() if isinstance(t, QuantWeight) else t
+        return t.to(dtype).contiguous()
+
+    def linear(self, names: list[str], in_features: int, bias: list[str] | None = None, *,
+               out_sizes: list[int]) -> Linear:
+        parts = [self._get(n, (o, in_features)) for n, o in zip(names, out_sizes)]
+        quant = None
+        if all(isinstance(p, QuantWeight) for p in parts) and len({p.qtype for p in parts}) == 1:
+            quant = QuantWeight.cat(parts)
+        dense = torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
+        # bf16 numerics: round weights to bf16 even when the matmul itself runs in fp32
+        dense = dense.to(self.dtype).to(self.matmul_dtype).contiguous()
+        b = None
+        if bias is not None:
+            b = torch.cat([self._get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(self.matmul_dtype)
+        return Linear(dense, quant, b)

@@ -1,0 +1,1 @@
+"""Compute kernels beside their thin wrappers, with the torch reference of the same math."""

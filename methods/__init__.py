@@ -1,0 +1,1 @@
+"""Long-document QA methods (PECAN, DICE, GoR, JERR) and baselines, as policies on the engine."""

@@ -1,0 +1,10 @@
+"""nodekv: a small inference engine for graph-based long-document QA.
+
+A hand-written Llama forward, a KV cache made of node spans, attention mass between nodes, and an exact FLOP
+account. `load_engine()` with no argument loads the embedded SmolLM2-135M-Instruct.
+"""
+from nodekv.engine.engine import Engine, load_engine
+from nodekv.engine.config import ModelConfig
+
+__all__ = ["Engine", "ModelConfig", "load_engine"]
+__version__ = "0.1.0"

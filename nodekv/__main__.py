@@ -1,0 +1,3 @@
+from nodekv.cli import main
+
+raise SystemExit(main())

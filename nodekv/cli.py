@@ -1,0 +1,92 @@
+"""`nodekv` command line: `ask` (answer a question about a text file) and `flops` (exact and paper-style counts)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+QA_SYSTEM = "You answer questions about a document using only the document. Answer briefly."
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from nodekv import load_engine
+
+    doc = Path(args.document)
+    if not doc.is_file():
+        print(f"error: document {doc} does not exist", file=sys.stderr)
+        return 2
+    text = doc.read_text(encoding="utf-8")
+    if not text.strip():
+        print(f"error: document {doc} is empty", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    eng = load_engine(args.model, dtype=args.dtype, threads=args.threads)
+    t_load = time.perf_counter() - t0
+    messages = [{"role": "system", "content": QA_SYSTEM},
+                {"role": "user", "content": f"Document:\n{text}\n\nQuestion: {args.question}"}]
+    prompt = eng.tokenizer.chat(messages)
+    s = eng.session()
+    with eng.flops.scope("query"):
+        t1 = time.perf_counter()
+        s.append(prompt, node_id="prompt")
+        t2 = time.perf_counter()
+        answer = s.generate(args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+        t3 = time.perf_counter()
+    n_gen = len(s) - len(prompt)
+    print(f"Q: {args.question}\nA: {answer.strip()}\n")
+    print(f"model      {eng.path.name} ({eng.config.n_layers} layers, d={eng.config.dim}, {args.dtype})")
+    print(f"tokens     prompt {len(prompt):,} (full document in context), generated {n_gen} ({s.finish_reason})")
+    print(f"FLOPs      {eng.flops.scopes['query']:,} ({eng.flops.scopes['query'] / 1e12:.4f} TFLOPs)")
+    print(f"time       load {t_load:.1f}s, prefill {t2 - t1:.2f}s ({len(prompt) / (t2 - t1):,.0f} tok/s), "
+          f"decode {t3 - t2:.2f}s ({n_gen / max(t3 - t2, 1e-9):.1f} tok/s)")
+    return 0
+
+
+def _flops(args: argparse.Namespace) -> int:
+    from nodekv.engine.config import preset
+    from nodekv.engine.flops import format_report
+    from nodekv.engine.loader import load_checkpoint
+
+    try:
+        config, name = preset(args.model), args.model
+    except ValueError:
+        if not Path(args.model).exists():
+            raise
+        config, name = load_checkpoint(args.model)[0], args.model
+    print(format_report(config, name, args.tokens, args.n_ctx))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nodekv", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ask = sub.add_parser("ask", help="answer a question about a text file (full document in context)")
+    ask.add_argument("document")
+    ask.add_argument("question")
+    ask.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    ask.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ask.add_argument("--max-new-tokens", type=int, default=64)
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--seed", type=int, default=None)
+    ask.add_argument("--threads", type=int, default=None)
+    ask.set_defaults(func=_ask)
+
+    fl = sub.add_parser("flops", help="exact prefill FLOPs and the papers' conventions for a model")
+    fl.add_argument("--model", required=True, help="a preset (llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, "
+                                                   "smollm2-135m) or a model path")
+    fl.add_argument("--tokens", type=int, required=True)
+    fl.add_argument("--n-ctx", type=int, default=None, help="window for the per-token convention "
+                                                            "(default: min(tokens, model context))")
+    fl.set_defaults(func=_flops)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # nodekv's input errors are ValueErrors with a message naming the problem
+        print(f"error: {e}", file=sys.stderr)
+        return 2
