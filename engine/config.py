@@ -70,10 +70,14 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {arch!r}; nodekv runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+            raise ModelLoadError(f"unsupported MLP (hidden_act={cfg.get('hidden_act')!r}, mlp_bias="
+                                 f"{cfg.get('mlp_bias')}); nodekv implements SwiGLU without bias")
         try:
             n_heads = int(cfg["num_attention_heads"])
-            scaling = cfg.get("rope_scaling") or None
-            rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+            rope = cfg.get("rope_parameters") or {}  # transformers >= 5 keeps theta and scaling here
+            scaling = cfg.get("rope_scaling") or rope
+            rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
             return cls(
                 vocab_size=int(cfg["vocab_size"]),
                 dim=int(cfg["hidden_size"]),

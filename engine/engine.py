@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -13,7 +13,9 @@ from .kv_cache import ContiguousKVCache
 from .loader import default_model_path, load_checkpoint
 from .model import KVCache, Llama
 from .session import Session
-from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 BACKENDS = ("auto", "torch")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -67,6 +69,8 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if threads is not None:
         torch.set_num_threads(threads)
+    from .tokenizer import Tokenizer
+
     path = Path(model) if model is not None else default_model_path()
     config, tensors, path = load_checkpoint(path)
     tokenizer = Tokenizer.from_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
