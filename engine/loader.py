@@ -190,11 +190,11 @@ def _gguf_tensor(t, gguf) -> Tensor:
     n_cols = int(t.shape[0])  # GGUF shapes list the fastest-varying dimension first
     try:
         if qname in QTYPES and len(t.shape) == 2:
-            return QuantWeight(torch.from_numpy(np.ascontiguousarray(t.data)), qname, n_cols)
+            return QuantWeight(torch.from_numpy(np.array(t.data)), qname, n_cols)  # a copy: the map is read-only
         values = gguf.quants.dequantize(t.data, t.tensor_type)
     except (ValueError, IndexError, NotImplementedError) as e:
         raise ModelLoadError(f"GGUF tensor {t.name}: cannot decode {t.tensor_type.name} data ({e})") from None
-    out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    out = torch.from_numpy(np.array(values, dtype=np.float32))
     return out.reshape([int(d) for d in reversed(t.shape)])
 
 

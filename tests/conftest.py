@@ -47,3 +47,60 @@ def save_hf(tmp_path):
         return out
 
     return save
+
+
+def write_tiny_gguf(hf_model, path: Path, qtype: str = "q8_0", arch: str = "llama") -> None:
+    """Write an HF model as a GGUF file the way llama.cpp's converter does (Q/K rows permuted for interleaved
+    RoPE, linear weights quantised to `qtype`), and set the HF model's weights to the quantise-dequantise round
+    trip so both sides hold the same numbers."""
+    import gguf
+    import numpy as np
+
+    cfg = hf_model.config
+    qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+          "q4_0": gguf.GGMLQuantizationType.Q4_0, "f32": gguf.GGMLQuantizationType.F32}[qtype]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+    def permute(x: np.ndarray, heads: int) -> np.ndarray:
+        return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer_names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                   "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                   "mlp.down_proj": "ffn_down"}
+    state = hf_model.state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for key, tensor in state.items():
+        if key in names:
+            name = names[key]
+        else:
+            _, _, i, rest = key.split(".", 3)
+            module, _, kind = rest.rpartition(".")
+            name = f"blk.{i}.{layer_names[module]}.{kind}"
+        x = tensor.detach().float().numpy()
+        if x.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+            packed = gguf.quants.quantize(x, qt)
+            with torch.no_grad():
+                tensor.copy_(torch.from_numpy(gguf.quants.dequantize(packed, qt)))
+            x = packed
+        if ".attn_q." in name:
+            x = permute(x, cfg.num_attention_heads)
+        elif ".attn_k." in name:
+            x = permute(x, cfg.num_key_value_heads)
+        w.add_tensor(name, x, raw_dtype=qt if x.dtype == np.uint8 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -1,0 +1,104 @@
+"""GGUF loading (Q/K un-permutation, quantised kernels) against HF on the same numbers; bad checkpoints are
+refused with an error naming the problem."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import tiny_hf_model, write_tiny_gguf
+from nodekv.engine.errors import ModelLoadError
+from nodekv.engine.kv_cache import ContiguousKVCache
+from nodekv.engine.loader import load_checkpoint
+from nodekv.engine.model import Llama
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q8_0", "q4_1", "q4_0"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_matches_hf(qtype, tied, tmp_path):
+    hf = tiny_hf_model(tied=tied)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(hf, path, qtype)
+    ids = torch.randint(0, 101, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    config, tensors, _ = load_checkpoint(path)
+    assert config.tie_embeddings == tied
+    model = Llama(config, tensors)
+    prefill = model.forward(ids, ContiguousKVCache(config, torch.float32), logits="all")
+    assert (prefill - ref).abs().max() <= 1e-4 * ref.abs().max()
+    # one token at a time: the quantised kernels (for q* types) on the decode path
+    cache = ContiguousKVCache(config, torch.float32)
+    steps = torch.cat([model.forward(ids[i:i + 1], cache, logits="last") for i in range(len(ids))])
+    assert (steps - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def _hf_dir(save_hf):
+    return save_hf(tiny_hf_model())
+
+
+def test_unsupported_architecture(save_hf, tmp_path):
+    path = _hf_dir(save_hf)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_checkpoint(path)
+    write_tiny_gguf(tiny_hf_model(), tmp_path / "x.gguf", "f32", arch="gpt2")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        load_checkpoint(tmp_path / "x.gguf")
+
+
+def _edit_weights(path, edit):
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file)
+
+
+def test_missing_tensor(save_hf):
+    path = _hf_dir(save_hf)
+    _edit_weights(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    config, tensors, _ = load_checkpoint(path)
+    with pytest.raises(ModelLoadError, match=r"lacks tensor 'layers\.1\.w3'"):
+        Llama(config, tensors)
+
+
+def test_misshaped_tensor(save_hf):
+    path = _hf_dir(save_hf)
+    _edit_weights(path, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)))
+    config, tensors, _ = load_checkpoint(path)
+    with pytest.raises(ModelLoadError, match=r"'layers\.0\.wk' has shape \[16, 64\], expected \[32, 64\]"):
+        Llama(config, tensors)
+
+
+def test_truncated_safetensors(save_hf):
+    path = _hf_dir(save_hf)
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.01])
+def test_truncated_gguf(tmp_path, keep):
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(tiny_hf_model(), path, "q8_0")
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        load_checkpoint(path)
+
+
+def test_not_a_model(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        load_checkpoint(junk)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_checkpoint(tmp_path / "empty_dir")
