@@ -1,0 +1,150 @@
+"""Sessions on a tiny random model: greedy decoding against HF generate, probes against softmax of HF logits,
+rollback, stop conditions, FLOP charging, and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_hf_model
+from nodekv.engine.engine import Engine
+from nodekv.engine.errors import ContextOverflowError
+from nodekv.engine.flops import forward_flops
+from nodekv.engine.loader import load_checkpoint
+from nodekv.engine.model import Llama
+
+
+class DigitTokenizer:
+    """A stand-in tokenizer for the 101-token tiny model: token i is the text f"<{i}>"."""
+
+    eos_ids = (100,)
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+    def token_id(self, piece):
+        if not (piece.startswith("<") and piece.endswith(">")):
+            raise ValueError(f"{piece!r} is not a single token")
+        return int(piece[1:-1])
+
+
+@pytest.fixture
+def tiny(save_hf):
+    hf = tiny_hf_model(max_positions=64)
+    config, tensors, _ = load_checkpoint(save_hf(hf))
+    return hf, Engine(Llama(config, tensors), DigitTokenizer())
+
+
+PROMPT = [5, 17, 3, 99, 42, 8, 8, 61]
+
+
+def test_greedy_matches_hf_generate(tiny):
+    hf, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    text = s.generate(20)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(PROMPT):].tolist()
+    ours = s.tokens[len(PROMPT):]
+    if 100 in ref:  # HF was told of no EOS; ours stops at id 100
+        ref = ref[: ref.index(100)]
+    assert ours == ref
+    assert text == eng.tokenizer.decode(ref)
+
+
+def test_probe_is_softmax_over_choices_and_rolls_back(tiny):
+    hf, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    state = (s.cache.length, list(s.tokens), list(s.nodes), s._logits.clone())
+    k_before = s.cache._k[:, :, : s.cache.length].clone()
+    extra = [7, 7, 1]
+    p = s.probe(["<4>", "<9>"], tokens=extra)
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + extra])).logits[0, -1].double()
+    ref = torch.softmax(logits[[4, 9]], 0)
+    assert abs(p["<4>"] - ref[0].item()) < 1e-5 and abs(sum(p.values()) - 1) < 1e-12
+    assert (s.cache.length, s.tokens, s.nodes) == state[:3] and torch.equal(s._logits, state[3])
+    assert torch.equal(s.cache._k[:, :, : s.cache.length], k_before)
+    # after the rollback the session continues exactly as if the probe never happened
+    s.append([2, 3])
+    with torch.no_grad():
+        ref_last = hf(torch.tensor([PROMPT + [2, 3]])).logits[0, -1]
+    assert (s._logits - ref_last).abs().max() <= 1e-4 * ref_last.abs().max()
+
+
+def test_sampling_is_seeded(tiny):
+    _, eng = tiny
+    runs = []
+    for seed in (1, 1, 2):
+        s = eng.session()
+        s.append(PROMPT)
+        s.generate(12, temperature=1.5, top_p=0.9, seed=seed)
+        runs.append(s.tokens)
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_stop_string_and_eos(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    full = s.generate(6)
+    second = full[full.index(">") + 1:]
+    stop = second[: second.index(">") + 1]  # the second generated token's text
+    s2 = eng.session()
+    s2.append(PROMPT)
+    assert s2.generate(6, stop=stop) == full[: full.index(stop)] and s2.finish_reason == "stop"
+    s3 = eng.session()
+    s3.append(PROMPT)
+    eng.tokenizer.eos_ids = (s.tokens[len(PROMPT)],)  # the first greedy token
+    try:
+        assert s3.generate(6) == "" and s3.finish_reason == "eos" and s3.tokens == PROMPT
+    finally:
+        del eng.tokenizer.eos_ids
+
+
+def test_flops_charged_per_forward(tiny):
+    _, eng = tiny
+    c = eng.config
+    eng.flops.reset()
+    s = eng.session()
+    with eng.flops.scope("query"):
+        s.append(PROMPT)
+        s.generate(3)
+    expected = forward_flops(c, len(PROMPT), 0) + sum(forward_flops(c, 1, len(PROMPT) + i) for i in range(3))
+    assert eng.flops.total == eng.flops.scopes["query"] == expected
+    assert (eng.flops.prefill_tokens, eng.flops.decode_tokens) == (len(PROMPT), 3)
+
+
+def test_context_overflow_leaves_session_usable(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(list(range(60)))
+    with pytest.raises(ContextOverflowError, match="65 tokens exceed the model's context window of 64"):
+        s.append([1, 2, 3, 4, 5])
+    with pytest.raises(ContextOverflowError):
+        s.probe(["<1>", "<2>"], tokens=[1] * 10)
+    assert s.cache.length == len(s.tokens) == 60
+    s.generate(10)
+    assert s.finish_reason in ("context", "eos") and len(s.tokens) <= 64
+
+
+def test_bad_input(tiny):
+    _, eng = tiny
+    s = eng.session()
+    with pytest.raises(ValueError, match="needs a prompt"):
+        s.generate(4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.append([1, 2, 101])
+    with pytest.raises(ValueError, match="non-empty"):
+        s.append([])
+    s.append([1, 2], node_id="a")
+    with pytest.raises(ValueError, match="already in this session"):
+        s.append([3], node_id="a")
+    with pytest.raises(ValueError, match="temperature"):
+        s.generate(2, temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        s.generate(2, top_p=0)
+    with pytest.raises(ValueError, match="not a single token"):
+        s.probe(["Yes", "No"])
+    assert s.tokens == [1, 2] and s.cache.length == 2
