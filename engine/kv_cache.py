@@ -2,7 +2,7 @@
 
 Layout [layers, kv_heads, capacity, head_dim] so a layer's keys for the first n positions are one strided view.
 Attention is grouped-query without materialising repeated K/V: for a single query token the G query heads that
-share a KV head are laid out as G query rows of that head, which needs no mask.
+share a KV head are laid out as G query rows of that head, which needs no mask; longer chunks use SDPA's GQA.
 """
 from __future__ import annotations
 
@@ -52,17 +52,19 @@ class ContiguousKVCache:
         self._v[layer, :, start:end] = v.transpose(0, 1)
         keys, values = self._k[layer, :, :end], self._v[layer, :, :end]
         hkv = keys.shape[0]
-        if T == 1:
-            out = F.scaled_dot_product_attention(q.view(hkv, H // hkv, hd), keys, values)
-            return out.view(1, H * hd)
-        qh = q.transpose(0, 1)
+        if T == 1:  # plain matmuls beat SDPA's per-call overhead for one query row per head
+            qg = q.view(hkv, H // hkv, hd)
+            scores = torch.softmax((qg @ keys.transpose(1, 2)) * hd ** -0.5, dim=-1)
+            return (scores @ values).view(1, H * hd)
+        # 4-D inputs: with 3-D ones torch falls back to its (T×T-materialising) math kernel
+        qh, keys, values = q.transpose(0, 1)[None], keys[None], values[None]
         if start == 0:
             out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
         else:
             rows = torch.arange(start, end)[:, None]
             mask = torch.arange(end)[None, :] <= rows
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1).reshape(T, H * hd)
+        return out[0].transpose(0, 1).reshape(T, H * hd)
 
     def commit(self, n_tokens: int) -> None:
         self.length += n_tokens
