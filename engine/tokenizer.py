@@ -38,10 +38,12 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 # every piece the previous ones left, matches and the text between them both becoming pieces ("isolated").
 # ---------------------------------------------------------------------------------------------------------------
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp spells the tokenizer.json's (?i:'s|'t|...) with explicit case classes; so do we
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = _CONTRACTIONS + (r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _CONTRACTIONS + (r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {}
 for _names, _splits in (
@@ -201,7 +203,11 @@ def _build_spm(tokens: Sequence[str], scores: Sequence[float], types: Sequence[i
                add_space_prefix: bool) -> "tokenizers.Tokenizer":
     """SentencePiece-style BPE (tokenizer.ggml.model == 'llama'), like llama.cpp's SPM tokenizer: the text has
     spaces replaced by '▁' (and one '▁' prepended to every text piece when `add_space_prefix`), pairs merge by
-    the score of the token they make, characters outside the vocabulary fall back to <0xXX> byte tokens."""
+    the score of the token they make, characters outside the vocabulary fall back to <0xXX> byte tokens.
+
+    As in llama.cpp (and the legacy Llama/Mistral tokenizer.json), the text after a special or user-defined token
+    gets its own '▁' prefix, so "<s> hi" does not round-trip exactly through decode (only the first is stripped).
+    """
     from tokenizers import decoders, models, normalizers
     from tokenizers import Tokenizer as Backend
 
@@ -308,7 +314,8 @@ class Tokenizer:
       to turn them into their ids. User-defined added tokens are always matched whole.
     * `chat(messages)` renders the chat template and encodes it with special tokens parsed, adding no BOS
       beyond what the template writes -- the ids transformers' ``apply_chat_template(tokenize=True)`` gives.
-    * `decode(ids)` is the inverse of `encode`; `decode(encode(x)) == x`.
+    * `decode(ids)` is the inverse of `encode`: `decode(encode(x)) == x` (byte-level BPE always; SentencePiece
+      vocabularies strip the dummy-prefix space only at the start, as llama.cpp does).
 
     Attributes: `vocab_size`, `bos_id`, `eos_id` (the file's EOS), `eos_ids` (every id that ends generation:
     EOS, ids declared in generation_config.json / EOT keys, and special end-of-turn tokens such as
@@ -335,6 +342,7 @@ class Tokenizer:
         self.chat_template: str | None = chat_template or None
         self.special_tokens: dict[str, str | None] = dict(special_tokens or {})
         self.source = source
+        self._compiled: tuple[str, Any] | None = None
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.source or '?'}: vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
@@ -410,6 +418,7 @@ class Tokenizer:
         """Build the tokenizer of an HF model directory: ``tokenizer.json``, with ``tokenizer_config.json``
         (special tokens, ``add_bos_token``, chat template), ``chat_template.jinja`` and the EOS ids of
         ``generation_config.json`` / ``config.json`` when present."""
+        from tokenizers import AddedToken
         from tokenizers import Tokenizer as Backend
 
         path = Path(path)
@@ -427,10 +436,9 @@ class Tokenizer:
         cfg = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
 
         # added tokens listed only in tokenizer_config.json (older saves)
-        for tid_str, spec in (cfg.get("added_tokens_decoder") or {}).items():
+        for spec in (cfg.get("added_tokens_decoder") or {}).values():
             content = _token_text(spec)
-            if content is not None and backend.token_to_id(content) is None:
-                from tokenizers import AddedToken
+            if isinstance(spec, Mapping) and content is not None and backend.token_to_id(content) is None:
                 tok = AddedToken(content, special=bool(spec.get("special")), normalized=False)
                 (backend.add_special_tokens if spec.get("special") else backend.add_tokens)([tok])
 
@@ -487,11 +495,11 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        """Text of token ids; special (control) tokens are written out unless `skip_special`."""
+        """Text of token ids; special (control) tokens are written out unless `skip_special`. Ids past the
+        vocabulary (e.g. padding rows of a larger embedding) decode to nothing; negative ids are a ValueError."""
         ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if ids and min(ids) < 0:
+            raise ValueError(f"negative token id in {ids[:8]}...")
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def id_to_token(self, token_id: int) -> str | None:
@@ -507,16 +515,18 @@ class Tokenizer:
         return ids[0]
 
     # -- chat ---------------------------------------------------------------------------------------------
-    @cached_property
     def _template(self):
+        """The compiled chat template (recompiled if `chat_template` was reassigned)."""
         if self.chat_template is None:
             raise ValueError(f"the model has no chat template ({self.source or 'tokenizer'})")
-        import jinja2
+        if self._compiled is None or self._compiled[0] != self.chat_template:
+            import jinja2
 
-        try:
-            return _compile_template(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"the model's chat template does not compile: {e}") from e
+            try:
+                self._compiled = (self.chat_template, _compile_template(self.chat_template))
+            except jinja2.TemplateError as e:
+                raise ValueError(f"the model's chat template does not compile: {e}") from e
+        return self._compiled[1]
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:
@@ -527,13 +537,15 @@ class Tokenizer:
 
         if isinstance(messages, Mapping) or not all(isinstance(m, Mapping) for m in messages):
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        template = self._template()
         variables = {k: v for k, v in self.special_tokens.items() if v is not None}
         variables.update(tools=None, documents=None)
         variables.update(template_kwargs)
         try:
-            return self._template.render(messages=[dict(m) for m in messages],
-                                         add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as e:
+            return template.render(messages=[dict(m) for m in messages],
+                                   add_generation_prompt=add_generation_prompt, **variables)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            # the template's own raise_exception(), or a message it cannot handle (e.g. non-string content)
             raise ValueError(f"chat template: {e}") from e
 
     def chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
