@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .cpu import native_bf16_matmul
 from .errors import ContextOverflowError
 
 
@@ -18,6 +19,8 @@ class ContiguousKVCache:
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, capacity: int = 256):
         self.config, self.dtype = config, dtype
+        # bf16 bmm without native bf16 units is ~10x slower than upcasting the operands
+        self.compute_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
         self.length = 0
         self._k = self._v = torch.empty(config.n_layers, config.n_kv_heads, 0, config.head_dim, dtype=dtype)
         self._reserve(min(capacity, config.max_seq_len))
@@ -53,9 +56,10 @@ class ContiguousKVCache:
         keys, values = self._k[layer, :, :end], self._v[layer, :, :end]
         hkv = keys.shape[0]
         if T == 1:  # plain matmuls beat SDPA's per-call overhead for one query row per head
-            qg = q.view(hkv, H // hkv, hd)
-            scores = torch.softmax((qg @ keys.transpose(1, 2)) * hd ** -0.5, dim=-1)
-            return (scores @ values).view(1, H * hd)
+            cd = self.compute_dtype
+            qg = q.view(hkv, H // hkv, hd).to(cd)
+            scores = torch.softmax((qg @ keys.to(cd).transpose(1, 2)) * hd ** -0.5, dim=-1)
+            return (scores @ values.to(cd)).to(q.dtype).view(1, H * hd)
         # 4-D inputs: with 3-D ones torch falls back to its (T×T-materialising) math kernel
         qh, keys, values = q.transpose(0, 1)[None], keys[None], values[None]
         if start == 0:

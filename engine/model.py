@@ -1,9 +1,12 @@
 """The hand-written Llama forward pass (RMSNorm, RoPE, GQA attention, SwiGLU), over any KV cache with `attend`.
 
 Weights are fused where that saves calls on the decode hot path: Q|K|V into one matrix, gate|up into one.
-On CPUs without native bf16 matrix units (torch's bf16 GEMM there is ~100x slower than fp32), a bf16 model keeps
-bf16-valued weights in fp32 storage and runs every matmul in fp32 with the output rounded to bf16 — the same
-arithmetic a bf16 GEMM with fp32 accumulation performs, at fp32 speed.
+
+bf16 models: weights, matmul inputs and outputs, and the KV cache are bf16; the residual stream and the norms stay
+fp32 (cheap, and it keeps top-1 agreement with fp32 above HF's all-bf16 forward). On CPUs without native bf16
+matrix units (torch's bf16 GEMM there is ~100x slower than fp32) the dense weights are stored as bf16-rounded fp32
+and each matmul runs in fp32 with its output rounded to bf16: the arithmetic of a bf16 GEMM with fp32
+accumulation, at fp32 speed.
 """
 from __future__ import annotations
 
@@ -16,15 +19,11 @@ import torch.nn.functional as F
 
 from ..kernels.quant import QuantWeight, quant_linear
 from .config import ModelConfig
+from .cpu import native_bf16_matmul
 from .errors import ModelLoadError
 
 # Up to this many tokens per forward the quantised kernel beats the dense GEMM (weight bandwidth dominates).
 QUANT_MAX_TOKENS = 4
-
-
-def native_bf16_matmul() -> bool:
-    """Whether torch has a fast bf16 GEMM on this CPU (AVX512-BF16 / AMX through oneDNN)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class KVCache(Protocol):
@@ -81,14 +80,14 @@ class Llama:
         matmul_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
         weights = _WeightReader(config, tensors, dtype, matmul_dtype)
 
-        self.embed = weights.dense("embed", (config.vocab_size, config.dim), dtype)
-        self.norm = weights.dense("norm", (config.dim,), dtype)
+        self.embed = weights.dense("embed", (config.vocab_size, config.dim))
+        self.norm = weights.dense("norm", (config.dim,)).float()
         head = "embed" if config.tie_embeddings else "lm_head"
         self.lm_head = weights.linear([head], config.dim, out_sizes=[config.vocab_size])
         self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.n_layers)]
         inv_freq = rope_inv_freq(config)
         if "rope_freqs" in tensors:
-            inv_freq = inv_freq / weights.dense("rope_freqs", (config.head_dim // 2,), torch.float32)
+            inv_freq = inv_freq / weights.get("rope_freqs", (config.head_dim // 2,))
         self.inv_freq = inv_freq
         self._cos = self._sin = torch.empty(0)
 
@@ -96,11 +95,11 @@ class Llama:
         c = self.config
         bias = [p + "bq", p + "bk", p + "bv"] if c.qkv_bias else None
         return Layer(
-            attn_norm=w.dense(p + "attn_norm", (c.dim,), self.dtype),
+            attn_norm=w.dense(p + "attn_norm", (c.dim,)).float(),
             wqkv=w.linear([p + "wq", p + "wk", p + "wv"], c.dim, bias,
                           out_sizes=[c.q_dim, c.kv_dim, c.kv_dim]),
             wo=w.linear([p + "wo"], c.q_dim, out_sizes=[c.dim]),
-            ffn_norm=w.dense(p + "ffn_norm", (c.dim,), self.dtype),
+            ffn_norm=w.dense(p + "ffn_norm", (c.dim,)).float(),
             w13=w.linear([p + "w1", p + "w3"], c.dim, out_sizes=[c.intermediate_size] * 2),
             w2=w.linear([p + "w2"], c.intermediate_size, out_sizes=[c.dim]),
         )
@@ -125,16 +124,17 @@ class Llama:
         cos, sin = cos[:, None, :], sin[:, None, :]
         half = c.head_dim // 2
         n_qk = c.n_heads + c.n_kv_heads
-        x = self.embed[tokens]
+        dt = self.dtype
+        x = self.embed[tokens].float()  # the residual stream is fp32 whatever the model dtype
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps)
+            h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps).to(dt)
             qkv = layer.wqkv(h)
             qk = qkv[:, : n_qk * c.head_dim].view(T, n_qk, c.head_dim)
             qk = qk * cos + qk.roll(half, -1) * sin
             q, k = qk.split([c.n_heads, c.n_kv_heads], 1)
             v = qkv[:, n_qk * c.head_dim:].view(T, c.n_kv_heads, c.head_dim)
             x = x + layer.wo(cache.attend(i, q, k, v))
-            h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps)
+            h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps).to(dt)
             gate, up = layer.w13(h).chunk(2, -1)
             x = x + layer.w2(F.silu(gate) * up)
         cache.commit(T)
@@ -144,7 +144,7 @@ class Llama:
             x = x[-1:]
         elif logits != "all":
             raise ValueError(f"logits must be 'last', 'all' or None, got {logits!r}")
-        return self.lm_head(F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)).float()
+        return self.lm_head(F.rms_norm(x, (c.dim,), self.norm, c.norm_eps).to(dt)).float()
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -170,7 +170,7 @@ class _WeightReader:
     def __init__(self, config, tensors, dtype, matmul_dtype):
         self.tensors, self.dtype, self.matmul_dtype = tensors, dtype, matmul_dtype
 
-    def _get(self, name: str, shape: tuple[int, ...]):
+    def get(self, name: str, shape: tuple[int, ...]):
         t = self.tensors.get(name)
         if t is None:
             raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
@@ -179,14 +179,15 @@ class _WeightReader:
             raise ModelLoadError(f"tensor {name!r} has shape {list(got)}, expected {list(shape)}")
         return t
 
-    def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        t = self._get(name, shape)
+    def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor in the model dtype (so bf16 models hold bf16 values even where kept in fp32)."""
+        t = self.get(name, shape)
         t = t.dequantize() if isinstance(t, QuantWeight) else t
-        return t.to(dtype).contiguous()
+        return t.to(self.dtype).contiguous()
 
     def linear(self, names: list[str], in_features: int, bias: list[str] | None = None, *,
                out_sizes: list[int]) -> Linear:
-        parts = [self._get(n, (o, in_features)) for n, o in zip(names, out_sizes)]
+        parts = [self.get(n, (o, in_features)) for n, o in zip(names, out_sizes)]
         quant = None
         if all(isinstance(p, QuantWeight) for p in parts) and len({p.qtype for p in parts}) == 1:
             quant = QuantWeight.cat(parts)
@@ -195,5 +196,5 @@ class _WeightReader:
         dense = dense.to(self.dtype).to(self.matmul_dtype).contiguous()
         b = None
         if bias is not None:
-            b = torch.cat([self._get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(self.matmul_dtype)
+            b = torch.cat([self.get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(self.matmul_dtype)
         return Linear(dense, quant, b)
