@@ -72,6 +72,9 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
     from .tokenizer import Tokenizer
 
     path = Path(model) if model is not None else default_model_path()
-    config, tensors, path = load_checkpoint(path)
-    tokenizer = Tokenizer.from_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
-    return Engine(Llama(config, tensors, DTYPES[dtype]), tokenizer, path)
+    ckpt = load_checkpoint(path)
+    if ckpt.gguf_metadata is None:
+        tokenizer = Tokenizer.from_dir(ckpt.path)
+    else:
+        tokenizer = Tokenizer.from_gguf(ckpt.path, ckpt.gguf_metadata)
+    return Engine(Llama(ckpt.config, ckpt.tensors, DTYPES[dtype]), tokenizer, ckpt.path)

@@ -10,15 +10,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
+import gguf
 import numpy as np
 import torch
 
 from ..kernels.quant import QTYPES, QuantWeight
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .gguf_file import GGUFFile, GGUFTensor, read_gguf
 
 Tensor = Union[torch.Tensor, QuantWeight]
 
@@ -56,13 +59,24 @@ def default_model_path() -> Path:
     return path
 
 
-def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Tensor], Path]:
-    """(config, canonical tensors, path) for a HF directory or a .gguf file."""
+@dataclass
+class Checkpoint:
+    """What a model path holds: config, canonical tensors, and for GGUF files the metadata (tokenizer inside)."""
+
+    config: ModelConfig
+    tensors: dict[str, Tensor]
+    path: Path
+    gguf_metadata: dict | None = None
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a HF directory or a .gguf file."""
     path = Path(path)
     if path.is_dir():
-        return (*_load_hf_dir(path), path)
+        return Checkpoint(*_load_hf_dir(path), path)
     if path.is_file():
-        return (*_load_gguf(path), path)
+        config, tensors, metadata = _load_gguf(path)
+        return Checkpoint(config, tensors, path, metadata)
     raise ModelLoadError(f"model path {str(path)!r} does not exist (expected a HF directory or a .gguf file)")
 
 
@@ -117,46 +131,40 @@ def _hf_canonical(key: str) -> str | None:
 
 
 # ---------------------------------------------------------------- GGUF
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises assorted errors (ValueError, IndexError, struct errors) on bad bytes
-        raise ModelLoadError(f"cannot read GGUF file {path}: corrupt or truncated ({type(e).__name__}: {e})") from None
-    config = _gguf_config(reader, path)
-    q_heads, kv_heads = config.n_heads, config.n_kv_heads
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], dict]:
+    file = read_gguf(path)
+    config = _gguf_config(file)
     tensors: dict[str, Tensor] = {}
-    for t in reader.tensors:
+    for t in file.tensors.values():
         canonical = _gguf_canonical(t.name)
         if canonical is None:
             continue
-        value = _gguf_tensor(t, gguf)
+        value = _gguf_tensor(t)
         kind = canonical.rsplit(".", 1)[-1]
         if kind in ("wq", "bq"):
-            value = _unpermute_rows(value, q_heads, t.name)
+            value = _unpermute_rows(value, config.n_heads, t.name)
         elif kind in ("wk", "bk"):
-            value = _unpermute_rows(value, kv_heads, t.name)
+            value = _unpermute_rows(value, config.n_kv_heads, t.name)
         tensors[canonical] = value
-    return config, tensors
+    return config, tensors, file.metadata
 
 
-def _gguf_config(reader, path: Path) -> ModelConfig:
+def _gguf_config(file: GGUFFile) -> ModelConfig:
+    meta = file.metadata
+
     def field(key: str, default=None):
-        f = reader.fields.get(key)
-        if f is None:
+        if key not in meta:
             if default is None:
-                raise ModelLoadError(f"GGUF file {path} lacks metadata {key!r}")
+                raise ModelLoadError(f"GGUF file {file.path} lacks metadata {key!r}")
             return default
-        return f.contents()
+        return meta[key]
 
     arch = field("general.architecture")
     if arch not in _GGUF_ARCHS:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; nodekv runs {', '.join(_GGUF_ARCHS)}")
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {file.path}; nodekv runs {', '.join(_GGUF_ARCHS)}")
     n_heads = int(field(f"{arch}.attention.head_count"))
     dim = int(field(f"{arch}.embedding_length"))
-    vocab = field(f"{arch}.vocab_size", 0) or len(reader.fields["tokenizer.ggml.tokens"].data)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    vocab = field(f"{arch}.vocab_size", 0) or len(field("tokenizer.ggml.tokens"))
     return ModelConfig(
         vocab_size=int(vocab),
         dim=dim,
@@ -169,8 +177,8 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=None,  # GGUF stores Llama-3 scaling as the rope_freqs tensor, applied by the model
         norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        tie_embeddings=not has_output,
-        qkv_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        tie_embeddings="output.weight" not in file.tensors,
+        qkv_bias=any(name.endswith("attn_q.bias") for name in file.tensors),
         architecture=_GGUF_ARCHS[arch],
     )
 
@@ -185,17 +193,15 @@ def _gguf_canonical(name: str) -> str | None:
     return None
 
 
-def _gguf_tensor(t, gguf) -> Tensor:
-    qname = t.tensor_type.name.lower()
-    n_cols = int(t.shape[0])  # GGUF shapes list the fastest-varying dimension first
+def _gguf_tensor(t: GGUFTensor) -> Tensor:
+    qname = t.qtype.name.lower()
+    if qname in QTYPES and t.data.ndim == 2:
+        return QuantWeight(torch.from_numpy(np.array(t.data)), qname, t.shape[0])  # a copy: the map is read-only
     try:
-        if qname in QTYPES and len(t.shape) == 2:
-            return QuantWeight(torch.from_numpy(np.array(t.data)), qname, n_cols)  # a copy: the map is read-only
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-    except (ValueError, IndexError, NotImplementedError) as e:
-        raise ModelLoadError(f"GGUF tensor {t.name}: cannot decode {t.tensor_type.name} data ({e})") from None
-    out = torch.from_numpy(np.array(values, dtype=np.float32))
-    return out.reshape([int(d) for d in reversed(t.shape)])
+        values = gguf.quants.dequantize(t.data, t.qtype)
+    except (ValueError, NotImplementedError) as e:
+        raise ModelLoadError(f"GGUF tensor {t.name}: cannot decode {t.qtype.name} data ({e})") from None
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(t.shape[::-1]))
 
 
 def _unpermute_rows(value: Tensor, n_heads: int, name: str) -> Tensor:
@@ -207,4 +213,3 @@ def _unpermute_rows(value: Tensor, n_heads: int, name: str) -> Tensor:
     if isinstance(value, QuantWeight):
         return QuantWeight(value.data[idx].contiguous(), value.qtype, value.in_features)
     return value[idx].contiguous()
-

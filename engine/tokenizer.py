@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from .errors import ModelLoadError
+from .gguf_file import read_gguf
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
     import tokenizers
 
-__all__ = ["Tokenizer", "DecodeStream", "read_gguf_metadata"]
+__all__ = ["Tokenizer", "DecodeStream"]
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -65,93 +66,6 @@ _EOG_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
     "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|return|>", "<|call|>",
 })
-
-# ---------------------------------------------------------------------------------------------------------------
-# GGUF metadata (header key/values only; much faster than gguf.GGUFReader, which also maps every tensor)
-# ---------------------------------------------------------------------------------------------------------------
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NP_TYPES = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file (v2/v3, either byte order), without reading tensors.
-
-    Strings come back as `str`, arrays as lists. Raises ModelLoadError on a file that is not GGUF or is cut short.
-    """
-    import numpy as np
-
-    path = Path(path)
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            if mm[:4] != b"GGUF":
-                raise ModelLoadError(f"{path}: not a GGUF file (magic {bytes(mm[:4])!r})")
-            end = "<"
-            (version,) = struct.unpack_from("<I", mm, 4)
-            if version & 0xFFFF == 0:  # written big-endian
-                end = ">"
-                (version,) = struct.unpack_from(">I", mm, 4)
-            if version < 2:
-                raise ModelLoadError(f"{path}: GGUF version {version} is not supported (need 2 or later)")
-            _, n_kv = struct.unpack_from(end + "QQ", mm, 8)
-            pos = 24
-
-            def read_str() -> str:
-                nonlocal pos
-                (n,) = struct.unpack_from(end + "Q", mm, pos)
-                raw = mm[pos + 8:pos + 8 + n]
-                if len(raw) != n:
-                    raise ModelLoadError(f"{path}: GGUF metadata is cut short")
-                pos += 8 + n
-                try:
-                    return raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    return raw.decode("utf-8", errors="replace")
-
-            def read_value(vtype: int) -> Any:
-                nonlocal pos
-                if vtype == _STRING:
-                    return read_str()
-                if vtype in _SCALARS:
-                    fmt = end + _SCALARS[vtype]
-                    (v,) = struct.unpack_from(fmt, mm, pos)
-                    pos += struct.calcsize(fmt)
-                    return v
-                if vtype == _ARRAY:
-                    etype, count = struct.unpack_from(end + "IQ", mm, pos)
-                    pos += 12
-                    if etype in _NP_TYPES:
-                        dt = np.dtype(end + _NP_TYPES[etype])
-                        arr = np.frombuffer(mm, dtype=dt, count=count, offset=pos)
-                        pos += dt.itemsize * count
-                        return arr.tolist()
-                    return [read_value(etype) for _ in range(count)]
-                raise ModelLoadError(f"{path}: unknown GGUF metadata value type {vtype}")
-
-            meta: dict[str, Any] = {}
-            for _ in range(n_kv):
-                key = read_str()
-                (vtype,) = struct.unpack_from(end + "I", mm, pos)
-                pos += 4
-                meta[key] = read_value(vtype)
-            return meta
-    except (struct.error, ValueError) as e:
-        if isinstance(e, ModelLoadError):
-            raise
-        raise ModelLoadError(f"{path}: cannot read GGUF metadata ({e})") from e
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot open GGUF file ({e})") from e
-
-
-def _reader_metadata(reader: "gguf.GGUFReader") -> dict[str, Any]:
-    """The tokenizer-related metadata of an already opened gguf.GGUFReader."""
-    meta = {}
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer.") or name == "general.architecture":
-            value = field.contents()
-            meta[name] = value.tolist() if hasattr(value, "tolist") else value
-    return meta
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Building tokenizers.Tokenizer objects from GGUF vocabularies
@@ -350,14 +264,14 @@ class Tokenizer:
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike, reader: "gguf.GGUFReader | None" = None) -> "Tokenizer":
+    def from_gguf(cls, path: str | os.PathLike, metadata: Mapping[str, Any] | None = None) -> "Tokenizer":
         """Build the tokenizer a GGUF file describes in its ``tokenizer.ggml.*`` metadata.
 
-        `reader`, an already opened ``gguf.GGUFReader`` of the same file, saves reading the header again.
+        `metadata`, the file's already parsed key/values (`read_gguf(path).metadata`), saves reading it again.
         Raises ModelLoadError on missing metadata or a tokenizer model / pre-tokenizer this does not support.
         """
         path = Path(path)
-        meta = _reader_metadata(reader) if reader is not None else read_gguf_metadata(path)
+        meta = metadata if metadata is not None else read_gguf(path).metadata
         where = str(path)
         model = meta.get("tokenizer.ggml.model")
         if model is None:

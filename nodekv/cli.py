@@ -53,7 +53,7 @@ def _flops(args: argparse.Namespace) -> int:
     except ValueError:
         if not Path(args.model).exists():
             raise
-        config, name = load_checkpoint(args.model)[0], args.model
+        config, name = load_checkpoint(args.model).config, args.model
     print(format_report(config, name, args.tokens, args.n_ctx))
     return 0
 

@@ -32,7 +32,7 @@ def test_tiny_forward_flops_match_torch_flop_counter(kind, save_hf):
     attention scores and their product with V as bmm over the full T×T square."""
     hf = tiny_hf_model(kind)
     hf.set_attn_implementation("eager")
-    config = load_checkpoint(save_hf(hf))[0]
+    config = load_checkpoint(save_hf(hf)).config
     T = 37
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():

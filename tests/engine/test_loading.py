@@ -24,7 +24,8 @@ def test_gguf_matches_hf(qtype, tied, tmp_path):
     ids = torch.randint(0, 101, (24,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    config, tensors, _ = load_checkpoint(path)
+    ckpt = load_checkpoint(path)
+    config, tensors = ckpt.config, ckpt.tensors
     assert config.tie_embeddings == tied
     model = Llama(config, tensors)
     prefill = model.forward(ids, ContiguousKVCache(config, torch.float32), logits="all")
@@ -61,7 +62,8 @@ def _edit_weights(path, edit):
 def test_missing_tensor(save_hf):
     path = _hf_dir(save_hf)
     _edit_weights(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    config, tensors, _ = load_checkpoint(path)
+    ckpt = load_checkpoint(path)
+    config, tensors = ckpt.config, ckpt.tensors
     with pytest.raises(ModelLoadError, match=r"lacks tensor 'layers\.1\.w3'"):
         Llama(config, tensors)
 
@@ -69,7 +71,8 @@ def test_missing_tensor(save_hf):
 def test_misshaped_tensor(save_hf):
     path = _hf_dir(save_hf)
     _edit_weights(path, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)))
-    config, tensors, _ = load_checkpoint(path)
+    ckpt = load_checkpoint(path)
+    config, tensors = ckpt.config, ckpt.tensors
     with pytest.raises(ModelLoadError, match=r"'layers\.0\.wk' has shape \[16, 64\], expected \[32, 64\]"):
         Llama(config, tensors)
 
@@ -95,10 +98,26 @@ def test_truncated_gguf(tmp_path, keep):
 def test_not_a_model(tmp_path):
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"this is not a gguf file at all" * 10)
-    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
         load_checkpoint(junk)
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_checkpoint(tmp_path / "nowhere")
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_checkpoint(tmp_path / "empty_dir")
+
+
+def test_read_gguf_tensors_match_gguf_reader(tmp_path):
+    import gguf
+    import numpy as np
+
+    from nodekv.engine.gguf_file import read_gguf
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(tiny_hf_model(kind="qwen2"), path, "q4_1")
+    mine, theirs = read_gguf(path), gguf.GGUFReader(str(path))
+    assert list(mine.tensors) == [t.name for t in theirs.tensors]
+    for t in theirs.tensors:
+        m = mine.tensors[t.name]
+        assert (m.qtype, m.shape) == (t.tensor_type, tuple(int(d) for d in t.shape))
+        assert np.array_equal(m.data, t.data), t.name

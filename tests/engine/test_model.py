@@ -19,7 +19,8 @@ VARIANTS = {
 
 
 def _load(path, dtype=torch.float32) -> Llama:
-    config, tensors, _ = load_checkpoint(path)
+    ckpt = load_checkpoint(path)
+    config, tensors = ckpt.config, ckpt.tensors
     return Llama(config, tensors, dtype)
 
 
@@ -43,7 +44,7 @@ def test_sharded_checkpoint_and_config(save_hf):
     hf = tiny_hf_model(rope_scaling=True)
     path = save_hf(hf, shard="20KB")
     assert (path / "model.safetensors.index.json").exists()
-    config = load_checkpoint(path)[0]
+    config = load_checkpoint(path).config
     assert (config.n_kv_heads, config.rope_scaling.factor, config.tie_embeddings) == (2, 8.0, False)
     ours = _load(path)
     ids = torch.arange(40) % 101

@@ -30,7 +30,8 @@ class DigitTokenizer:
 @pytest.fixture
 def tiny(save_hf):
     hf = tiny_hf_model(max_positions=64)
-    config, tensors, _ = load_checkpoint(save_hf(hf))
+    ckpt = load_checkpoint(save_hf(hf))
+    config, tensors = ckpt.config, ckpt.tensors
     return hf, Engine(Llama(config, tensors), DigitTokenizer())
 
 

