@@ -80,10 +80,11 @@ class Llama:
         matmul_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
         weights = _WeightReader(config, tensors, dtype, matmul_dtype)
 
-        self.embed = weights.dense("embed", (config.vocab_size, config.dim))
-        self.norm = weights.dense("norm", (config.dim,)).float()
         head = "embed" if config.tie_embeddings else "lm_head"
         self.lm_head = weights.linear([head], config.dim, out_sizes=[config.vocab_size])
+        tied = config.tie_embeddings and self.lm_head.dense.dtype == dtype
+        self.embed = self.lm_head.dense if tied else weights.dense("embed", (config.vocab_size, config.dim))
+        self.norm = weights.dense("norm", (config.dim,)).float()
         self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.n_layers)]
         inv_freq = rope_inv_freq(config)
         if "rope_freqs" in tensors:
@@ -190,8 +191,10 @@ class _WeightReader:
         parts = [self.get(n, (o, in_features)) for n, o in zip(names, out_sizes)]
         quant = None
         if all(isinstance(p, QuantWeight) for p in parts) and len({p.qtype for p in parts}) == 1:
-            quant = QuantWeight.cat(parts)
-        dense = torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
+            quant = QuantWeight.cat(parts) if len(parts) > 1 else parts[0]
+            dense = quant.dequantize()
+        else:
+            dense = torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
         # bf16 numerics: round weights to bf16 even when the matmul itself runs in fp32
         dense = dense.to(self.dtype).to(self.matmul_dtype).contiguous()
         b = None
