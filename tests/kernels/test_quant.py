@@ -44,7 +44,7 @@ def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, f
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (33, 576), (61, 1536), (130, 96)])
-@pytest.mark.parametrize("t", [1, 2, 3, 17])
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 17])
 def test_matches_reference(isa, qtype, n, k, t):
     w, ref = make_weight(qtype, n, k, seed=n * k + t)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
