@@ -15,23 +15,28 @@ from typing import Iterator
 from .config import ModelConfig
 
 
-def linear_flops_per_token(c: ModelConfig) -> int:
-    """Matmul FLOPs of one token through all decoder layers (no attention scores, no lm_head)."""
+def _visible(n_rows: int, n_new: int, n_past: int) -> int:
+    """Keys seen by the last n_rows of n_new causal queries after n_past cached tokens (query t sees n_past+t+1)."""
+    first = n_new - n_rows
+    return n_rows * (n_past + 1) + (first + n_new - 1) * n_rows // 2
+
+
+def forward_flop_parts(c: ModelConfig, n_new: int, n_past: int = 0, n_logits: int = 1) -> tuple[int, int, int]:
+    """(projection matmuls, attention, lm_head) FLOPs of one forward of n_new tokens after n_past cached ones.
+
+    The last layer computes attention, output projection and MLP only for the n_logits positions whose logits
+    are taken (its other outputs feed nothing); its Q/K/V projection runs for every new token."""
     qkv = 2 * c.dim * (c.q_dim + 2 * c.kv_dim)
-    out = 2 * c.q_dim * c.dim
-    mlp = 2 * c.dim * 2 * c.intermediate_size + 2 * c.intermediate_size * c.dim
-    return c.n_layers * (qkv + out + mlp)
-
-
-def attention_flops(c: ModelConfig, n_new: int, n_past: int) -> int:
-    """QKᵀ + PV FLOPs for n_new causal queries after n_past cached tokens (query t sees n_past + t + 1 keys)."""
-    visible = n_new * n_past + n_new * (n_new + 1) // 2
-    return c.n_layers * c.n_heads * 4 * c.head_dim * visible
+    rest = 2 * c.q_dim * c.dim + 2 * c.dim * 2 * c.intermediate_size + 2 * c.intermediate_size * c.dim
+    matmuls = c.n_layers * n_new * qkv + ((c.n_layers - 1) * n_new + n_logits) * rest
+    per_key = c.n_heads * 4 * c.head_dim  # QKᵀ and PV, every query head
+    attention = per_key * ((c.n_layers - 1) * _visible(n_new, n_new, n_past) + _visible(n_logits, n_new, n_past))
+    return matmuls, attention, n_logits * 2 * c.dim * c.vocab_size
 
 
 def forward_flops(c: ModelConfig, n_new: int, n_past: int = 0, n_logits: int = 1) -> int:
     """Exact FLOPs of one forward of n_new tokens after n_past cached ones, with logits at n_logits positions."""
-    return n_new * linear_flops_per_token(c) + attention_flops(c, n_new, n_past) + n_logits * 2 * c.dim * c.vocab_size
+    return sum(forward_flop_parts(c, n_new, n_past, n_logits))
 
 
 def parameter_count(c: ModelConfig, embeddings: bool = True) -> int:
@@ -90,15 +95,17 @@ class FlopAccount:
 def format_report(c: ModelConfig, name: str, tokens: int, n_ctx: int | None = None) -> str:
     """The `nodekv flops` table: exact count of one prefill plus the papers' conventions."""
     n_ctx = n_ctx or min(tokens, c.max_seq_len)
-    exact = forward_flops(c, tokens, 0, n_logits=1)
+    matmuls, attention, lm_head = forward_flop_parts(c, tokens, 0, n_logits=1)
+    exact = matmuls + attention + lm_head
     rows = [
         ("model", name),
         ("tokens T", f"{tokens:,}"),
         ("params N (with embeddings)", f"{parameter_count(c):,}"),
         ("params N (without embeddings)", f"{parameter_count(c, embeddings=False):,}"),
         ("exact prefill FLOPs (causal attention, last-position logits)", f"{exact:,}  ({exact / 1e12:.3f} TFLOPs)"),
-        ("  of which matmuls", f"{tokens * linear_flops_per_token(c):,}"),
-        ("  of which attention", f"{attention_flops(c, tokens, 0):,}"),
+        ("  of which projections", f"{matmuls:,}"),
+        ("  of which attention", f"{attention:,}"),
+        ("  of which lm_head", f"{lm_head:,}"),
         (f"per-token 2N + 2·L·n_ctx·d (n_ctx={n_ctx:,})", f"{per_token_convention(c, n_ctx):,}"),
         ("  x T", f"{per_token_convention(c, n_ctx) * tokens:,}  "
                   f"({per_token_convention(c, n_ctx) * tokens / 1e12:.3f} TFLOPs)"),

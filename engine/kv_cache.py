@@ -47,28 +47,31 @@ class ContiguousKVCache:
         return self.length
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k, v ([T, kv_heads, hd]) after the cached tokens; causal attention of q ([T, heads, hd])
-        over everything cached. Returns [T, heads * hd]."""
-        T, H, hd = q.shape
+        """Store k, v ([T, kv_heads, hd]) after the cached tokens; causal attention over everything cached for
+        q ([n, heads, hd]), the queries of the last n <= T new positions. Returns [n, heads * hd]."""
+        T = k.shape[0]
+        n, H, hd = q.shape
         start, end = self.length, self.length + T
         self._k[layer, :, start:end] = k.transpose(0, 1)
         self._v[layer, :, start:end] = v.transpose(0, 1)
         keys, values = self._k[layer, :, :end], self._v[layer, :, :end]
         hkv = keys.shape[0]
-        if T == 1:  # plain matmuls beat SDPA's per-call overhead for one query row per head
+        if n == 0:
+            return q.new_empty(0, H * hd)
+        if n == 1:  # the last position sees every key: plain matmuls, no mask, no SDPA call overhead
             cd = self.compute_dtype
             qg = q.view(hkv, H // hkv, hd).to(cd)
             scores = torch.softmax((qg @ keys.to(cd).transpose(1, 2)) * hd ** -0.5, dim=-1)
             return (scores @ values.to(cd)).to(q.dtype).view(1, H * hd)
         # 4-D inputs: with 3-D ones torch falls back to its (T×T-materialising) math kernel
         qh, keys, values = q.transpose(0, 1)[None], keys[None], values[None]
-        if start == 0:
+        if start == 0 and n == T:
             out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
         else:
-            rows = torch.arange(start, end)[:, None]
+            rows = torch.arange(end - n, end)[:, None]
             mask = torch.arange(end)[None, :] <= rows
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(T, H * hd)
+        return out[0].transpose(0, 1).reshape(n, H * hd)
 
     def commit(self, n_tokens: int) -> None:
         self.length += n_tokens

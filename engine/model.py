@@ -117,7 +117,12 @@ class Llama:
         return self._cos[start:end], self._sin[start:end]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, logits: str | None = "last") -> torch.Tensor | None:
-        """Run `tokens` ([T] int64) after what `cache` holds; logits ("last", "all" or None) as float32 [n, vocab]."""
+        """Run `tokens` ([T] int64) after what `cache` holds; logits ("last", "all" or None) as float32 [n, vocab].
+
+        The final layer runs attention and MLP only for the positions whose logits are taken (none for None, one
+        for "last"): its other outputs feed nothing, while its K/V, which later tokens need, are still cached."""
+        if logits not in ("last", "all", None):
+            raise ValueError(f"logits must be 'last', 'all' or None, got {logits!r}")
         c = self.config
         T = tokens.shape[0]
         start = cache.begin(T)
@@ -126,6 +131,7 @@ class Llama:
         half = c.head_dim // 2
         n_qk = c.n_heads + c.n_kv_heads
         dt = self.dtype
+        keep = {"last": 1, "all": T, None: 0}[logits]
         x = self.embed[tokens].float()  # the residual stream is fp32 whatever the model dtype
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps).to(dt)
@@ -134,6 +140,8 @@ class Llama:
             qk = qk * cos + qk.roll(half, -1) * sin
             q, k = qk.split([c.n_heads, c.n_kv_heads], 1)
             v = qkv[:, n_qk * c.head_dim:].view(T, c.n_kv_heads, c.head_dim)
+            if i == c.n_layers - 1 and keep < T:
+                q, x = q[T - keep:], x[T - keep:]
             x = x + layer.wo(cache.attend(i, q, k, v))
             h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps).to(dt)
             gate, up = layer.w13(h).chunk(2, -1)
@@ -141,10 +149,6 @@ class Llama:
         cache.commit(T)
         if logits is None:
             return None
-        if logits == "last":
-            x = x[-1:]
-        elif logits != "all":
-            raise ValueError(f"logits must be 'last', 'all' or None, got {logits!r}")
         return self.lm_head(F.rms_norm(x, (c.dim,), self.norm, c.norm_eps).to(dt)).float()
 
 

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import tiny_hf_model
 from nodekv.cli import main as cli_main
 from nodekv.engine.config import preset
-from nodekv.engine.flops import (FlopAccount, attention_flops, forward_flops, parameter_count,
+from nodekv.engine.flops import (FlopAccount, forward_flop_parts, forward_flops, parameter_count,
                                  per_example_convention, per_token_convention)
 from nodekv.engine.loader import load_checkpoint
 
@@ -39,17 +39,22 @@ def test_tiny_forward_flops_match_torch_flop_counter(kind, save_hf):
         hf(torch.arange(T)[None] % config.vocab_size)
     per_op = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     assert set(per_op) <= {"aten.mm", "aten.addmm", "aten.bmm"}  # addmm: projections with a bias (Qwen2)
-    ours_attn = attention_flops(config, T, 0)
-    assert forward_flops(config, T, 0, n_logits=T) - ours_attn == per_op["aten.mm"] + per_op.get("aten.addmm", 0)
-    assert ours_attn * 2 * T == per_op["aten.bmm"] * (T + 1)  # causal sees T(T+1)/2 of the T² key positions
+    matmuls, attention, lm_head = forward_flop_parts(config, T, 0, n_logits=T)  # HF computes every position
+    assert matmuls + lm_head == per_op["aten.mm"] + per_op.get("aten.addmm", 0)
+    assert attention * 2 * T == per_op["aten.bmm"] * (T + 1)  # causal sees T(T+1)/2 of the T² key positions
 
 
 def test_llama_8b_closed_form():
     c = preset("llama-3.1-8b")
-    per_layer_weights = 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 14336
+    qkv = 4096 * 4096 + 2 * 4096 * 1024
+    rest = 4096 * 4096 + 3 * 4096 * 14336
     for T, past in [(1, 0), (79457, 0), (512, 1000)]:
-        visible = sum(past + t + 1 for t in range(T)) if T < 10_000 else T * (T + 1) // 2
-        expected = 2 * T * 32 * per_layer_weights + 32 * 32 * 4 * 128 * visible + 2 * 4096 * 128256
+        visible = [past + t + 1 for t in range(T)] if T < 10_000 else None
+        all_rows = sum(visible) if visible else T * (T + 1) // 2
+        last_row = past + T
+        # 31 full layers; the last one projects Q/K/V for all T tokens but attends and runs its MLP for one row
+        expected = (2 * T * 31 * (qkv + rest) + 2 * T * qkv + 2 * rest
+                    + 32 * 4 * 128 * (31 * all_rows + last_row) + 2 * 4096 * 128256)
         assert forward_flops(c, T, past, n_logits=1) == expected
 
 

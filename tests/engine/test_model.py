@@ -79,3 +79,15 @@ def test_bf16_close_to_fp32(save_hf):
     # bf16 keeps ~3 significant digits: relative error of a few 1e-2 is expected, an error of 1 is a bug
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+def test_prefill_without_logits_keeps_the_cache_exact(save_hf):
+    """logits=None skips the last layer's attention/MLP entirely; the cached K/V must still be complete."""
+    hf = tiny_hf_model()
+    ours = _load(save_hf(hf))
+    ids = torch.randint(0, 101, (20,), generator=torch.Generator().manual_seed(4))
+    ref = _hf_logits(hf, ids)
+    cache = ContiguousKVCache(ours.config, torch.float32)
+    assert ours.forward(ids[:13], cache, logits=None) is None
+    got = ours.forward(ids[13:], cache, logits="all")
+    assert (got - ref[13:]).abs().max() <= 1e-4 * ref.abs().max()
