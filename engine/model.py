@@ -145,7 +145,7 @@ class Llama:
             x = x + layer.wo(cache.attend(i, q, k, v))
             h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps).to(dt)
             gate, up = layer.w13(h).chunk(2, -1)
-            x = x + layer.w2(F.silu(gate) * up)
+            x += layer.w2(F.silu(gate, inplace=True).mul_(up))
         cache.commit(T)
         if logits is None:
             return None
