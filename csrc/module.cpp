@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cpu_ops.h"
 #include "quant_matmul.h"
 
 namespace py = pybind11;
@@ -50,4 +51,60 @@ PYBIND11_MODULE(_C, m) {
     m.def("quant_isa", &q::active_isa, "'avx2' or 'scalar': the path the quant kernels take now.");
     m.def("quant_force_scalar", &q::set_force_scalar, py::arg("on"),
           "Testing hook: force the scalar quant kernels even where AVX2 is available.");
+
+    namespace o = nodekv::ops;
+    m.def(
+        "rms_norm",
+        [](std::uintptr_t x, int64_t T, int64_t d, std::uintptr_t w, float eps, std::uintptr_t y) {
+            o::rms_norm(ptr<const float>(x), T, d, ptr<const float>(w), eps, ptr<float>(y));
+        },
+        py::arg("x"), py::arg("T"), py::arg("d"), py::arg("w"), py::arg("eps"), py::arg("y"),
+        "y[T,d] = x / sqrt(mean(x^2) + eps) * w; contiguous fp32 buffers.");
+    m.def(
+        "add_rms_norm",
+        [](std::uintptr_t x, std::uintptr_t delta, int64_t T, int64_t d, std::uintptr_t w, float eps,
+           std::uintptr_t y) {
+            o::add_rms_norm(ptr<float>(x), ptr<const float>(delta), T, d, ptr<const float>(w), eps, ptr<float>(y));
+        },
+        py::arg("x"), py::arg("delta"), py::arg("T"), py::arg("d"), py::arg("w"), py::arg("eps"), py::arg("y"),
+        "x += delta in place, then y = rms_norm(x, w, eps); contiguous fp32 buffers.");
+    m.def(
+        "rope",
+        [](std::uintptr_t x, int64_t T, int64_t n_heads, int64_t hd, int64_t stride_t, int64_t stride_h,
+           std::uintptr_t cos, std::uintptr_t sin_signed) {
+            o::rope(ptr<float>(x), T, n_heads, hd, stride_t, stride_h, ptr<const float>(cos),
+                    ptr<const float>(sin_signed));
+        },
+        py::arg("x"), py::arg("T"), py::arg("n_heads"), py::arg("hd"), py::arg("stride_t"), py::arg("stride_h"),
+        py::arg("cos"), py::arg("sin_signed"),
+        "In place: x[t,h,:] = x * cos[t] + roll(x, hd/2) * sin_signed[t]; element strides for t and h.");
+    m.def(
+        "silu_mul",
+        [](std::uintptr_t gu, int64_t T, int64_t I, std::uintptr_t y) {
+            o::silu_mul(ptr<const float>(gu), T, I, ptr<float>(y));
+        },
+        py::arg("gu"), py::arg("T"), py::arg("I"), py::arg("y"),
+        "y[T,I] = silu(gu[:, :I]) * gu[:, I:]; contiguous fp32 buffers.");
+    m.def(
+        "decode_attention",
+        [](std::uintptr_t q, int64_t q_stride_t, int64_t q_stride_h, std::uintptr_t k_cache, std::uintptr_t v_cache,
+           int64_t capacity, std::uintptr_t k_new, int64_t k_new_stride_t, int64_t k_new_stride_h,
+           std::uintptr_t v_new, int64_t v_new_stride_t, int64_t v_new_stride_h, int64_t T, int64_t H,
+           int64_t kv_heads, int64_t hd, int64_t start, std::uintptr_t out, int n_threads) {
+            const o::AttentionArgs a{ptr<const float>(q), q_stride_t, q_stride_h, ptr<float>(k_cache),
+                                     ptr<float>(v_cache), capacity, ptr<const float>(k_new),
+                                     ptr<const float>(v_new), k_new_stride_t, k_new_stride_h, v_new_stride_t,
+                                     v_new_stride_h, T, H, kv_heads, hd, start, ptr<float>(out), n_threads};
+            py::gil_scoped_release nogil;
+            o::decode_attention(a);
+        },
+        py::arg("q"), py::arg("q_stride_t"), py::arg("q_stride_h"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("capacity"), py::arg("k_new"), py::arg("k_new_stride_t"), py::arg("k_new_stride_h"),
+        py::arg("v_new"), py::arg("v_new_stride_t"), py::arg("v_new_stride_h"), py::arg("T"), py::arg("H"),
+        py::arg("kv_heads"), py::arg("hd"), py::arg("start"), py::arg("out"), py::arg("n_threads"),
+        "Causal GQA attention of T tokens at start.. over one layer's [kv_heads, capacity, hd] K/V blocks "
+        "(k_new 0 = nothing to store); out [T, H*hd].");
+    m.def("cpu_ops_isa", &o::active_isa, "'avx2' or 'scalar': the path the cpu_ops kernels take now.");
+    m.def("cpu_ops_force_scalar", &o::set_force_scalar, py::arg("on"),
+          "Testing hook: force the scalar cpu_ops kernels even where AVX2 is available.");
 }

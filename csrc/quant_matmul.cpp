@@ -8,19 +8,15 @@
 // register-blocked rows x tokens micro-kernel over it.
 #include "quant_matmul.h"
 
-#include <immintrin.h>
-#include <omp.h>
-
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
 
-#define NKV_AVX2 __attribute__((target("avx2,fma,f16c")))
+#include "cpu_common.h"
 
 namespace nodekv::quant {
 namespace {
@@ -29,15 +25,6 @@ std::atomic<bool> g_force_scalar{false};
 
 constexpr int kRowTile = 4;       // rows per inner-kernel step; thread work chunks are multiples of it
 constexpr int kPrefetchRows = 8;  // one-token kernel: software prefetch distance in weight rows
-
-bool cpu_has_avx2() {
-    static const bool has = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
-    }();
-    return has;
-}
 
 bool use_avx2() { return cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed); }
 
@@ -132,13 +119,6 @@ void matmul_rows_scalar(const float* x, int64_t T, int64_t K, const uint8_t* w, 
 }
 
 // ---------------------------------------------------------------- AVX2 path
-
-NKV_AVX2 inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 // The 32 quants of a block as floats as stored (nibbles in 0..15, Q8_0 int8), in element
 // order: q[0] = elements 0..7, q[1] = 8..15, q[2] = 16..23, q[3] = 24..31.
@@ -380,40 +360,12 @@ int resolve_threads(int n_threads, int64_t work_bytes, int64_t rows) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nt, rows)));
 }
 
-// Contention guard. A parallel region ends in a barrier that waits for every thread of the
-// team, so when another process holds one of the cores, a worker thread that has not been
-// scheduled yet costs the caller a whole scheduler time slice (milliseconds) per call: on a
-// busy 2-core machine a decode step then took over a second instead of ~10 ms. When the
-// caller's wait at that barrier is far longer than a chunk of work takes, the next calls run
-// single-threaded, for a number of calls that doubles while the stalls persist.
-using Clock = std::chrono::steady_clock;
-constexpr auto kStall = std::chrono::microseconds(1000);
-constexpr int kSoloCallsMin = 128, kSoloCallsMax = 8192;
-std::atomic<int> g_solo_left{0};
-std::atomic<int> g_solo_span{kSoloCallsMin};
-
-int threads_after_guard(int nt) {
-    if (nt <= 1 || g_solo_left.load(std::memory_order_relaxed) <= 0) return nt;
-    g_solo_left.fetch_sub(1, std::memory_order_relaxed);
-    return 1;
-}
-
-void record_barrier_wait(Clock::duration wait, Clock::duration per_chunk) {
-    if (wait < kStall || wait < 4 * per_chunk) {
-        g_solo_span.store(kSoloCallsMin, std::memory_order_relaxed);
-        return;
-    }
-    const int span = g_solo_span.load(std::memory_order_relaxed);
-    g_solo_left.store(span, std::memory_order_relaxed);
-    g_solo_span.store(std::min(2 * span, kSoloCallsMax), std::memory_order_relaxed);
-}
-
 // Rows are handed out in contiguous chunks, about 8 per thread, claimed dynamically: a thread
 // slowed by a busy core or a cold cache does not hold up the others. Each chunk still streams
 // tens of KiB of consecutive weight rows, which is what the hardware prefetcher wants.
 template <class Fn>
 void parallel_rows(int64_t N, int64_t align, int nt, Fn&& fn) {
-    nt = threads_after_guard(nt);
+    nt = par::threads_after_guard(nt);
     if (nt <= 1) {
         fn(int64_t{0}, N, 0);
         return;
@@ -421,25 +373,9 @@ void parallel_rows(int64_t N, int64_t align, int nt, Fn&& fn) {
     const int64_t units = (N + align - 1) / align;
     const int64_t per_chunk = std::max<int64_t>(1, units / (int64_t{8} * nt));
     const int64_t n_chunks = (units + per_chunk - 1) / per_chunk;
-    const Clock::time_point start = Clock::now();
-    Clock::time_point caller_done;
-    int64_t caller_chunks = 0;
-#pragma omp parallel num_threads(nt)
-    {
-        const int tid = omp_get_thread_num();
-        int64_t done = 0;
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t c = 0; c < n_chunks; ++c) {
-            fn(c * per_chunk * align, std::min(N, (c + 1) * per_chunk * align), tid);
-            ++done;
-        }
-        if (tid == 0) {  // the calling thread
-            caller_done = Clock::now();
-            caller_chunks = done;
-        }
-    }
-    if (caller_chunks > 0)
-        record_barrier_wait(Clock::now() - caller_done, (caller_done - start) / caller_chunks);
+    par::run_team(n_chunks, nt, [&](int64_t c, int tid) {
+        fn(c * per_chunk * align, std::min(N, (c + 1) * per_chunk * align), tid);
+    });
 }
 
 template <class F>

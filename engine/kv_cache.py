@@ -1,17 +1,20 @@
 """A contiguous, growable KV cache: the simple cache behind `Session` until the paged node cache replaces it.
 
 Layout [layers, kv_heads, capacity, head_dim] so a layer's keys for the first n positions are one strided view.
-Attention is grouped-query without materialising repeated K/V: for a single query token the G query heads that
-share a KV head are laid out as G query rows of that head, which needs no mask; longer chunks use SDPA's GQA.
+Attention is grouped-query without materialising repeated K/V: a C++ kernel for few queries (decode, probes, the
+last layer's single row), SDPA with GQA for longer chunks.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_ops
 from .config import ModelConfig
-from .cpu import native_bf16_matmul
 from .errors import ContextOverflowError
+
+# Up to this many queries the C++ attention (no per-call setup, k/v written in the same call) beats SDPA.
+FEW_QUERIES = 16
 
 
 class ContiguousKVCache:
@@ -19,8 +22,6 @@ class ContiguousKVCache:
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, capacity: int = 256):
         self.config, self.dtype = config, dtype
-        # bf16 bmm without native bf16 units is ~10x slower than upcasting the operands
-        self.compute_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
         self.length = 0
         self._k = self._v = torch.empty(config.n_layers, config.n_kv_heads, 0, config.head_dim, dtype=dtype)
         self._reserve(min(capacity, config.max_seq_len))
@@ -52,25 +53,22 @@ class ContiguousKVCache:
         T = k.shape[0]
         n, H, hd = q.shape
         start, end = self.length, self.length + T
+        if n == T and n <= FEW_QUERIES and self.dtype == torch.float32:  # C++: one call, writes k/v itself
+            return cpu_ops.decode_attention(q, self._k, self._v, layer, start, k, v)
         self._k[layer, :, start:end] = k.transpose(0, 1)
         self._v[layer, :, start:end] = v.transpose(0, 1)
-        keys, values = self._k[layer, :, :end], self._v[layer, :, :end]
-        hkv = keys.shape[0]
         if n == 0:
             return q.new_empty(0, H * hd)
-        if n == 1:  # the last position sees every key: plain matmuls, no mask, no SDPA call overhead
-            cd = self.compute_dtype
-            qg = q.view(hkv, H // hkv, hd).to(cd)
-            scores = torch.softmax((qg @ keys.to(cd).transpose(1, 2)) * hd ** -0.5, dim=-1)
-            return (scores @ values.to(cd)).to(q.dtype).view(1, H * hd)
+        if n <= FEW_QUERIES and self.dtype == torch.float32:
+            return cpu_ops.decode_attention(q, self._k, self._v, layer, end - n)
         # 4-D inputs: with 3-D ones torch falls back to its (T×T-materialising) math kernel
-        qh, keys, values = q.transpose(0, 1)[None], keys[None], values[None]
-        if start == 0 and n == T:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
-        else:
-            rows = torch.arange(end - n, end)[:, None]
-            mask = torch.arange(end)[None, :] <= rows
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
+        qh = q.transpose(0, 1)[None]
+        keys, values = self._k[layer, :, :end][None], self._v[layer, :, :end][None]
+        mask = None
+        if n > 1 and not (start == 0 and n == T):
+            mask = torch.arange(end)[None, :] <= torch.arange(end - n, end)[:, None]
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,
+                                             enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, H * hd)
 
     def commit(self, n_tokens: int) -> None:

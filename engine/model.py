@@ -17,6 +17,7 @@ from typing import Mapping, Protocol, Union
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_ops, reference
 from ..kernels.quant import QuantWeight, quant_linear
 from .config import ModelConfig
 from .cpu import native_bf16_matmul
@@ -24,6 +25,8 @@ from .errors import ModelLoadError
 
 # Up to this many tokens per forward the quantised kernel beats the dense GEMM (weight bandwidth dominates).
 QUANT_MAX_TOKENS = 4
+# Up to this many tokens per forward the C++ elementwise kernels beat torch's (per-op overhead dominates).
+FEW_TOKENS = 16
 
 
 class KVCache(Protocol):
@@ -126,30 +129,28 @@ class Llama:
         c = self.config
         T = tokens.shape[0]
         start = cache.begin(T)
-        cos, sin = self.rope(start, T)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        half = c.head_dim // 2
-        n_qk = c.n_heads + c.n_kv_heads
         dt = self.dtype
+        # few-token steps (decode, probes) are per-op-overhead bound: one C++ call per op instead of several
+        ops = cpu_ops if T <= FEW_TOKENS and dt == torch.float32 else reference
+        cos, sin = self.rope(start, T)
+        n_qk = c.n_heads + c.n_kv_heads
         keep = {"last": 1, "all": T, None: 0}[logits]
         x = self.embed[tokens].float()  # the residual stream is fp32 whatever the model dtype
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (c.dim,), layer.attn_norm, c.norm_eps).to(dt)
+            h = ops.rms_norm(x, layer.attn_norm, c.norm_eps).to(dt)
             qkv = layer.wqkv(h)
-            qk = qkv[:, : n_qk * c.head_dim].view(T, n_qk, c.head_dim)
-            qk = qk * cos + qk.roll(half, -1) * sin
+            qk = ops.rope(qkv[:, : n_qk * c.head_dim].view(T, n_qk, c.head_dim), cos, sin)
             q, k = qk.split([c.n_heads, c.n_kv_heads], 1)
             v = qkv[:, n_qk * c.head_dim:].view(T, c.n_kv_heads, c.head_dim)
             if i == c.n_layers - 1 and keep < T:
                 q, x = q[T - keep:], x[T - keep:]
             x = x + layer.wo(cache.attend(i, q, k, v))
-            h = F.rms_norm(x, (c.dim,), layer.ffn_norm, c.norm_eps).to(dt)
-            gate, up = layer.w13(h).chunk(2, -1)
-            x += layer.w2(F.silu(gate, inplace=True).mul_(up))
+            h = ops.rms_norm(x, layer.ffn_norm, c.norm_eps).to(dt)
+            x += layer.w2(ops.silu_mul(layer.w13(h)))
         cache.commit(T)
         if logits is None:
             return None
-        return self.lm_head(F.rms_norm(x, (c.dim,), self.norm, c.norm_eps).to(dt)).float()
+        return self.lm_head(ops.rms_norm(x, self.norm, c.norm_eps).to(dt)).float()
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

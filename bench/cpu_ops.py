@@ -1,0 +1,108 @@
+"""Per-call time of the few-token CPU kernels (nodekv.kernels.cpu_ops) vs the torch ops they replace, at T=1 with
+SmolLM2-135M shapes (dim 576, 9 query / 3 KV heads of 64, FFN 1536), attention over S cached positions.
+
+Each call is timed in batches of 30 (one per layer; attention cycles through a 30-layer cache, ~24 MB at S=512, so
+K/V come from the last-level cache or DRAM as in a forward pass, not from L1). Median and 10th percentile per call;
+a busy machine shows up as median >> p10. Run: python -m nodekv.bench.cpu_ops [--threads N] [--seq 512]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from nodekv import _C
+from nodekv.kernels import cpu_ops
+
+DIM, HIDDEN, N_HEADS, N_KV, HD, LAYERS, EPS = 576, 1536, 9, 3, 64, 30, 1e-5
+
+
+def per_call_us(fn, seconds: float) -> tuple[float, float]:
+    """(median, p10) µs per call of fn(layer), over batches of one call per layer for about `seconds`."""
+    for i in range(LAYERS):
+        fn(i)
+    times = []
+    stop = time.perf_counter() + seconds
+    while time.perf_counter() < stop or len(times) < 5:
+        t0 = time.perf_counter_ns()
+        for i in range(LAYERS):
+            fn(i)
+        times.append((time.perf_counter_ns() - t0) / LAYERS / 1e3)
+    times.sort()
+    return statistics.median(times), times[len(times) // 10]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--seq", type=int, default=512, help="cached positions S the new token attends to")
+    ap.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+
+    x, delta, w = randn(1, DIM), torch.zeros(1, DIM), randn(DIM)
+    qkv = randn(1, (N_HEADS + 2 * N_KV) * HD)
+    n_qk = N_HEADS + N_KV
+    qk = qkv[:, : n_qk * HD].view(1, n_qk, HD)
+    freqs = 511.0 * (1.0 / 10000.0 ** (torch.arange(0, HD, 2).float() / HD))[None, :]
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1)
+    sin = torch.cat([-freqs.sin(), freqs.sin()], -1)
+    cos3, sin3 = cos[:, None, :], sin[:, None, :]
+    gate_up = randn(1, 2 * HIDDEN)
+
+    start = args.seq - 1
+    cap = args.seq
+    k_cache, v_cache = randn(LAYERS, N_KV, cap, HD), randn(LAYERS, N_KV, cap, HD)
+    q = randn(1, N_HEADS, HD)
+    k_new = qkv[:, N_HEADS * HD: n_qk * HD].view(1, N_KV, HD)
+    v_new = qkv[:, n_qk * HD:].view(1, N_KV, HD)
+
+    def torch_attention(layer: int, store: bool = True) -> torch.Tensor:  # ContiguousKVCache.attend, T == 1
+        end = start + 1
+        if store:
+            k_cache[layer, :, start:end] = k_new.transpose(0, 1)
+            v_cache[layer, :, start:end] = v_new.transpose(0, 1)
+        keys, values = k_cache[layer, :, :end], v_cache[layer, :, :end]
+        qg = q.view(N_KV, N_HEADS // N_KV, HD)
+        scores = torch.softmax((qg @ keys.transpose(1, 2)) * HD ** -0.5, dim=-1)
+        return (scores @ values).view(1, N_HEADS * HD)
+
+    def silu_torch(_):
+        gate, up = gate_up.chunk(2, -1)
+        return F.silu(gate) * up
+
+    y_dim, y_hidden, y_attn = torch.empty(1, DIM), torch.empty(1, HIDDEN), torch.empty(1, N_HEADS * HD)
+    cases = [  # name, torch ops replaced, torch, nodekv, nodekv with out= (None: in place anyway)
+        ("rms_norm", "F.rms_norm",
+         lambda _: F.rms_norm(x, (DIM,), w, EPS), lambda _: cpu_ops.rms_norm(x, w, EPS),
+         lambda _: cpu_ops.rms_norm(x, w, EPS, out=y_dim)),
+        ("add_rms_norm_", "x + d, F.rms_norm",
+         lambda _: F.rms_norm(x + delta, (DIM,), w, EPS), lambda _: cpu_ops.add_rms_norm_(x, delta, w, EPS),
+         lambda _: cpu_ops.add_rms_norm_(x, delta, w, EPS, out=y_dim)),
+        ("rope_", "x*cos + roll(x)*sin",
+         lambda _: qk * cos3 + qk.roll(HD // 2, -1) * sin3, lambda _: cpu_ops.rope_(qk, cos, sin), None),
+        ("silu_mul", "chunk, silu(g) * u", silu_torch, lambda _: cpu_ops.silu_mul(gate_up),
+         lambda _: cpu_ops.silu_mul(gate_up, out=y_hidden)),
+        (f"decode_attention S={args.seq}", "bmm, softmax, bmm",
+         lambda i: torch_attention(i, store=False),
+         lambda i: cpu_ops.decode_attention(q, k_cache, v_cache, i, start),
+         lambda i: cpu_ops.decode_attention(q, k_cache, v_cache, i, start, out=y_attn)),
+        ("  + store new k, v", "2 copies + the above", torch_attention,
+         lambda i: cpu_ops.decode_attention(q, k_cache, v_cache, i, start, k_new, v_new),
+         lambda i: cpu_ops.decode_attention(q, k_cache, v_cache, i, start, k_new, v_new, out=y_attn)),
+    ]
+    print(f"T=1, SmolLM2-135M shapes, {args.threads} threads, isa {_C.cpu_ops_isa()}; µs per call, median (p10)")
+    print(f"{'kernel':<26}{'torch ops replaced':<22}{'torch':>16}{'nodekv':>16}{'nodekv out=':>16}{'speedup':>9}")
+    for name, what, torch_fn, ours_fn, out_fn in cases:
+        (tm, tp), (om, op) = per_call_us(torch_fn, args.seconds), per_call_us(ours_fn, args.seconds)
+        with_out = "{:>8.2f} ({:5.2f})".format(*per_call_us(out_fn, args.seconds)) if out_fn else f"{'-':>16}"
+        print(f"{name:<26}{what:<22}{tm:>8.2f} ({tp:5.2f}){om:>8.2f} ({op:5.2f}){with_out}{tm / om:>8.1f}x")
+    print("(speedup: torch median / nodekv median, without out=)")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+// Shared by the CPU kernels: the run-time SIMD check, small AVX2 helpers, and an OpenMP team
+// with a guard against barrier stalls on a busy machine.
+//
+// No -mavx2 is given at build time: SIMD code carries NKV_AVX2 and runs only where
+// cpu_has_avx2() says so, so the module loads on any x86-64.
+#pragma once
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+#define NKV_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace nodekv {
+
+// AVX2 + FMA + F16C: the one SIMD level the kernels target.
+inline bool cpu_has_avx2() {
+    static const bool has = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    }();
+    return has;
+}
+
+NKV_AVX2 inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+namespace par {
+
+// Contention guard. A parallel region starts by waking the team and ends in a barrier that
+// waits for all of it, so when another process holds a core, a team thread that is not
+// scheduled costs the call a whole scheduler time slice (milliseconds): on a busy 2-core
+// machine a decode step then took over a second instead of ~10 ms. The stall shows up on
+// either side: the caller waits at the end for a worker that never ran, or the worker it woke
+// takes its core and does all the work while the caller waits to be scheduled again. Both make
+// the region's wall time far exceed the threads' busy time divided by the team size; when that
+// excess is far longer than a chunk of work takes, the next calls run single-threaded, for a
+// number of calls that doubles while the stalls persist. The state is shared by all kernels.
+using Clock = std::chrono::steady_clock;
+constexpr auto kStall = std::chrono::microseconds(1000);
+constexpr int kSoloCallsMin = 128, kSoloCallsMax = 8192;
+inline std::atomic<int> g_solo_left{0};
+inline std::atomic<int> g_solo_span{kSoloCallsMin};
+
+// The number of threads to use now for a call that wants nt (1 while the guard is on).
+inline int threads_after_guard(int nt) {
+    if (nt <= 1 || g_solo_left.load(std::memory_order_relaxed) <= 0) return nt;
+    g_solo_left.fetch_sub(1, std::memory_order_relaxed);
+    return 1;
+}
+
+// wall: the region's time as the caller saw it; busy: the threads' time inside the work loop,
+// summed; n_chunks, nt: how the work was split.
+inline void record_region(Clock::duration wall, Clock::duration busy, int64_t n_chunks, int nt) {
+    const Clock::duration stall = wall - busy / nt, per_chunk = busy / std::max<int64_t>(n_chunks, 1);
+    if (stall < kStall || stall < 4 * per_chunk) {
+        g_solo_span.store(kSoloCallsMin, std::memory_order_relaxed);
+        return;
+    }
+    const int span = g_solo_span.load(std::memory_order_relaxed);
+    g_solo_left.store(span, std::memory_order_relaxed);
+    g_solo_span.store(std::min(2 * span, kSoloCallsMax), std::memory_order_relaxed);
+}
+
+// fn(c, tid) for every chunk c in [0, n_chunks) on a team of nt >= 2 threads (tid 0 is the
+// caller), claimed dynamically, then feeds the region's timing to the guard. Callers take nt
+// from threads_after_guard and run serially themselves when it is 1.
+template <class Fn>
+void run_team(int64_t n_chunks, int nt, Fn&& fn) {
+    const Clock::time_point start = Clock::now();
+    std::atomic<Clock::rep> busy{0};
+    int team = nt;
+#pragma omp parallel num_threads(nt)
+    {
+        const int tid = omp_get_thread_num();
+        if (tid == 0) team = omp_get_num_threads();
+        const Clock::time_point t0 = Clock::now();
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t c = 0; c < n_chunks; ++c) fn(c, tid);
+        busy.fetch_add((Clock::now() - t0).count(), std::memory_order_relaxed);
+    }
+    record_region(Clock::now() - start, Clock::duration(busy.load()), n_chunks, team);
+}
+
+}  // namespace par
+}  // namespace nodekv
