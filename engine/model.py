@@ -52,8 +52,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None and x.shape[0] <= QUANT_MAX_TOKENS:
-            y = quant_linear(x.float(), self.quant)
-            return (y if self.bias is None else y + self.bias).to(x.dtype)
+            if x.dtype is torch.float32:  # the decode hot path: no conversions, not even no-op ones (~2 µs each)
+                return quant_linear(x, self.quant, self.bias)
+            bias = None if self.bias is None else self.bias.float()
+            return quant_linear(x.float(), self.quant, bias).to(x.dtype)
         if x.dtype != self.dense.dtype:
             return F.linear(x.to(self.dense.dtype), self.dense, self.bias).to(x.dtype)
         return F.linear(x, self.dense, self.bias)
@@ -132,25 +134,30 @@ class Llama:
         dt = self.dtype
         # few-token steps (decode, probes) are per-op-overhead bound: one C++ call per op instead of several
         ops = cpu_ops if T <= FEW_TOKENS and dt == torch.float32 else reference
+        cast = _identity if dt == torch.float32 else lambda t: t.to(dt)
         cos, sin = self.rope(start, T)
         n_qk = c.n_heads + c.n_kv_heads
         keep = {"last": 1, "all": T, None: 0}[logits]
         x = self.embed[tokens].float()  # the residual stream is fp32 whatever the model dtype
+        h = ops.rms_norm(x, self.layers[0].attn_norm, c.norm_eps)
         for i, layer in enumerate(self.layers):
-            h = ops.rms_norm(x, layer.attn_norm, c.norm_eps).to(dt)
-            qkv = layer.wqkv(h)
+            qkv = layer.wqkv(cast(h))
             qk = ops.rope(qkv[:, : n_qk * c.head_dim].view(T, n_qk, c.head_dim), cos, sin)
             q, k = qk.split([c.n_heads, c.n_kv_heads], 1)
             v = qkv[:, n_qk * c.head_dim:].view(T, c.n_kv_heads, c.head_dim)
             if i == c.n_layers - 1 and keep < T:
                 q, x = q[T - keep:], x[T - keep:]
-            x = x + layer.wo(cache.attend(i, q, k, v))
-            h = ops.rms_norm(x, layer.ffn_norm, c.norm_eps).to(dt)
-            x += layer.w2(ops.silu_mul(layer.w13(h)))
+            h = ops.add_rms_norm_(x, layer.wo(cache.attend(i, q, k, v)), layer.ffn_norm, c.norm_eps)
+            next_norm = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm
+            h = ops.add_rms_norm_(x, layer.w2(ops.silu_mul(layer.w13(cast(h)))), next_norm, c.norm_eps)
         cache.commit(T)
         if logits is None:
             return None
-        return self.lm_head(ops.rms_norm(x, self.norm, c.norm_eps).to(dt)).float()
+        return self.lm_head(cast(h)).float()
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

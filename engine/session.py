@@ -61,7 +61,7 @@ class Session:
         node_id = self._new_node_id(node_id)
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         tok = self.engine.tokenizer
-        start, out, text = len(self.tokens), [], ""
+        start, out = len(self.tokens), []
         self.finish_reason = "length"
         logits = self._logits
         for _ in range(max_new_tokens):
@@ -74,11 +74,14 @@ class Session:
                 break
             logits = self.engine.run([next_id], self.cache, decode=True)[-1]
             out.append(next_id)
+            if stops:
+                text = tok.decode(out)
+                hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if hit >= 0:
+                    text, self.finish_reason = text[:hit], "stop"
+                    break
+        if self.finish_reason != "stop":
             text = tok.decode(out)
-            hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if hit >= 0:
-                text, self.finish_reason = text[:hit], "stop"
-                break
         self._logits = logits
         if out:
             self._add_span(node_id, start, out)

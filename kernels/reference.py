@@ -22,3 +22,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I], computed in gate_up's storage."""
     gate, up = gate_up.chunk(2, -1)
     return F.silu(gate, inplace=True).mul_(up)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual add fused with the norm after it: x += delta in place, then rms_norm(x, weight, eps)."""
+    x += delta
+    return rms_norm(x, weight, eps)
