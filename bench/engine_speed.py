@@ -10,6 +10,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -59,11 +60,10 @@ def nodekv_decode(engine, prompt: list[int], n: int) -> tuple[int, float]:
     return len(s) - len(prompt), time.perf_counter() - t
 
 
-def speed_table(args) -> list[tuple]:
+def speed_table(args) -> Iterator[tuple]:
     import nodekv
     from nodekv.engine.engine import DTYPES
 
-    rows = []
     for dtype_name in args.dtypes:
         engine = nodekv.load_engine(dtype=dtype_name, threads=args.threads)
         tok = engine.tokenizer
@@ -75,7 +75,7 @@ def speed_table(args) -> list[tuple]:
             repeats = 3 if n <= 2048 else 1
             ours = _timed(lambda: engine.session().append(ids[:n]), repeats)
             theirs = _timed(lambda: hf_prefill(hf, ids[:n]), repeats) if hf else float("nan")
-            rows.append((dtype_name, f"prefill {n}", n / ours, n / theirs))
+            yield dtype_name, f"prefill {n}", n / ours, n / theirs
         if args.decode:
             prompt = ids[:512]
             count, ours = nodekv_decode(engine, prompt, args.decode)
@@ -84,9 +84,8 @@ def speed_table(args) -> list[tuple]:
                 t_prefill = _timed(lambda: hf_prefill(hf, prompt), 1)
                 t_all = _timed(lambda: hf_decode(hf, prompt, args.decode), 1)
                 theirs = (t_all - t_prefill) / args.decode
-            rows.append((dtype_name, f"decode {count} after 512", count / ours, 1 / theirs))
+            yield dtype_name, f"decode {count} after 512", count / ours, 1 / theirs
         del hf, engine
-    return rows
 
 
 def agreement(args) -> list[tuple]:
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"SmolLM2-135M-Instruct (GGUF Q4_1), {args.threads} threads, torch {torch.__version__}")
     print(f"{'dtype':<10} {'work':<22} {'nodekv tok/s':>13} {'HF tok/s':>10} {'ratio':>7}")
     for dtype, work, ours, theirs in speed_table(args):
-        print(f"{dtype:<10} {work:<22} {ours:>13,.1f} {theirs:>10,.1f} {ours / theirs:>7.2f}")
+        print(f"{dtype:<10} {work:<22} {ours:>13,.1f} {theirs:>10,.1f} {ours / theirs:>7.2f}", flush=True)
     if args.agreement:
         print("\nbf16 vs fp32 top-1 agreement, first 2,000 tokens of the first QuALITY story")
         for who, value in agreement(args):

@@ -83,7 +83,7 @@ class Llama:
         self.config = config
         self.dtype = dtype
         matmul_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
-        weights = _WeightReader(config, tensors, dtype, matmul_dtype)
+        weights = _WeightReader(tensors, dtype, matmul_dtype)
 
         head = "embed" if config.tie_embeddings else "lm_head"
         self.lm_head = weights.linear([head], config.dim, out_sizes=[config.vocab_size])
@@ -180,7 +180,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class _WeightReader:
     """Checks each canonical tensor's presence and shape, fuses, and converts to the model's dtypes."""
 
-    def __init__(self, config, tensors, dtype, matmul_dtype):
+    def __init__(self, tensors, dtype, matmul_dtype):
         self.tensors, self.dtype, self.matmul_dtype = tensors, dtype, matmul_dtype
 
     def get(self, name: str, shape: tuple[int, ...]):

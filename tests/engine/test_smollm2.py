@@ -75,3 +75,16 @@ def test_bf16_top1_agreement_with_fp32(engine):
     bf16 = nodekv.load_engine(dtype="bfloat16").forward_logits(ids).argmax(-1)
     agreement = (fp32 == bf16).float().mean().item()
     assert agreement >= 0.975, agreement
+
+
+def test_cli_ask(tmp_path, capsys):
+    from nodekv.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse keeper of Port Ellen was named Agnes Morrow. She kept the light for forty years.")
+    assert main(["ask", str(doc), "Who kept the lighthouse?", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "A: " in out and "FLOPs" in out and "tok/s" in out
+    (tmp_path / "blank.txt").write_text("  \n")
+    assert main(["ask", str(tmp_path / "blank.txt"), "Who?"]) == 2
+    assert main(["ask", str(tmp_path / "missing.txt"), "Who?"]) == 2
