@@ -2,8 +2,8 @@
 
 Weights are fused where that saves calls on the decode hot path: Q|K|V into one matrix, gate|up into one.
 
-bf16 models: weights, matmul inputs and outputs, and the KV cache are bf16; the residual stream and the norms stay
-fp32 (cheap, and it keeps top-1 agreement with fp32 above HF's all-bf16 forward). On CPUs without native bf16
+bf16 models: weights, matmul inputs and outputs, and the KV cache are bf16; the residual stream, the norms and the
+logits stay fp32 (cheap, and it keeps top-1 agreement with fp32 above HF's all-bf16 forward). On CPUs without native bf16
 matrix units (torch's bf16 GEMM there is ~100x slower than fp32) the dense weights are stored as bf16-rounded fp32
 and each matmul runs in fp32 with its output rounded to bf16: the arithmetic of a bf16 GEMM with fp32
 accumulation, at fp32 speed.
@@ -86,7 +86,9 @@ class Llama:
         weights = _WeightReader(tensors, dtype, matmul_dtype)
 
         head = "embed" if config.tie_embeddings else "lm_head"
-        self.lm_head = weights.linear([head], config.dim, out_sizes=[config.vocab_size])
+        # Logits leave the bf16 lm_head unrounded (bf16 inputs, fp32 accumulation and output): rounded to bf16's 8
+        # mantissa bits they would tie and flip the argmax that greedy decoding and Yes/No probes read.
+        self.lm_head = weights.linear([head], config.dim, out_sizes=[config.vocab_size], matmul_dtype=torch.float32)
         tied = config.tie_embeddings and self.lm_head.dense.dtype == dtype
         self.embed = self.lm_head.dense if tied else weights.dense("embed", (config.vocab_size, config.dim))
         self.norm = weights.dense("norm", (config.dim,)).float()
@@ -153,7 +155,7 @@ class Llama:
         cache.commit(T)
         if logits is None:
             return None
-        return self.lm_head(cast(h)).float()
+        return self.lm_head(cast(h).float())
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -199,7 +201,7 @@ class _WeightReader:
         return t.to(self.dtype).contiguous()
 
     def linear(self, names: list[str], in_features: int, bias: list[str] | None = None, *,
-               out_sizes: list[int]) -> Linear:
+               out_sizes: list[int], matmul_dtype: torch.dtype | None = None) -> Linear:
         parts = [self.get(n, (o, in_features)) for n, o in zip(names, out_sizes)]
         quant = None
         if all(isinstance(p, QuantWeight) for p in parts) and len({p.qtype for p in parts}) == 1:
@@ -208,8 +210,9 @@ class _WeightReader:
         else:
             dense = torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
         # bf16 numerics: round weights to bf16 even when the matmul itself runs in fp32
-        dense = dense.to(self.dtype).to(self.matmul_dtype).contiguous()
+        matmul_dtype = matmul_dtype or self.matmul_dtype
+        dense = dense.to(self.dtype).to(matmul_dtype).contiguous()
         b = None
         if bias is not None:
-            b = torch.cat([self.get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(self.matmul_dtype)
+            b = torch.cat([self.get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(matmul_dtype)
         return Linear(dense, quant, b)

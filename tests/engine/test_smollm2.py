@@ -63,7 +63,9 @@ def test_greedy_continuation_matches_hf(engine, hf_model, prompt):
 
 
 def test_bf16_top1_agreement_with_fp32(engine):
-    """HF's own bf16-vs-fp32 top-1 agreement on this text is 97.5% (measured side by side by bench/)."""
+    """HF's own bf16-vs-fp32 top-1 agreement on these tokens is 97.5% on AMX machines (DESIGN.md §7) and 97.95%
+    on this AVX2 machine (`python -m nodekv.bench.engine_speed --agreement`, too slow for the suite: HF's bf16
+    GEMMs run at ~16 GFLOP/s here). nodekv must do at least as well as the better of the two."""
     import nodekv
 
     path = SHARED_DATA / "leval" / "quality.jsonl"
@@ -74,7 +76,7 @@ def test_bf16_top1_agreement_with_fp32(engine):
     fp32 = engine.forward_logits(ids).argmax(-1)
     bf16 = nodekv.load_engine(dtype="bfloat16").forward_logits(ids).argmax(-1)
     agreement = (fp32 == bf16).float().mean().item()
-    assert agreement >= 0.975, agreement
+    assert agreement >= 0.9795, agreement
 
 
 def test_cli_ask(tmp_path, capsys):
