@@ -91,3 +91,18 @@ def test_prefill_without_logits_keeps_the_cache_exact(save_hf):
     assert ours.forward(ids[:13], cache, logits=None) is None
     got = ours.forward(ids[13:], cache, logits="all")
     assert (got - ref[13:]).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_torch_reference_ops_match_hf(save_hf, monkeypatch):
+    """fp32 forwards use the C++ ops; the torch reference (bf16's path) must compute the same forward."""
+    from nodekv.engine import model as model_module
+    from nodekv.kernels import reference
+
+    monkeypatch.setattr(model_module, "cpu_ops", reference)
+    hf = tiny_hf_model(rope_scaling=True)
+    ours = _load(save_hf(hf))
+    ids = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(5))
+    ref = _hf_logits(hf, ids)
+    cache = ContiguousKVCache(ours.config, torch.float32)
+    got = torch.cat([ours.forward(ids[:37], cache, logits="all"), ours.forward(ids[37:], cache, logits="all")])
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
