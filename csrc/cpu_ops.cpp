@@ -518,6 +518,8 @@ void decode_attention(const AttentionArgs& a) {
 
 const char* active_isa() { return use_avx2() ? "avx2" : "scalar"; }
 
+bool avx2_active() { return use_avx2(); }
+
 void set_force_scalar(bool on) { g_force_scalar.store(on, std::memory_order_relaxed); }
 
 }  // namespace nodekv::ops

@@ -64,6 +64,10 @@ void decode_attention(const AttentionArgs& a);
 // "avx2" or "scalar": the path these kernels take now.
 const char* active_isa();
 
+// Whether the AVX2 path is taken now (the CPU has it and set_force_scalar is off); shared with
+// prefill_attention.
+bool avx2_active();
+
 // Testing hook: force the scalar kernels even where AVX2 is available.
 void set_force_scalar(bool on);
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cpu_ops.h"
+#include "prefill_attention.h"
 #include "quant_matmul.h"
 
 namespace py = pybind11;
@@ -104,6 +105,22 @@ PYBIND11_MODULE(_C, m) {
         py::arg("kv_heads"), py::arg("hd"), py::arg("start"), py::arg("out"), py::arg("n_threads"),
         "Causal GQA attention of T tokens at start.. over one layer's [kv_heads, capacity, hd] K/V blocks "
         "(k_new 0 = nothing to store); out [T, H*hd].");
+    m.def(
+        "prefill_attention",
+        [](std::uintptr_t q, int64_t q_stride_t, int64_t q_stride_h, std::uintptr_t k_cache, std::uintptr_t v_cache,
+           int64_t capacity, int64_t n, int64_t H, int64_t kv_heads, int64_t hd, int64_t start, std::uintptr_t out,
+           int n_threads) {
+            const o::PrefillArgs a{ptr<const float>(q), q_stride_t, q_stride_h, ptr<const float>(k_cache),
+                                   ptr<const float>(v_cache), capacity, n, H, kv_heads, hd, start, ptr<float>(out),
+                                   n_threads};
+            py::gil_scoped_release nogil;
+            o::prefill_attention(a);
+        },
+        py::arg("q"), py::arg("q_stride_t"), py::arg("q_stride_h"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("capacity"), py::arg("n"), py::arg("H"), py::arg("kv_heads"), py::arg("hd"), py::arg("start"),
+        py::arg("out"), py::arg("n_threads"),
+        "Flash-style causal GQA prefill attention of n tokens at start.. over one layer's [kv_heads, capacity, hd] "
+        "K/V blocks (already holding positions < start + n); out [n, H*hd].");
     m.def("cpu_ops_isa", &o::active_isa, "'avx2' or 'scalar': the path the cpu_ops kernels take now.");
     m.def("cpu_ops_force_scalar", &o::set_force_scalar, py::arg("on"),
           "Testing hook: force the scalar cpu_ops kernels even where AVX2 is available.");

@@ -17,7 +17,7 @@ from .session import Session
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch")  # auto: C++ CPU kernels where they apply (fp32); torch: the torch reference only
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -35,6 +35,10 @@ class Engine:
         """An empty session on this engine."""
         return Session(self)
 
+    def new_cache(self, capacity: int = 256) -> ContiguousKVCache:
+        """An empty KV cache using the same kernels as the model."""
+        return ContiguousKVCache(self.config, self.model.dtype, capacity, cpu_kernels=self.model.cpu_kernels)
+
     @torch.inference_mode()
     def run(self, ids: Sequence[int], cache: KVCache, logits: str | None = "last", decode: bool = False):
         """Forward `ids` after what `cache` holds and charge its exact FLOPs; logits as in `Llama.forward`."""
@@ -47,7 +51,7 @@ class Engine:
 
     def forward_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [len(ids), vocab] at every position of `ids` run from an empty cache."""
-        return self.run(ids, ContiguousKVCache(self.config, self.model.dtype, capacity=len(ids)), logits="all")
+        return self.run(ids, self.new_cache(capacity=len(ids)), logits="all")
 
     def _check_ids(self, ids: Sequence[int]) -> torch.Tensor:
         tokens = torch.as_tensor(ids, dtype=torch.long) if not isinstance(ids, torch.Tensor) else ids.long()
@@ -77,4 +81,5 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
         tokenizer = Tokenizer.from_dir(ckpt.path)
     else:
         tokenizer = Tokenizer.from_gguf(ckpt.path, ckpt.gguf_metadata)
-    return Engine(Llama(ckpt.config, ckpt.tensors, DTYPES[dtype]), tokenizer, ckpt.path)
+    model = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], cpu_kernels=backend == "auto")
+    return Engine(model, tokenizer, ckpt.path)

@@ -75,11 +75,16 @@ class Llama:
     """A Llama-family decoder with fused weights; `forward` runs new tokens through a KV cache."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, Union[torch.Tensor, QuantWeight]],
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, cpu_kernels: bool = True):
+        """cpu_kernels: run the elementwise ops with the C++ kernels (fp32 only; otherwise the torch reference)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         self.config = config
         self.dtype = dtype
+        # fp32: one C++ call and one pass per op (torch's RMSNorm is 6 ops, RoPE 4): decode steps are bound by
+        # per-op overhead, and a 512-token prefill runs ~10% faster; other dtypes take the torch reference
+        self.cpu_kernels = cpu_kernels and dtype == torch.float32
+        self.ops = cpu_ops if self.cpu_kernels else reference
         matmul_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
         weights = _WeightReader(tensors, dtype, matmul_dtype)
 
@@ -132,9 +137,7 @@ class Llama:
         T = tokens.shape[0]
         start = cache.begin(T)
         dt = self.dtype
-        # fp32: one C++ call and one pass per op (torch's RMSNorm is 6 ops, RoPE 4): decode steps are bound by
-        # per-op overhead, and a 512-token prefill runs ~10% faster; other dtypes take the torch reference
-        ops = cpu_ops if dt == torch.float32 else reference
+        ops = self.ops
         cast = _identity if dt == torch.float32 else lambda t: t.to(dt)
         cos, sin = self.rope(start, T)
         n_qk = c.n_heads + c.n_kv_heads

@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 
-from .kv_cache import ContiguousKVCache
 from .sampling import check_sampling, sample
 
 if TYPE_CHECKING:
@@ -27,7 +26,7 @@ class Session:
 
     def __init__(self, engine: "Engine"):
         self.engine = engine
-        self.cache = ContiguousKVCache(engine.config, engine.model.dtype)
+        self.cache = engine.new_cache()
         self.tokens: list[int] = []
         self.nodes: list[NodeSpan] = []
         self._node_ids: set[Hashable] = set()

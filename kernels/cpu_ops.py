@@ -226,8 +226,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return y
 
 
-def _explain_attention(q, k_cache, v_cache, layer, start, k_new, v_new, out):
-    fn = "decode_attention"
+def _explain_attention(q, k_cache, v_cache, layer, start, k_new, v_new, out, fn="decode_attention"):
     _rank("q", q, 3, "[T, H, head_dim]", fn)
     _last_contig("q", q, fn)
     t, h, hd = q.shape
@@ -252,6 +251,42 @@ def _explain_attention(q, k_cache, v_cache, layer, start, k_new, v_new, out):
             _last_contig(name, x, fn)
     _check_out(out, (t, h * hd), fn)
     raise _unexplained(fn)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, start: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal grouped-query attention of n new tokens over one layer of a contiguous KV cache -> [n, H * hd], for
+    prefill (n in the hundreds or thousands; C++ in csrc/prefill_attention.cpp).
+
+    Same arguments and math as `decode_attention` without k_new/v_new: q [n, H, hd] (a strided view is fine; the
+    last dim must be contiguous) holds the queries at positions start .. start+n-1; k_cache, v_cache
+    [layers, kv_heads, capacity, hd] contiguous must already hold positions 0 .. start+n-1 of `layer`. Query head h
+    uses KV head h // (H // kv_heads); token t attends to positions [0, start + t], scale 1/sqrt(hd).
+
+    Flash-style: per (KV head, block of query tokens) the key blocks up to the diagonal are visited once, with an
+    online (base-2) softmax in fp32. Runs on up to torch.get_num_threads() threads; as the split into tasks does
+    not depend on the thread count, neither do the results.
+    """
+    try:
+        t, h, hd = q.shape
+        qst, qsh, qsd = q.stride()
+        n_layers, kv, cap, hd_c = k_cache.shape
+        ok = (q.dtype is _F32 and q.is_cpu and qsd == 1
+              and k_cache.dtype is _F32 and k_cache.is_cpu and k_cache.is_contiguous()
+              and v_cache.dtype is _F32 and v_cache.is_cpu and v_cache.shape == k_cache.shape
+              and v_cache.is_contiguous()
+              and hd_c == hd and h % kv == 0 and 0 <= layer < n_layers and 0 <= start and start + t <= cap
+              and _out_ok(out, (t, h * hd)))
+    except _BAD:
+        ok = False
+    if not ok:
+        _explain_attention(q, k_cache, v_cache, layer, start, None, None, out, "prefill_attention")
+    y = torch.empty(t, h * hd, dtype=_F32) if out is None else out
+    layer_offset = layer * kv * cap * hd * 4  # bytes
+    _C.prefill_attention(q.data_ptr(), qst, qsh, k_cache.data_ptr() + layer_offset,
+                         v_cache.data_ptr() + layer_offset, cap, t, h, kv, hd, start, y.data_ptr(),
+                         torch.get_num_threads())
+    return y
 
 
 rope = rope_  # the name the forward's op table shares with `reference.rope` (which is not in place)

@@ -93,16 +93,15 @@ def test_prefill_without_logits_keeps_the_cache_exact(save_hf):
     assert (got - ref[13:]).abs().max() <= 1e-4 * ref.abs().max()
 
 
-def test_torch_reference_ops_match_hf(save_hf, monkeypatch):
-    """fp32 forwards use the C++ ops; the torch reference (bf16's path) must compute the same forward."""
-    from nodekv.engine import model as model_module
-    from nodekv.kernels import reference
-
-    monkeypatch.setattr(model_module, "cpu_ops", reference)
+def test_torch_reference_ops_match_hf(save_hf):
+    """fp32 forwards use the C++ kernels by default; the torch reference (bf16's path, backend="torch") must
+    compute the same forward, through prefill, chunked prefill and single-token steps."""
     hf = tiny_hf_model(rope_scaling=True)
-    ours = _load(save_hf(hf))
-    ids = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(5))
+    ckpt = load_checkpoint(save_hf(hf))
+    ours = Llama(ckpt.config, ckpt.tensors, cpu_kernels=False)
+    ids = torch.randint(0, 101, (60,), generator=torch.Generator().manual_seed(5))
     ref = _hf_logits(hf, ids)
-    cache = ContiguousKVCache(ours.config, torch.float32)
-    got = torch.cat([ours.forward(ids[:37], cache, logits="all"), ours.forward(ids[37:], cache, logits="all")])
+    cache = ContiguousKVCache(ours.config, torch.float32, cpu_kernels=False)
+    got = torch.cat([ours.forward(ids[:37], cache, logits="all"), ours.forward(ids[37:57], cache, logits="all"),
+                     *[ours.forward(ids[i:i + 1], cache, logits="all") for i in range(57, 60)]])
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
