@@ -2,8 +2,8 @@
 
 Layout [layers, kv_heads, capacity, head_dim] so a layer's keys for the first n positions are one strided view.
 Attention is grouped-query without materialising repeated K/V. fp32: C++ kernels, one for few queries (decode,
-probes, the last layer's single row) and a flash-style tiled one for prefill chunks (1.4-2x torch's SDPA at 512-2K
-tokens, on par at 8K); other dtypes: SDPA with GQA.
+probes, the last layer's single row) and a flash-style tiled one for prefill chunks up to 4K keys (1.4-2x torch's
+SDPA at 512-2K tokens); longer prefills and other dtypes: SDPA with GQA.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from .errors import ContextOverflowError
 
 # Up to this many queries the C++ attention (no per-call setup, k/v written in the same call) beats SDPA.
 FEW_QUERIES = 16
+# Up to this many keys the C++ prefill attention beats SDPA (1.3-2x at 512-2K); at 8K it measured 0.7-1.1x.
+CPU_PREFILL_MAX_KEYS = 4096
 
 
 class ContiguousKVCache:
@@ -62,9 +64,10 @@ class ContiguousKVCache:
         self._v[layer, :, start:end] = v.transpose(0, 1)
         if n == 0:
             return q.new_empty(0, H * hd)
-        if self.cpu_kernels:
-            attention = cpu_ops.decode_attention if n <= FEW_QUERIES else cpu_ops.prefill_attention
-            return attention(q, self._k, self._v, layer, end - n)
+        if self.cpu_kernels and n <= FEW_QUERIES:
+            return cpu_ops.decode_attention(q, self._k, self._v, layer, end - n)
+        if self.cpu_kernels and end <= CPU_PREFILL_MAX_KEYS:
+            return cpu_ops.prefill_attention(q, self._k, self._v, layer, end - n)
         # 4-D inputs: with 3-D ones torch falls back to its (T×T-materialising) math kernel
         qh = q.transpose(0, 1)[None]
         keys, values = self._k[layer, :, :end][None], self._v[layer, :, :end][None]
