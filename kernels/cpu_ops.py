@@ -193,18 +193,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fp32 throughout; the softmax is max-subtracted, computed online per chunk of 128 positions, and the chunks are
     merged by log-sum-exp (scratch: hd + 2 floats per query row and chunk, so any length works). Runs on up to
     torch.get_num_threads() threads when the work is large enough (at SmolLM2's shapes from ~110 cached positions
-    on); the results do not depend on the thread count. Meant for few tokens (T up to ~16): prefill belongs to SDPA.
+    on); the results do not depend on the thread count. Meant for few tokens (T up to ~16): prefill belongs to
+    `prefill_attention`.
     """
     try:
-        t, h, hd = q.shape
-        qst, qsh, qsd = q.stride()
-        n_layers, kv, cap, hd_c = k_cache.shape
-        ok = (q.dtype is _F32 and q.is_cpu and qsd == 1
-              and k_cache.dtype is _F32 and k_cache.is_cpu and k_cache.is_contiguous()
-              and v_cache.dtype is _F32 and v_cache.is_cpu and v_cache.shape == k_cache.shape
-              and v_cache.is_contiguous()
-              and hd_c == hd and h % kv == 0 and 0 <= layer < n_layers and 0 <= start and start + t <= cap
-              and _out_ok(out, (t, h * hd)))
+        t, h, hd, kv, cap, qst, qsh, ok = _attention_args(q, k_cache, v_cache, layer, start, out)
         if k_new is None:
             ok = ok and v_new is None
             kp = kst = ksh = vp = vst = vsh = 0
@@ -224,6 +217,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                         v_cache.data_ptr() + layer_offset, cap, kp, kst, ksh, vp, vst, vsh, t, h, kv, hd, start,
                         y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def _attention_args(q, k_cache, v_cache, layer, start, out):
+    """(T, H, hd, kv_heads, capacity, q strides, ok) with ok the fast check shared by both attention kernels."""
+    t, h, hd = q.shape
+    qst, qsh, qsd = q.stride()
+    n_layers, kv, cap, hd_c = k_cache.shape
+    ok = (q.dtype is _F32 and q.is_cpu and qsd == 1
+          and k_cache.dtype is _F32 and k_cache.is_cpu and k_cache.is_contiguous()
+          and v_cache.dtype is _F32 and v_cache.is_cpu and v_cache.shape == k_cache.shape
+          and v_cache.is_contiguous()
+          and hd_c == hd and h % kv == 0 and 0 <= layer < n_layers and 0 <= start and start + t <= cap
+          and _out_ok(out, (t, h * hd)))
+    return t, h, hd, kv, cap, qst, qsh, ok
 
 
 def _explain_attention(q, k_cache, v_cache, layer, start, k_new, v_new, out, fn="decode_attention"):
@@ -268,15 +275,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     not depend on the thread count, neither do the results.
     """
     try:
-        t, h, hd = q.shape
-        qst, qsh, qsd = q.stride()
-        n_layers, kv, cap, hd_c = k_cache.shape
-        ok = (q.dtype is _F32 and q.is_cpu and qsd == 1
-              and k_cache.dtype is _F32 and k_cache.is_cpu and k_cache.is_contiguous()
-              and v_cache.dtype is _F32 and v_cache.is_cpu and v_cache.shape == k_cache.shape
-              and v_cache.is_contiguous()
-              and hd_c == hd and h % kv == 0 and 0 <= layer < n_layers and 0 <= start and start + t <= cap
-              and _out_ok(out, (t, h * hd)))
+        t, h, hd, kv, cap, qst, qsh, ok = _attention_args(q, k_cache, v_cache, layer, start, out)
     except _BAD:
         ok = False
     if not ok:
