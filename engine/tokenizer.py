@@ -15,9 +15,7 @@ GGUF conventions follow llama.cpp, which wrote the file:
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -26,7 +24,6 @@ from .errors import ModelLoadError
 from .gguf_file import read_gguf
 
 if TYPE_CHECKING:  # pragma: no cover
-    import gguf
     import tokenizers
 
 __all__ = ["Tokenizer", "DecodeStream"]

@@ -73,34 +73,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     The sum of squares runs in fp32 over 32 interleaved partial sums; matches F.rms_norm(x, (d,), weight, eps) to a
     few ulp. `out` may be x itself.
     """
-    try:
-        t, d = x.shape
-        ok = (x.dtype is _F32 and x.is_cpu and x.is_contiguous() and weight.dtype is _F32 and weight.is_cpu
-              and weight.shape == (d,) and weight.is_contiguous() and _out_ok(out, (t, d)))
-    except _BAD:
-        ok = False
-    if not ok:
-        _explain_norm("rms_norm", x, None, weight, out)
-    y = torch.empty(t, d, dtype=_F32) if out is None else out
-    _C.rms_norm(x.data_ptr(), t, d, weight.data_ptr(), eps, y.data_ptr())
-    return y
+    return _norm("rms_norm", x, None, weight, eps, out)
 
 
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The residual add fused with the norm after it: x += delta in place (exactly as torch adds), then return
     rms_norm(x, weight, eps). x, delta [T, d] and weight [d], float32 and contiguous; delta must not overlap x."""
+    return _norm("add_rms_norm_", x, delta, weight, eps, out)
+
+
+def _norm(fn: str, x, delta, weight, eps: float, out) -> torch.Tensor:
     try:
         t, d = x.shape
-        ok = (x.dtype is _F32 and x.is_cpu and x.is_contiguous() and delta.dtype is _F32 and delta.is_cpu
-              and delta.shape == (t, d) and delta.is_contiguous() and weight.dtype is _F32 and weight.is_cpu
-              and weight.shape == (d,) and weight.is_contiguous() and _out_ok(out, (t, d)))
+        ok = (x.dtype is _F32 and x.is_cpu and x.is_contiguous() and weight.dtype is _F32 and weight.is_cpu
+              and weight.shape == (d,) and weight.is_contiguous() and _out_ok(out, (t, d))
+              and (delta is None or (delta.dtype is _F32 and delta.is_cpu and delta.shape == (t, d)
+                                     and delta.is_contiguous())))
     except _BAD:
         ok = False
     if not ok:
-        _explain_norm("add_rms_norm_", x, delta, weight, out)
+        _explain_norm(fn, x, delta, weight, out)
     y = torch.empty(t, d, dtype=_F32) if out is None else out
-    _C.add_rms_norm(x.data_ptr(), delta.data_ptr(), t, d, weight.data_ptr(), eps, y.data_ptr())
+    if delta is None:
+        _C.rms_norm(x.data_ptr(), t, d, weight.data_ptr(), eps, y.data_ptr())
+    else:
+        _C.add_rms_norm(x.data_ptr(), delta.data_ptr(), t, d, weight.data_ptr(), eps, y.data_ptr())
     return y
 
 
