@@ -2,6 +2,8 @@
 few-token C++ kernels (`cpu_ops`) reproduce. Each function returns its result; it may reuse its input's storage."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -28,3 +30,73 @@ def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, ep
     """The residual add fused with the norm after it: x += delta in place, then rms_norm(x, weight, eps)."""
     x += delta
     return rms_norm(x, weight, eps)
+
+
+# ---------------------------------------------------------------- paged KV and attention with node mass
+#
+# Layout shared by every backend (torch reference, C++ `cpu_ops`, Triton):
+#   k_pages, v_pages  [layers, n_pages, kv_heads, page_size, head_dim], the model dtype
+#   block_table       int32 [>= ceil(end / page_size)]: key position s lives in page block_table[s // page_size]
+#                     at row s % page_size
+#   node_bounds       int32 [N + 1], 0 = b[0] < b[1] < ... < b[N] = end: key node j holds positions [b[j], b[j+1])
+# Queries are the last n positions before `end`; query i (position end - n + i) sees keys [0, end - n + i].
+
+# Bytes of scores the chunked reference may hold at once (queries are processed in chunks of this size).
+SCORE_CHUNK_BYTES = 16 << 20
+
+
+def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_table: torch.Tensor, end: int,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v [T, kv_heads, hd] at positions end - T .. end - 1 of one layer's pages."""
+    P = k_pages.shape[3]
+    pos = torch.arange(end - k.shape[0], end)
+    pages, rows = block_table[pos // P].long(), pos % P
+    k_pages[layer, pages, :, rows] = k.to(k_pages.dtype)
+    v_pages[layer, pages, :, rows] = v.to(v_pages.dtype)
+
+
+def gather_kv(pages: torch.Tensor, layer: int, block_table: torch.Tensor, end: int) -> torch.Tensor:
+    """One layer's keys (or values) for positions [0, end) as a contiguous [kv_heads, end, hd] tensor."""
+    P = pages.shape[3]
+    blocks = pages[layer, block_table[: -(-end // P)].long()]  # [n_blocks, kv_heads, P, hd]
+    return blocks.transpose(0, 1).reshape(pages.shape[2], -1, pages.shape[4])[:, :end]
+
+
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int,
+                    block_table: torch.Tensor, end: int, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None, node_bounds: torch.Tensor | None = None,
+                    mass: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal GQA attention of q [n, H, hd] over the paged keys [0, end); returns [n, H * hd] in q's dtype.
+
+    k_new, v_new [T, kv_heads, hd], when given, are first stored at positions end - T .. end - 1. Scale 1/sqrt(hd).
+    mass (float32 [n, N]) += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k]: the attention mass of every query
+    on every key node, summed over heads (callers divide by heads × layers). Without mass this is torch's SDPA on the
+    gathered keys; with it, queries run in chunks so at most SCORE_CHUNK_BYTES of scores exist at once."""
+    if k_new is not None:
+        write_kv(k_pages, v_pages, layer, block_table, end, k_new, v_new)
+    n, H, hd = q.shape
+    keys, values = gather_kv(k_pages, layer, block_table, end), gather_kv(v_pages, layer, block_table, end)
+    if n == 0:
+        return q.new_empty(0, H * hd)
+    start = end - n
+    if mass is None:
+        # 4-D inputs: with 3-D ones torch falls back to its (T x T-materialising) math kernel
+        mask = None if n == 1 else torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None].to(q.dtype),
+                                             values[None].to(q.dtype), attn_mask=mask, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(n, H * hd)
+    Hkv = keys.shape[0]
+    G = H // Hkv
+    node_of_key = torch.repeat_interleave(torch.arange(node_bounds.shape[0] - 1), node_bounds.diff().long())
+    kf, vf = keys.float(), values.float()
+    out = torch.empty(n, H, hd, dtype=torch.float32)
+    chunk = max(1, SCORE_CHUNK_BYTES // (4 * H * end))
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        qc = q[c0:c1].float().view(c1 - c0, Hkv, G, hd).permute(1, 2, 0, 3)  # [Hkv, G, c, hd]
+        scores = (qc @ kf[:, None].transpose(-1, -2)) / math.sqrt(hd)  # [Hkv, G, c, end]
+        visible = torch.arange(end)[None, :] <= torch.arange(start + c0, start + c1)[:, None]
+        p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[c0:c1] = (p @ vf[:, None]).permute(2, 0, 1, 3).reshape(c1 - c0, H, hd)
+        mass[c0:c1].index_add_(1, node_of_key, p.sum((0, 1)))
+    return out.reshape(n, H * hd).to(q.dtype)
