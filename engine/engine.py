@@ -7,51 +7,63 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from ..kernels import BACKENDS
 from .config import ModelConfig
 from .flops import FlopAccount, forward_flops
-from .kv_cache import ContiguousKVCache
+from .kv_cache import PagedKVCache
 from .loader import default_model_path, load_checkpoint
 from .model import KVCache, Llama
+from .page_pool import PagePool, default_pool_pages
 from .session import Session
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
-BACKENDS = ("auto", "torch")  # auto: C++ CPU kernels where they apply (fp32); torch: the torch reference only
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 class Engine:
     """A model ready to run: `session()` for cached prompts, `forward_logits` for scoring, `flops` for cost."""
 
-    def __init__(self, model: Llama, tokenizer: Tokenizer, path: Path | None = None):
+    def __init__(self, model: Llama, tokenizer: Tokenizer, pool: PagePool, path: Path | None = None):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
+        self.pool = pool
         self.path = path
         self.flops = FlopAccount()
 
     def session(self) -> Session:
-        """An empty session on this engine."""
+        """An empty session on this engine's page pool."""
         return Session(self)
 
-    def new_cache(self, capacity: int = 256) -> ContiguousKVCache:
-        """An empty KV cache using the same kernels as the model."""
-        return ContiguousKVCache(self.config, self.model.dtype, capacity, cpu_kernels=self.model.cpu_kernels)
+    def new_cache(self) -> PagedKVCache:
+        """An empty sequence in the page pool, attended with the model's backend."""
+        return PagedKVCache(self.pool, self.model.ops)
 
     @torch.inference_mode()
     def run(self, ids: Sequence[int], cache: KVCache, logits: str | None = "last", decode: bool = False):
-        """Forward `ids` after what `cache` holds and charge its exact FLOPs; logits as in `Llama.forward`."""
+        """Forward `ids` after what `cache` holds and charge its exact FLOPs; logits as in `Llama.forward`.
+        If the forward fails, the cache is left as it was."""
         tokens = self._check_ids(ids)
         n_past = cache.length
-        out = self.model.forward(tokens, cache, logits)
+        try:
+            out = self.model.forward(tokens, cache, logits)
+        except BaseException:
+            cache.truncate(n_past)  # gives back pages reserved for the failed tokens
+            raise
         n_logits = 0 if out is None else out.shape[0]
-        self.flops.add(forward_flops(self.config, len(tokens), n_past, n_logits), len(tokens), decode)
+        self.flops.add(forward_flops(self.config, len(tokens), n_past, n_logits, cache.collecting), len(tokens),
+                       decode)
         return out
 
     def forward_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [len(ids), vocab] at every position of `ids` run from an empty cache."""
-        return self.run(ids, self.new_cache(capacity=len(ids)), logits="all")
+        cache = self.new_cache()
+        try:
+            return self.run(ids, cache, logits="all")
+        finally:
+            cache.release()
 
     def _check_ids(self, ids: Sequence[int]) -> torch.Tensor:
         tokens = torch.as_tensor(ids, dtype=torch.long) if not isinstance(ids, torch.Tensor) else ids.long()
@@ -65,8 +77,12 @@ class Engine:
 
 
 def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", backend: str = "auto",
-                threads: int | None = None) -> Engine:
-    """Load a Llama-family model (HF directory or .gguf file; None = the embedded SmolLM2-135M-Instruct GGUF)."""
+                threads: int | None = None, kv_tokens: int | None = None, page_size: int = 64) -> Engine:
+    """Load a Llama-family model (HF directory or .gguf file; None = the embedded SmolLM2-135M-Instruct GGUF).
+
+    backend: "auto" (C++ CPU kernels for float32, torch otherwise), "torch", "cpu" or "triton".
+    kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
+    at most a quarter of physical memory); page_size: positions per page."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if backend not in BACKENDS:
@@ -81,5 +97,7 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
         tokenizer = Tokenizer.from_dir(ckpt.path)
     else:
         tokenizer = Tokenizer.from_gguf(ckpt.path, ckpt.gguf_metadata)
-    model = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], cpu_kernels=backend == "auto")
-    return Engine(model, tokenizer, ckpt.path)
+    llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend)
+    pool = PagePool(ckpt.config, llama.dtype, default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens),
+                    page_size)
+    return Engine(llama, tokenizer, pool, ckpt.path)

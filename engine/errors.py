@@ -11,3 +11,11 @@ class ModelLoadError(NodeKVError, ValueError):
 
 class ContextOverflowError(NodeKVError, ValueError):
     """A prompt or generation would exceed the model's context window."""
+
+
+class PoolExhaustedError(NodeKVError, RuntimeError):
+    """The KV page pool has no room for the tokens asked for; nothing was changed."""
+
+
+class SessionReleasedError(NodeKVError, RuntimeError):
+    """A session was used after `release()`."""

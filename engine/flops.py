@@ -21,22 +21,25 @@ def _visible(n_rows: int, n_new: int, n_past: int) -> int:
     return n_rows * (n_past + 1) + (first + n_new - 1) * n_rows // 2
 
 
-def forward_flop_parts(c: ModelConfig, n_new: int, n_past: int = 0, n_logits: int = 1) -> tuple[int, int, int]:
+def forward_flop_parts(c: ModelConfig, n_new: int, n_past: int = 0, n_logits: int = 1,
+                       collect: bool = False) -> tuple[int, int, int]:
     """(projection matmuls, attention, lm_head) FLOPs of one forward of n_new tokens after n_past cached ones.
 
     The last layer computes attention, output projection and MLP only for the n_logits positions whose logits
-    are taken (its other outputs feed nothing); its Q/K/V projection runs for every new token."""
+    are taken (its other outputs feed nothing); its Q/K/V projection runs for every new token. When attention
+    mass is collected (`collect`), the last layer's attention runs for every new token too."""
     qkv = 2 * c.dim * (c.q_dim + 2 * c.kv_dim)
     rest = 2 * c.q_dim * c.dim + 2 * c.dim * 2 * c.intermediate_size + 2 * c.intermediate_size * c.dim
     matmuls = c.n_layers * n_new * qkv + ((c.n_layers - 1) * n_new + n_logits) * rest
     per_key = c.n_heads * 4 * c.head_dim  # QKᵀ and PV, every query head
-    attention = per_key * ((c.n_layers - 1) * _visible(n_new, n_new, n_past) + _visible(n_logits, n_new, n_past))
+    last_rows = n_new if collect else n_logits
+    attention = per_key * ((c.n_layers - 1) * _visible(n_new, n_new, n_past) + _visible(last_rows, n_new, n_past))
     return matmuls, attention, n_logits * 2 * c.dim * c.vocab_size
 
 
-def forward_flops(c: ModelConfig, n_new: int, n_past: int = 0, n_logits: int = 1) -> int:
+def forward_flops(c: ModelConfig, n_new: int, n_past: int = 0, n_logits: int = 1, collect: bool = False) -> int:
     """Exact FLOPs of one forward of n_new tokens after n_past cached ones, with logits at n_logits positions."""
-    return sum(forward_flop_parts(c, n_new, n_past, n_logits))
+    return sum(forward_flop_parts(c, n_new, n_past, n_logits, collect))
 
 
 def parameter_count(c: ModelConfig, embeddings: bool = True) -> int:

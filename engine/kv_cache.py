@@ -1,88 +1,115 @@
-"""A contiguous, growable KV cache: the simple cache behind `Session` until the paged node cache replaces it.
+"""One token sequence's keys and values in the engine's page pool: a block table, a length, copy-on-write forks.
 
-Layout [layers, kv_heads, capacity, head_dim] so a layer's keys for the first n positions are one strided view.
-Attention is grouped-query without materialising repeated K/V. fp32: C++ kernels, one for few queries (decode,
-probes, the last layer's single row) and a flash-style tiled one for prefill chunks up to 4K keys (1.4-2x torch's
-SDPA at 512-2K tokens); longer prefills and other dtypes: SDPA with GQA.
+Tokens are packed densely (a node does not start on a page boundary): the kernels take any position through the
+block table, so alignment would only waste pages. The one page that can be both shared and written to is the
+partially filled last page; `begin` copies it first.
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
-import torch.nn.functional as F
 
-from ..kernels import cpu_ops
-from .config import ModelConfig
-from .errors import ContextOverflowError
-
-# Up to this many queries the C++ attention (no per-call setup, k/v written in the same call) beats SDPA.
-FEW_QUERIES = 16
-# Up to this many keys the C++ prefill attention beats SDPA (1.3-2x at 512-2K); at 8K it measured 0.7-1.1x.
-CPU_PREFILL_MAX_KEYS = 4096
+from .errors import ContextOverflowError, PoolExhaustedError, SessionReleasedError
+from .page_pool import PagePool
 
 
-class ContiguousKVCache:
-    """Keys and values of one token sequence, grown by doubling up to the model's context window."""
+class PagedKVCache:
+    """A sequence over pool pages, with `begin`/`attend`/`commit` for the forward and node-mass collection."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, capacity: int = 256, cpu_kernels: bool = True):
-        """cpu_kernels: attend with the C++ kernels (fp32 only; False or another dtype: torch's SDPA)."""
-        self.config, self.dtype = config, dtype
-        self.cpu_kernels = cpu_kernels and dtype == torch.float32
+    def __init__(self, pool: PagePool, ops: ModuleType):
+        """ops: the backend module whose `paged_attention` runs attention (reference, cpu_ops or triton_ops)."""
+        self.pool, self.ops = pool, ops
+        self.max_len = pool.config.max_seq_len
+        self.pages: list[int] = []
         self.length = 0
-        self._k = self._v = torch.empty(config.n_layers, config.n_kv_heads, 0, config.head_dim, dtype=dtype)
-        self._reserve(min(capacity, config.max_seq_len))
+        self.released = False
+        self._table: torch.Tensor | None = None
+        # node-mass collection for the next forward: key node bounds int32 [N+1] and float32 [T, N] accumulator
+        self._bounds: torch.Tensor | None = None
+        self._mass: torch.Tensor | None = None
 
-    def _reserve(self, needed: int) -> None:
-        cap = self._k.shape[2]
-        if needed <= cap:
-            return
-        new_cap = min(max(needed, 2 * cap), self.config.max_seq_len)
-        shape = (self.config.n_layers, self.config.n_kv_heads, new_cap, self.config.head_dim)
-        k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
-        k[:, :, : self.length] = self._k[:, :, : self.length]
-        v[:, :, : self.length] = self._v[:, :, : self.length]
-        self._k, self._v = k, v
+    @property
+    def collecting(self) -> bool:
+        """True while a forward must attend from every new position (the model then skips no rows)."""
+        return self._mass is not None
+
+    def collect(self, node_bounds: torch.Tensor | None, mass: torch.Tensor | None) -> None:
+        """Accumulate Σ_heads,layers attention mass of the next forward's queries into mass [T, N] (None: stop)."""
+        self._bounds, self._mass = node_bounds, mass
 
     def begin(self, n_tokens: int) -> int:
+        """Make room for n_tokens more positions (all or nothing); returns the position of the first."""
+        self.check_live()
         end = self.length + n_tokens
-        if end > self.config.max_seq_len:
-            raise ContextOverflowError(
-                f"{end} tokens exceed the model's context window of {self.config.max_seq_len} "
-                f"({self.length} cached + {n_tokens} new)"
-            )
-        self._reserve(end)
+        if end > self.max_len:
+            raise ContextOverflowError(f"{end} tokens exceed the model's context window of {self.max_len} "
+                                       f"({self.length} cached + {n_tokens} new)")
+        P = self.pool.page_size
+        new_pages = -(-end // P) - len(self.pages)
+        cow = self.length % P != 0 and self.pool.refcount[self.pages[-1]] > 1
+        if new_pages + cow > self.pool.n_free:
+            raise PoolExhaustedError(
+                f"KV page pool exhausted: {self.length} cached + {n_tokens} new tokens need {new_pages + cow} more "
+                f"pages of {P} tokens, {self.pool.n_free} of {self.pool.n_pages} are free; release sessions or "
+                f"load the engine with a larger kv_tokens")
+        if cow:
+            self.pages[-1] = self.pool.copy(self.pages[-1])
+        if new_pages > 0:
+            self.pages += self.pool.alloc(new_pages)
+        if cow or new_pages > 0 or self._table is None:
+            self._table = torch.tensor(self.pages, dtype=torch.int32)
         return self.length
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k, v ([T, kv_heads, hd]) after the cached tokens; causal attention over everything cached for
         q ([n, heads, hd]), the queries of the last n <= T new positions. Returns [n, heads * hd]."""
-        T = k.shape[0]
-        n, H, hd = q.shape
-        start, end = self.length, self.length + T
-        if n == T and n <= FEW_QUERIES and self.cpu_kernels:  # one C++ call that also writes k/v
-            return cpu_ops.decode_attention(q, self._k, self._v, layer, start, k, v)
-        self._k[layer, :, start:end] = k.transpose(0, 1)
-        self._v[layer, :, start:end] = v.transpose(0, 1)
-        if n == 0:
-            return q.new_empty(0, H * hd)
-        if self.cpu_kernels and n <= FEW_QUERIES:
-            return cpu_ops.decode_attention(q, self._k, self._v, layer, end - n)
-        if self.cpu_kernels and end <= CPU_PREFILL_MAX_KEYS:
-            return cpu_ops.prefill_attention(q, self._k, self._v, layer, end - n)
-        # 4-D inputs: with 3-D ones torch falls back to its (T×T-materialising) math kernel
-        qh = q.transpose(0, 1)[None]
-        keys, values = self._k[layer, :, :end][None], self._v[layer, :, :end][None]
-        mask = None
-        if n > 1 and not (start == 0 and n == T):
-            mask = torch.arange(end)[None, :] <= torch.arange(end - n, end)[:, None]
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, is_causal=mask is None and n > 1,
-                                             enable_gqa=True)
-        return out[0].transpose(0, 1).reshape(n, H * hd)
+        return self.ops.paged_attention(q, self.pool.k, self.pool.v, layer, self._table, self.length + k.shape[0],
+                                        k, v, self._bounds, self._mass)
 
     def commit(self, n_tokens: int) -> None:
         self.length += n_tokens
 
     def truncate(self, length: int) -> None:
-        """Forget every position from `length` on (the stale K/V are overwritten by the next append)."""
+        """Forget every position from `length` on and give back the pages past it."""
+        self.check_live()
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        keep = -(-length // self.pool.page_size)
+        self.pool.free(self.pages[keep:])
+        del self.pages[keep:]
         self.length = length
+        self._table = None
+
+    def state(self) -> tuple[int, list[int]]:
+        """What `restore` needs to undo everything done after this call (probes roll back with it)."""
+        return self.length, list(self.pages)
+
+    def restore(self, state: tuple[int, list[int]]) -> None:
+        """Back to `state` exactly: the same length and the same pages (copy-on-write copies made since are freed)."""
+        length, pages = state
+        for i, (old, new) in enumerate(zip(pages, self.pages)):
+            if old != new:  # copied on write since: our reference moved to the copy
+                self.pool.share([old])
+                self.pool.free([new])
+                self.pages[i] = old
+        self.truncate(length)
+        del self.pages[len(pages):]
+
+    def fork(self) -> "PagedKVCache":
+        """A cache holding the same tokens on the same pages (shared until one of them writes)."""
+        self.check_live()
+        other = PagedKVCache(self.pool, self.ops)
+        self.pool.share(self.pages)
+        other.pages, other.length = list(self.pages), self.length
+        return other
+
+    def release(self) -> None:
+        """Give every page back to the pool; the cache is unusable afterwards."""
+        self.check_live()
+        self.pool.free(self.pages)
+        self.pages, self.length, self.released, self._table = [], 0, True, None
+
+    def check_live(self) -> None:
+        if self.released:
+            raise SessionReleasedError("this session was released; its KV pages are back in the pool")

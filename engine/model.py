@@ -17,7 +17,7 @@ from typing import Mapping, Protocol, Union
 import torch
 import torch.nn.functional as F
 
-from ..kernels import cpu_ops, reference
+from ..kernels import backend_ops
 from ..kernels.quant import QuantWeight, quant_linear
 from .config import ModelConfig
 from .cpu import native_bf16_matmul
@@ -31,12 +31,15 @@ class KVCache(Protocol):
     """What the forward needs from a cache: room for T tokens, store-and-attend per layer, then commit."""
 
     length: int  # tokens cached
+    collecting: bool  # attention mass is being collected: every new position must attend, in every layer
 
     def begin(self, n_tokens: int) -> int: ...  # reserve room; returns the absolute position of the first token
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
     def commit(self, n_tokens: int) -> None: ...
+
+    def truncate(self, length: int) -> None: ...  # forget positions from `length` on
 
 
 @dataclass
@@ -75,16 +78,15 @@ class Llama:
     """A Llama-family decoder with fused weights; `forward` runs new tokens through a KV cache."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, Union[torch.Tensor, QuantWeight]],
-                 dtype: torch.dtype = torch.float32, cpu_kernels: bool = True):
-        """cpu_kernels: run the elementwise ops with the C++ kernels (fp32 only; otherwise the torch reference)."""
+                 dtype: torch.dtype = torch.float32, backend: str = "auto"):
+        """backend: the kernels' backend (see `nodekv.kernels.backend_ops`)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         self.config = config
         self.dtype = dtype
-        # fp32: one C++ call and one pass per op (torch's RMSNorm is 6 ops, RoPE 4): decode steps are bound by
-        # per-op overhead, and a 512-token prefill runs ~10% faster; other dtypes take the torch reference
-        self.cpu_kernels = cpu_kernels and dtype == torch.float32
-        self.ops = cpu_ops if self.cpu_kernels else reference
+        # fp32 on CPU: one C++ call and one pass per op (torch's RMSNorm is 6 ops, RoPE 4): decode steps are bound
+        # by per-op overhead, and a 512-token prefill runs ~10% faster; other dtypes take the torch reference
+        self.ops = backend_ops(backend, dtype)
         matmul_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
         weights = _WeightReader(tensors, dtype, matmul_dtype)
 
@@ -130,7 +132,8 @@ class Llama:
         """Run `tokens` ([T] int64) after what `cache` holds; logits ("last", "all" or None) as float32 [n, vocab].
 
         The final layer runs attention and MLP only for the positions whose logits are taken (none for None, one
-        for "last"): its other outputs feed nothing, while its K/V, which later tokens need, are still cached."""
+        for "last"): its other outputs feed nothing, while its K/V, which later tokens need, are still cached.
+        While the cache collects attention mass, the final layer's attention runs for every position."""
         if logits not in ("last", "all", None):
             raise ValueError(f"logits must be 'last', 'all' or None, got {logits!r}")
         c = self.config
@@ -149,9 +152,13 @@ class Llama:
             qk = ops.rope(qkv[:, : n_qk * c.head_dim].view(T, n_qk, c.head_dim), cos, sin)
             q, k = qk.split([c.n_heads, c.n_kv_heads], 1)
             v = qkv[:, n_qk * c.head_dim:].view(T, c.n_kv_heads, c.head_dim)
-            if i == c.n_layers - 1 and keep < T:
+            prune = i == c.n_layers - 1 and keep < T
+            if prune and not cache.collecting:
                 q, x = q[T - keep:], x[T - keep:]
-            h = ops.add_rms_norm_(x, layer.wo(cache.attend(i, q, k, v)), layer.ffn_norm, c.norm_eps)
+            attn = cache.attend(i, q, k, v)
+            if prune and cache.collecting:
+                attn, x = attn[T - keep:], x[T - keep:]
+            h = ops.add_rms_norm_(x, layer.wo(attn), layer.ffn_norm, c.norm_eps)
             next_norm = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm
             h = ops.add_rms_norm_(x, layer.w2(ops.silu_mul(layer.w13(cast(h)))), next_norm, c.norm_eps)
         cache.commit(T)

@@ -1,1 +1,23 @@
-"""Compute kernels beside their thin wrappers, with the torch reference of the same math."""
+"""Kernels of the forward, in interchangeable backends with one interface: `rms_norm`, `add_rms_norm_`, `rope`,
+`silu_mul` and `paged_attention` (with node-mass output). `reference` (torch) is the oracle and the fallback."""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+def backend_ops(backend: str, dtype: torch.dtype) -> ModuleType:
+    """The ops module of a backend: "torch" (reference), "cpu" (C++, fp32 only), "triton" (GPU, or Triton's
+    interpreter on CPU tensors with TRITON_INTERPRET=1), "auto" (cpu for fp32, else torch)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        backend = "cpu" if dtype == torch.float32 else "torch"
+    if backend == "cpu" and dtype != torch.float32:
+        raise ValueError(f"the cpu backend runs float32 only, got {dtype}; use backend='torch' or 'auto'")
+    module = {"torch": "reference", "cpu": "cpu_ops", "triton": "triton_ops"}[backend]
+    return importlib.import_module(f"{__name__}.{module}")

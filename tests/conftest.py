@@ -14,6 +14,40 @@ if not torch.cuda.is_available():  # Triton kernels run (slowly, single-threaded
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
 
+def new_cache(model, tokens: int = 512, page_size: int = 8):
+    """An empty paged KV cache for `model` (a nodekv Llama) in a pool of its own; small pages cross boundaries."""
+    from nodekv.engine.kv_cache import PagedKVCache
+    from nodekv.engine.page_pool import PagePool
+
+    return PagedKVCache(PagePool(model.config, model.dtype, -(-tokens // page_size), page_size), model.ops)
+
+
+class DigitTokenizer:
+    """A stand-in tokenizer for the 101-token tiny models: token i is the text f"<{i}>"."""
+
+    eos_ids = (100,)
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+    def token_id(self, piece):
+        if not (piece.startswith("<") and piece.endswith(">")):
+            raise ValueError(f"{piece!r} is not a single token")
+        return int(piece[1:-1])
+
+
+def tiny_engine(path, backend: str = "auto", dtype=torch.float32, pages: int = 64, page_size: int = 8):
+    """A nodekv Engine on a saved tiny checkpoint with the digit tokenizer and a small page pool of its own."""
+    from nodekv.engine.engine import Engine
+    from nodekv.engine.loader import load_checkpoint
+    from nodekv.engine.model import Llama
+    from nodekv.engine.page_pool import PagePool
+
+    ckpt = load_checkpoint(path)
+    model = Llama(ckpt.config, ckpt.tensors, dtype, backend)
+    return Engine(model, DigitTokenizer(), PagePool(ckpt.config, model.dtype, pages, page_size))
+
+
 def tiny_hf_model(kind: str = "llama", *, tied: bool = False, rope_scaling: bool = False, n_kv_heads: int = 2,
                   seed: int = 0, max_positions: int = 256):
     """A random-weight HF model: 2 layers, d=64, 4 query heads (GQA 4:2 by default)."""

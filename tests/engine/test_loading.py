@@ -8,9 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_hf_model, write_tiny_gguf
+from conftest import new_cache, tiny_hf_model, write_tiny_gguf
 from nodekv.engine.errors import ModelLoadError
-from nodekv.engine.kv_cache import ContiguousKVCache
 from nodekv.engine.loader import load_checkpoint
 from nodekv.engine.model import Llama
 
@@ -28,10 +27,10 @@ def test_gguf_matches_hf(qtype, tied, tmp_path):
     config, tensors = ckpt.config, ckpt.tensors
     assert config.tie_embeddings == tied
     model = Llama(config, tensors)
-    prefill = model.forward(ids, ContiguousKVCache(config, torch.float32), logits="all")
+    prefill = model.forward(ids, new_cache(model), logits="all")
     assert (prefill - ref).abs().max() <= 1e-4 * ref.abs().max()
     # one token at a time: the quantised kernels (for q* types) on the decode path
-    cache = ContiguousKVCache(config, torch.float32)
+    cache = new_cache(model)
     steps = torch.cat([model.forward(ids[i:i + 1], cache, logits="last") for i in range(len(ids))])
     assert (steps - ref).abs().max() <= 1e-4 * ref.abs().max()
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_hf_model
-from nodekv.engine.kv_cache import ContiguousKVCache
+from conftest import new_cache, tiny_hf_model
 from nodekv.engine.loader import load_checkpoint
 from nodekv.engine.model import Llama
 
@@ -35,7 +34,7 @@ def test_logits_match_hf(variant, save_hf):
     ours = _load(save_hf(hf))
     ids = torch.randint(0, 101, (150,), generator=torch.Generator().manual_seed(1))  # past the rope-scaling window
     ref = _hf_logits(hf, ids)
-    got = ours.forward(ids, ContiguousKVCache(ours.config, torch.float32), logits="all")
+    got = ours.forward(ids, new_cache(ours), logits="all")
     assert got.shape == ref.shape
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
@@ -48,7 +47,7 @@ def test_sharded_checkpoint_and_config(save_hf):
     assert (config.n_kv_heads, config.rope_scaling.factor, config.tie_embeddings) == (2, 8.0, False)
     ours = _load(path)
     ids = torch.arange(40) % 101
-    got = ours.forward(ids, ContiguousKVCache(ours.config, torch.float32), logits="all")
+    got = ours.forward(ids, new_cache(ours), logits="all")
     ref = _hf_logits(hf, ids)
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
@@ -60,7 +59,7 @@ def test_incremental_forward_matches_single_prefill(splits, save_hf):
     ours = _load(save_hf(hf))
     ids = torch.randint(0, 101, (12,), generator=torch.Generator().manual_seed(2))
     ref = _hf_logits(hf, ids)
-    cache = ContiguousKVCache(ours.config, torch.float32, capacity=2)  # forces growth on the way
+    cache = new_cache(ours, page_size=2)  # many page boundaries
     pos = 0
     for n in splits:
         last = ours.forward(ids[pos:pos + n], cache, logits="last")
@@ -73,8 +72,8 @@ def test_bf16_close_to_fp32(save_hf):
     path = save_hf(hf)
     ids = torch.randint(0, 101, (64,), generator=torch.Generator().manual_seed(3))
     f32, bf16 = _load(path), _load(path, torch.bfloat16)
-    a = f32.forward(ids, ContiguousKVCache(f32.config, torch.float32), logits="all")
-    b = bf16.forward(ids, ContiguousKVCache(bf16.config, torch.bfloat16), logits="all")
+    a = f32.forward(ids, new_cache(f32), logits="all")
+    b = bf16.forward(ids, new_cache(bf16), logits="all")
     assert b.dtype == torch.float32
     # bf16 keeps ~3 significant digits: relative error of a few 1e-2 is expected, an error of 1 is a bug
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
@@ -87,21 +86,22 @@ def test_prefill_without_logits_keeps_the_cache_exact(save_hf):
     ours = _load(save_hf(hf))
     ids = torch.randint(0, 101, (20,), generator=torch.Generator().manual_seed(4))
     ref = _hf_logits(hf, ids)
-    cache = ContiguousKVCache(ours.config, torch.float32)
+    cache = new_cache(ours)
     assert ours.forward(ids[:13], cache, logits=None) is None
     got = ours.forward(ids[13:], cache, logits="all")
     assert (got - ref[13:]).abs().max() <= 1e-4 * ref.abs().max()
 
 
-def test_torch_reference_ops_match_hf(save_hf):
-    """fp32 forwards use the C++ kernels by default; the torch reference (bf16's path, backend="torch") must
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_every_backend_matches_hf(backend, save_hf):
+    """The torch reference (bf16's path), the C++ kernels and the Triton kernels (in Triton's interpreter here)
     compute the same forward, through prefill, chunked prefill and single-token steps."""
     hf = tiny_hf_model(rope_scaling=True)
     ckpt = load_checkpoint(save_hf(hf))
-    ours = Llama(ckpt.config, ckpt.tensors, cpu_kernels=False)
+    ours = Llama(ckpt.config, ckpt.tensors, backend=backend)
     ids = torch.randint(0, 101, (60,), generator=torch.Generator().manual_seed(5))
     ref = _hf_logits(hf, ids)
-    cache = ContiguousKVCache(ours.config, torch.float32, cpu_kernels=False)
+    cache = new_cache(ours)
     got = torch.cat([ours.forward(ids[:37], cache, logits="all"), ours.forward(ids[37:57], cache, logits="all"),
                      *[ours.forward(ids[i:i + 1], cache, logits="all") for i in range(57, 60)]])
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -5,34 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_hf_model
-from nodekv.engine.engine import Engine
+from conftest import tiny_engine, tiny_hf_model
 from nodekv.engine.errors import ContextOverflowError
 from nodekv.engine.flops import forward_flops
-from nodekv.engine.loader import load_checkpoint
-from nodekv.engine.model import Llama
-
-
-class DigitTokenizer:
-    """A stand-in tokenizer for the 101-token tiny model: token i is the text f"<{i}>"."""
-
-    eos_ids = (100,)
-
-    def decode(self, ids):
-        return "".join(f"<{i}>" for i in ids)
-
-    def token_id(self, piece):
-        if not (piece.startswith("<") and piece.endswith(">")):
-            raise ValueError(f"{piece!r} is not a single token")
-        return int(piece[1:-1])
+from nodekv.kernels.reference import gather_kv
 
 
 @pytest.fixture
 def tiny(save_hf):
     hf = tiny_hf_model(max_positions=64)
-    ckpt = load_checkpoint(save_hf(hf))
-    config, tensors = ckpt.config, ckpt.tensors
-    return hf, Engine(Llama(config, tensors), DigitTokenizer())
+    return hf, tiny_engine(save_hf(hf))
+
+
+def cached_kv(s):
+    """The session's cached keys and values, every layer, as [2, layers, kv_heads, length, hd]."""
+    pool, table = s.cache.pool, torch.tensor(s.cache.pages, dtype=torch.int32)
+    return torch.stack([torch.stack([gather_kv(pages, i, table, s.cache.length) for i in range(pool.k.shape[0])])
+                        for pages in (pool.k, pool.v)])
 
 
 PROMPT = [5, 17, 3, 99, 42, 8, 8, 61]
@@ -57,21 +46,21 @@ def test_probe_is_softmax_over_choices_and_rolls_back(tiny):
     hf, eng = tiny
     s = eng.session()
     s.append(PROMPT)
-    state = (s.cache.length, list(s.tokens), list(s.nodes), s._logits.clone())
-    k_before = s.cache._k[:, :, : s.cache.length].clone()
+    state = (s.cache.state(), list(s.tokens), list(s.nodes), s._last_logits().clone())
+    kv_before = cached_kv(s)
     extra = [7, 7, 1]
     p = s.probe(["<4>", "<9>"], tokens=extra)
     with torch.no_grad():
         logits = hf(torch.tensor([PROMPT + extra])).logits[0, -1].double()
     ref = torch.softmax(logits[[4, 9]], 0)
     assert abs(p["<4>"] - ref[0].item()) < 1e-5 and abs(sum(p.values()) - 1) < 1e-12
-    assert (s.cache.length, s.tokens, s.nodes) == state[:3] and torch.equal(s._logits, state[3])
-    assert torch.equal(s.cache._k[:, :, : s.cache.length], k_before)
+    assert (s.cache.state(), s.tokens, s.nodes) == state[:3] and torch.equal(s._last_logits(), state[3])
+    assert torch.equal(cached_kv(s), kv_before)
     # after the rollback the session continues exactly as if the probe never happened
     s.append([2, 3])
     with torch.no_grad():
         ref_last = hf(torch.tensor([PROMPT + [2, 3]])).logits[0, -1]
-    assert (s._logits - ref_last).abs().max() <= 1e-4 * ref_last.abs().max()
+    assert (s._last_logits() - ref_last).abs().max() <= 1e-4 * ref_last.abs().max()
 
 
 def test_sampling_is_seeded(tiny):
@@ -133,7 +122,7 @@ def test_context_overflow_leaves_session_usable(tiny):
 def test_bad_input(tiny):
     _, eng = tiny
     s = eng.session()
-    with pytest.raises(ValueError, match="needs a prompt"):
+    with pytest.raises(ValueError, match="session is empty"):
         s.generate(4)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         s.append([1, 2, 101])

@@ -90,3 +90,33 @@ def test_cli_ask(tmp_path, capsys):
     (tmp_path / "blank.txt").write_text("  \n")
     assert main(["ask", str(tmp_path / "blank.txt"), "Who?"]) == 2
     assert main(["ask", str(tmp_path / "missing.txt"), "Who?"]) == 2
+
+
+def test_node_mass_matches_hf_eager_attentions(engine, hf_model):
+    """A 1,000-token prompt of 8 nodes appended one by one with collection: every token's mass per node equals the
+    same aggregate of HF's eager softmax matrices (output_attentions=True), averaged over heads and layers."""
+    path = SHARED_DATA / "leval" / "quality.jsonl"
+    if not path.exists():
+        pytest.skip(f"{path} is absent")
+    ids = engine.tokenizer.encode(json.loads(path.open().readline())["input"])[:1000]
+    bounds = [0, 90, 230, 231, 400, 555, 700, 870, 1000]
+    s = engine.session()
+    for j in range(8):
+        s.append(ids[bounds[j]:bounds[j + 1]], node_id=j, collect=True)
+    s.generate(6, node_id="gen", collect=True)
+    full = s.tokens
+    hf_model.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            att = hf_model(torch.tensor([full]), output_attentions=True).attentions
+    finally:
+        hf_model.config._attn_implementation = "sdpa"
+    mean = torch.zeros(len(full), len(full), dtype=torch.float64)
+    for a in att:
+        mean += a[0].double().sum(0)
+    mean /= len(att) * att[0].shape[1]
+    bounds.append(len(full))
+    for j, node in enumerate([*range(8), "gen"]):
+        want = torch.stack([mean[bounds[j]:bounds[j + 1], a:b].sum(1) for a, b in zip(bounds, bounds[1:j + 2])], 1)
+        torch.testing.assert_close(s.token_mass(node).double(), want, atol=1e-4, rtol=0)
+    s.release()

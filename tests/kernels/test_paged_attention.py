@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nodekv.kernels import reference
-from tests.kernels.paged_cases import brute_force, make_case
+from paged_cases import brute_force, make_case
 
 # backend name -> module whose paged_attention is tested (Triton runs under TRITON_INTERPRET=1 on CPU, see conftest)
 MODULES = {"reference": "nodekv.kernels.reference", "cpu": "nodekv.kernels.cpu_ops",

@@ -1,0 +1,364 @@
+"""Triton paged attention with node-mass output, and the paged KV write: the math of `reference.paged_attention` and
+`reference.write_kv` (read their docstrings and the layout comment above them) as GPU kernels.
+
+Layout (shared by every backend)::
+
+    k_pages, v_pages  [layers, n_pages, kv_heads, page_size, head_dim]
+    block_table       int32 [>= ceil(end / page_size)]: key position s is row s % page_size of page
+                      block_table[s // page_size]
+    node_bounds       int32 [N + 1], 0 = b[0] < ... < b[N] = end: key node j holds positions [b[j], b[j+1])
+
+Queries are the last n positions before `end`; query i (position end - n + i) sees keys [0, end - n + i].
+
+Attention (`_attn_fwd`) is flash attention (Dao et al. 2022, in the style of Triton's fused-attention tutorial): a
+program owns BLOCK_M query rows of one KV head and walks the keys in blocks of BLOCK_N, keeping the running row max
+m, the running denominator l and the unnormalised output acc (online softmax), so no [n, end] score matrix ever
+exists. GQA packs the G = H / kv_heads query heads that share a KV head into the rows: row r of KV head h is query
+i = r // G, head h * G + r % G, so one decode step (n = 1) is a G-row tile instead of G tiles of one row. Keys are
+gathered through the block table one row each (page = block_table[s // P]), which is why any page size works.
+Scores use exp2 with log2(e) / sqrt(hd) folded into one scale.
+
+Split-KV (flash-decoding): when the (row block, KV head) grid is too small to fill the GPU (decode at long context),
+the key range is cut into `num_splits` chunks run by separate programs, each writing a partial output normalised by
+its own denominator and its log-sum-exp; `_attn_combine` then merges the splits with weights 2^(lse_s - lse).
+
+Node mass (`_attn_mass`): mass[i, j] += Σ_h Σ_{k in node j} p_h[i, k], p the softmax probabilities. This is
+softmax(QKᵀ)·M with M[k, j] = 1 when key k is in node j, i.e. a second value matrix; we compute it in a second
+pass over the key blocks using the final log-sum-exp from the attention pass, so p = 2^(s·scale - lse) is exactly
+normalised when it is added (no rescaling of an [n, N] accumulator whenever the running max moves, and nothing
+depends on N). Nodes are contiguous runs of keys, so a key block touches a short range [j0, j1] of node ids; the
+program keeps the partial mass of the node still open at the end of a block in registers and adds a node's mass to
+`mass` (tl.atomic_add, as other KV heads and splits add to the same entries) once the node is finished, so a node
+costs one atomic per row, not one per key block. Extra memory: the [n, H] log-sum-exp and an int32 node id per key
+position [end]; the mass pass costs a second QKᵀ (about +50% of the attention FLOPs) and no PV product.
+
+Limits: head_dim <= 256 (padded to a power of two >= 16, the smallest tl.dot tile; padding is masked); any page
+size (keys are gathered per row); int64 offsets into the page pool. fp32 inputs use IEEE fp32 dots (not TF32) so
+fp32 results match the fp32 reference; bf16/fp16 inputs use tensor-core dots with fp32 accumulation, and the
+probabilities are rounded to the value dtype for the PV product, as in flash attention. Mass and log-sum-exp are
+always fp32. Float atomics make the mass sum order (not the result beyond fp32 rounding) nondeterministic.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention", "write_kv"]
+
+
+# ---------------------------------------------------------------- paged KV write
+
+
+@triton.jit(do_not_specialize=["layer", "first_pos"])
+def _write_kv_kernel(K, V, KP, VP, BT, layer, first_pos,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kpl, stride_kpp, stride_kph, stride_kpr,
+                     stride_vpl, stride_vpp, stride_vph, stride_vpr,
+                     HKV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per new token t: k[t], v[t] [HKV, HD] -> row pos % PAGE of page block_table[pos // PAGE]."""
+    t = tl.program_id(0)
+    pos = first_pos + t
+    page = tl.load(BT + pos // PAGE).to(tl.int64)
+    row = pos % PAGE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < HKV) & (d < HD)
+    k = tl.load(K + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(V + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    kp = KP + layer.to(tl.int64) * stride_kpl + page * stride_kpp + row * stride_kpr
+    vp = VP + layer.to(tl.int64) * stride_vpl + page * stride_vpp + row * stride_vpr
+    tl.store(kp + h * stride_kph + d, k.to(KP.dtype.element_ty), mask=mask)
+    tl.store(vp + h * stride_vph + d, v.to(VP.dtype.element_ty), mask=mask)
+
+
+def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_table: torch.Tensor, end: int,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v [T, kv_heads, hd] (any strides, last dim contiguous) at positions end - T .. end - 1 of one layer's
+    pages (cast to the pages' dtype). Pages need a contiguous last dim; block_table (int32, best already on the
+    pages' device: it is copied there otherwise) must cover positions [0, end)."""
+    T, Hkv, hd = k.shape
+    if T == 0:
+        return
+    block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "write_kv")
+    if v.shape != k.shape:
+        raise ValueError(f"write_kv: v {tuple(v.shape)} != k {tuple(k.shape)}")
+    k, v = _last_contig(k), _last_contig(v)
+    if not 0 <= layer < k_pages.shape[0] or end < T:
+        raise ValueError(f"write_kv: layer {layer} / end {end} out of range for {T} tokens")
+    _write_kv_kernel[(T,)](
+        k, v, k_pages, v_pages, block_table, layer, end - T,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_pages.stride()[:4], *v_pages.stride()[:4],
+        HKV=Hkv, HD=hd, PAGE=k_pages.shape[3],
+        BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(hd))
+
+
+# ---------------------------------------------------------------- attention
+
+
+@triton.jit
+def _load_q(Q, stride_qn, stride_qh, kvh, r0, n, G: tl.constexpr, HD: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The q tile [BLOCK_M, BLOCK_D] of rows r0.. of KV head kvh (row r: query r // G, head kvh * G + r % G), the
+    query index and head of each row, and the row mask."""
+    r = r0 + tl.arange(0, BLOCK_M)
+    i = r // G
+    head = kvh * G + r % G
+    d = tl.arange(0, BLOCK_D)
+    row_ok = i < n
+    q = tl.load(Q + i.to(tl.int64)[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < HD), other=0.0)
+    return q, i, head, row_ok
+
+
+@triton.jit
+def _scores(q, KP, BT, kp_base, stride_kpp, stride_kpr, start, hi, qpos, qk_scale,
+            HD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """Scaled (base-2) scores [BLOCK_M, BLOCK_N] of q against keys start.. (< hi), -inf where masked (causal or
+    beyond hi), the key positions, the key mask and the keys' pages."""
+    s = start + tl.arange(0, BLOCK_N)
+    kmask = s < hi
+    page = tl.load(BT + s // PAGE, mask=kmask, other=0).to(tl.int64)
+    row_off = kp_base + page * stride_kpp + (s % PAGE) * stride_kpr  # [BLOCK_N]
+    d = tl.arange(0, BLOCK_D)
+    kt = tl.load(KP + row_off[None, :] + d[:, None], mask=kmask[None, :] & (d[:, None] < HD), other=0.0)
+    qk = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION)
+    visible = kmask[None, :] & (s[None, :] <= qpos[:, None])
+    return tl.where(visible, qk * qk_scale, float("-inf")), s, kmask, page
+
+
+@triton.jit(do_not_specialize=["layer", "n", "end", "split_len"])
+def _attn_fwd(Q, KP, VP, BT, O, L, layer, n, end, split_len, qk_scale,
+              stride_qn, stride_qh,
+              stride_kpl, stride_kpp, stride_kph, stride_kpr,
+              stride_vpl, stride_vpp, stride_vph, stride_vpr,
+              stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_lh,
+              G: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (row block, KV head, split): online-softmax attention over keys [split * split_len,
+    min((split + 1) * split_len, causal end of the block)). Writes acc / l to O[split] (O's dtype) and, with
+    STORE_LSE, the base-2 log-sum-exp m + log2(l) of the scaled scores to L[split] (-inf and a zero output for a
+    row that sees no key of this split)."""
+    pid_m, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r0 = pid_m * BLOCK_M
+    q, i, head, row_ok = _load_q(Q, stride_qn, stride_qh, kvh, r0, n, G, HD, BLOCK_M, BLOCK_D)
+    qpos = end - n + i
+    # keys the block's last real query sees, cut to this split
+    i_last = tl.minimum(n - 1, (r0 + BLOCK_M - 1) // G)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, end - n + i_last + 1)
+    kp_base = layer.to(tl.int64) * stride_kpl + kvh * stride_kph
+    vp_base = layer.to(tl.int64) * stride_vpl + kvh * stride_vph
+    d = tl.arange(0, BLOCK_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        qk, s, kmask, page = _scores(q, KP, BT, kp_base, stride_kpp, stride_kpr, start, hi, qpos, qk_scale,
+                                     HD, PAGE, BLOCK_N, BLOCK_D, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: p = alpha = 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = vp_base + page * stride_vpp + (s % PAGE) * stride_vpr
+        v = tl.load(VP + v_off[:, None] + d[None, :], mask=kmask[:, None] & (d[None, :] < HD), other=0.0)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o_ptr = O + split.to(tl.int64) * stride_os + i.to(tl.int64)[:, None] * stride_on + head[:, None] * stride_oh \
+        + d[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HD))
+    if STORE_LSE:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(L + split * stride_ls + i * stride_ln + head * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["n_splits"])
+def _attn_combine(PO, PL, O, L, n_splits, stride_ps, stride_pn, stride_ph, stride_qs, stride_qn, stride_qh,
+                  stride_on, stride_oh, stride_ln, stride_lh,
+                  HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Program (query, head): out = Σ_s 2^(lse_s - lse) O_s with lse = log2 Σ_s 2^lse_s over the splits."""
+    i, h = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < n_splits
+    lse_s = tl.load(PL + s * stride_qs + i * stride_qn + h * stride_qh, mask=smask, other=float("-inf"))
+    m = tl.max(lse_s, 0)  # finite: split 0 holds key 0, which every query sees
+    w = tl.exp2(lse_s - m)
+    w_sum = tl.sum(w, 0)
+    po = tl.load(PO + s[:, None] * stride_ps + i * stride_pn + h * stride_ph + d[None, :],
+                 mask=smask[:, None] & (d[None, :] < HD), other=0.0)
+    out = tl.sum(po * w[:, None], 0) / w_sum
+    tl.store(O + i * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HD)
+    if STORE_LSE:
+        tl.store(L + i * stride_ln + h * stride_lh, m + tl.log2(w_sum))
+
+
+@triton.jit(do_not_specialize=["layer", "n", "end", "split_len"])
+def _attn_mass(Q, KP, BT, L, NODE, M, layer, n, end, split_len, qk_scale,
+               stride_qn, stride_qh, stride_kpl, stride_kpp, stride_kph, stride_kpr,
+               stride_ln, stride_lh, stride_mn, stride_mj,
+               G: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (row block, KV head, split): the same key range as `_attn_fwd`; p = 2^(score - lse) with the final
+    lse, summed per key node (NODE[s] is the node of key s) and added to M[i, node] once each node is finished."""
+    pid_m, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r0 = pid_m * BLOCK_M
+    q, i, head, row_ok = _load_q(Q, stride_qn, stride_qh, kvh, r0, n, G, HD, BLOCK_M, BLOCK_D)
+    qpos = end - n + i
+    lse = tl.load(L + i * stride_ln + head * stride_lh, mask=row_ok, other=0.0)
+    i_last = tl.minimum(n - 1, (r0 + BLOCK_M - 1) // G)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, end - n + i_last + 1)
+    kp_base = layer.to(tl.int64) * stride_kpl + kvh * stride_kph
+    m_row = M + i.to(tl.int64) * stride_mn
+
+    open_mass = tl.zeros([BLOCK_M], tl.float32)  # mass of the node that contains the last key seen so far
+    j_open = tl.load(NODE + tl.minimum(lo, end - 1))
+    for start in range(lo, hi, BLOCK_N):
+        qk, s, kmask, _ = _scores(q, KP, BT, kp_base, stride_kpp, stride_kpr, start, hi, qpos, qk_scale,
+                                  HD, PAGE, BLOCK_N, BLOCK_D, DOT_PRECISION)
+        p = tl.exp2(qk - lse[:, None])  # 0 where masked
+        node = tl.load(NODE + s, mask=kmask, other=-1)
+        j_last = tl.load(NODE + tl.minimum(start + BLOCK_N, hi) - 1)
+        # nodes j_open .. j_last - 1 end in this block: add them (the open one with its earlier part) and close
+        for j in range(j_open, j_last):
+            part = tl.sum(tl.where(node[None, :] == j, p, 0.0), 1)
+            tl.atomic_add(m_row + j * stride_mj, open_mass + part, mask=row_ok)
+            open_mass = tl.zeros([BLOCK_M], tl.float32)
+        open_mass += tl.sum(tl.where(node[None, :] == j_last, p, 0.0), 1)
+        j_open = j_last
+    if lo < hi:
+        tl.atomic_add(m_row + j_open * stride_mj, open_mass, mask=row_ok)
+
+
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, fn):
+    if k_pages.dim() != 5 or v_pages.shape != k_pages.shape:
+        raise ValueError(f"{fn}: pages must be [layers, n_pages, kv_heads, page_size, head_dim] and alike, got "
+                         f"{tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
+    if k_pages.shape[2] != Hkv or k_pages.shape[4] != hd:
+        raise ValueError(f"{fn}: pages {tuple(k_pages.shape)} do not hold {Hkv} kv heads of dim {hd}")
+    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError(f"{fn}: pages need a contiguous last dim")
+    if block_table.dim() != 1 or block_table.dtype.is_floating_point:
+        raise ValueError(f"{fn}: block_table must be a 1-D integer tensor, got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    if block_table.shape[0] < -(-end // k_pages.shape[3]):
+        raise ValueError(f"{fn}: block_table of {block_table.shape[0]} pages does not cover {end} positions")
+    return block_table.to(device=k_pages.device, dtype=torch.int32)  # a no-op when it already is
+
+
+def _blocks(rows: int, hd: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D): 16-row tiles for decode-sized row counts, 64 otherwise (tl.dot needs >= 16)."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    return block_m, 64, max(16, triton.next_power_of_2(hd))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_splits(programs: int, end: int, block_n: int, device: torch.device) -> int:
+    """Split the keys when the grid would leave most SMs idle and each split still gets >= 4 key blocks."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), end // (4 * block_n), 64))
+
+
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int,
+                    block_table: torch.Tensor, end: int, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None, node_bounds: torch.Tensor | None = None,
+                    mass: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of q [n, H, hd] (any strides, last dim contiguous) over the paged keys [0, end);
+    returns a contiguous [n, H * hd] in q's dtype.
+
+    k_new, v_new [T, kv_heads, hd], when given, are first stored at positions end - T .. end - 1 (`write_kv`).
+    Scale 1/sqrt(hd). With mass (float32 [n, N]) and node_bounds (int32 [N + 1]):
+    mass[i, j] += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k] (callers divide by heads × layers).
+    num_splits (keyword, optional) forces the number of key splits; by default it is chosen from the grid size and
+    the GPU's SM count (always 1 off CUDA)."""
+    n, H, hd = q.shape
+    Hkv = k_pages.shape[2]
+    block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
+    if q.device != k_pages.device:
+        raise ValueError(f"paged_attention: q on {q.device}, pages on {k_pages.device}")
+    if k_new is not None:
+        write_kv(k_pages, v_pages, layer, block_table, end, k_new, v_new)
+    if H % Hkv:
+        raise ValueError(f"paged_attention: {H} query heads are not a multiple of {Hkv} kv heads")
+    if hd > 256:
+        raise ValueError(f"paged_attention: head_dim {hd} > 256")
+    if not n <= end or not 0 <= layer < k_pages.shape[0]:
+        raise ValueError(f"paged_attention: {n} queries, end {end}, layer {layer} out of range")
+    out = torch.empty(n, H, hd, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out.view(0, H * hd)
+    q = _last_contig(q)
+    G = H // Hkv
+    block_m, block_n, block_d = _blocks(n * G, hd)
+    grid_m = triton.cdiv(n * G, block_m)
+    splits = num_splits or _num_splits(grid_m * Hkv, end, block_n, q.device)
+    split_len = triton.cdiv(triton.cdiv(end, splits), block_n) * block_n
+    splits = triton.cdiv(end, split_len)
+    want_lse = mass is not None
+    if want_lse:
+        if node_bounds is None:
+            raise ValueError("paged_attention: mass needs node_bounds")
+        N = node_bounds.shape[0] - 1
+        if mass.shape != (n, N) or mass.dtype != torch.float32:
+            raise ValueError(f"paged_attention: mass must be float32 [{n}, {N}], got {mass.dtype} "
+                             f"{tuple(mass.shape)}")
+    lse = torch.empty(n, H, dtype=torch.float32, device=q.device) if want_lse else out  # out: an unused pointer
+    precision = "ieee" if q.dtype == torch.float32 else None
+    qk_scale = 1.0 / math.sqrt(hd) * math.log2(math.e)
+    common = {"G": G, "HD": hd, "PAGE": k_pages.shape[3], "BLOCK_M": block_m, "BLOCK_N": block_n,
+              "BLOCK_D": block_d, "DOT_PRECISION": precision}
+    kp_strides, vp_strides = k_pages.stride()[:4], v_pages.stride()[:4]
+    if splits == 1:
+        o_buf, l_buf = out[None], lse[None] if want_lse else out[None, :, :, 0]
+    else:
+        o_buf = torch.empty(splits, n, H, hd, dtype=torch.float32, device=q.device)
+        l_buf = torch.empty(splits, n, H, dtype=torch.float32, device=q.device)
+    _attn_fwd[(grid_m, Hkv, splits)](
+        q, k_pages, v_pages, block_table, o_buf, l_buf, layer, n, end, split_len, qk_scale,
+        q.stride(0), q.stride(1), *kp_strides, *vp_strides,
+        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
+        STORE_LSE=want_lse or splits > 1, **common)
+    if splits > 1:
+        _attn_combine[(n, H)](
+            o_buf, l_buf, out, lse, splits, o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
+            l_buf.stride(0), l_buf.stride(1), l_buf.stride(2), out.stride(0), out.stride(1),
+            lse.stride(0), lse.stride(1) if want_lse else 0,
+            HD=hd, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(hd), STORE_LSE=want_lse)
+    if want_lse:
+        bounds = node_bounds.to(device=q.device, dtype=torch.int32)
+        node_of_key = (torch.searchsorted(bounds, torch.arange(end, dtype=torch.int32, device=q.device), right=True)
+                       - 1).to(torch.int32)
+        acc = mass if mass.device == q.device else torch.zeros(n, N, dtype=torch.float32, device=q.device)
+        _attn_mass[(grid_m, Hkv, splits)](
+            q, k_pages, block_table, lse, node_of_key, acc, layer, n, end, split_len, qk_scale,
+            q.stride(0), q.stride(1), *kp_strides, lse.stride(0), lse.stride(1), acc.stride(0), acc.stride(1),
+            **common)
+        if acc is not mass:
+            mass += acc.to(mass.device)
+    return out.view(n, H * hd)
