@@ -1,5 +1,6 @@
 """Per-call time of the few-token CPU kernels (nodekv.kernels.cpu_ops) vs the torch ops they replace, at T=1 with
-SmolLM2-135M shapes (dim 576, 9 query / 3 KV heads of 64, FFN 1536), attention over S cached positions.
+SmolLM2-135M shapes (dim 576, 9 query / 3 KV heads of 64, FFN 1536), attention over S keys of the paged cache (pages
+of 64 scattered in a pool; the torch side is `reference.paged_attention`).
 
 Each call is timed in batches of 30 (one per layer; attention cycles through a 30-layer cache, ~24 MB at S=512, so
 K/V come from the last-level cache or DRAM as in a forward pass, not from L1). Median and 10th percentile per call;
@@ -15,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from nodekv import _C
-from nodekv.kernels import cpu_ops
+from nodekv.kernels import cpu_ops, reference
 
-DIM, HIDDEN, N_HEADS, N_KV, HD, LAYERS, EPS = 576, 1536, 9, 3, 64, 30, 1e-5
+DIM, HIDDEN, N_HEADS, N_KV, HD, LAYERS, EPS, PAGE = 576, 1536, 9, 3, 64, 30, 1e-5, 64
 
 
 def per_call_us(fn, seconds: float) -> tuple[float, float]:
@@ -55,22 +56,16 @@ def main() -> None:
     cos3, sin3 = cos[:, None, :], sin[:, None, :]
     gate_up = randn(1, 2 * HIDDEN)
 
-    start = args.seq - 1
-    cap = args.seq
-    k_cache, v_cache = randn(LAYERS, N_KV, cap, HD), randn(LAYERS, N_KV, cap, HD)
+    end = args.seq
+    n_blocks = -(-end // PAGE)
+    n_pages = 2 * n_blocks  # pages scattered in a pool twice as big
+    k_pages, v_pages = randn(LAYERS, n_pages, N_KV, PAGE, HD), randn(LAYERS, n_pages, N_KV, PAGE, HD)
+    table = torch.randperm(n_pages, generator=g)[:n_blocks].int()
     q = randn(1, N_HEADS, HD)
     k_new = qkv[:, N_HEADS * HD: n_qk * HD].view(1, N_KV, HD)
     v_new = qkv[:, n_qk * HD:].view(1, N_KV, HD)
-
-    def torch_attention(layer: int, store: bool = True) -> torch.Tensor:  # ContiguousKVCache.attend, T == 1
-        end = start + 1
-        if store:
-            k_cache[layer, :, start:end] = k_new.transpose(0, 1)
-            v_cache[layer, :, start:end] = v_new.transpose(0, 1)
-        keys, values = k_cache[layer, :, :end], v_cache[layer, :, :end]
-        qg = q.view(N_KV, N_HEADS // N_KV, HD)
-        scores = torch.softmax((qg @ keys.transpose(1, 2)) * HD ** -0.5, dim=-1)
-        return (scores @ values).view(1, N_HEADS * HD)
+    bounds = torch.tensor(sorted({*range(0, end, 32), end}), dtype=torch.int32)
+    mass = torch.zeros(1, bounds.shape[0] - 1)
 
     def silu_torch(_):
         gate, up = gate_up.chunk(2, -1)
@@ -88,13 +83,19 @@ def main() -> None:
          lambda _: qk * cos3 + qk.roll(HD // 2, -1) * sin3, lambda _: cpu_ops.rope_(qk, cos, sin), None),
         ("silu_mul", "chunk, silu(g) * u", silu_torch, lambda _: cpu_ops.silu_mul(gate_up),
          lambda _: cpu_ops.silu_mul(gate_up, out=y_hidden)),
-        (f"decode_attention S={args.seq}", "bmm, softmax, bmm",
-         lambda i: torch_attention(i, store=False),
-         lambda i: cpu_ops.decode_attention(q, k_cache, v_cache, i, start),
-         lambda i: cpu_ops.decode_attention(q, k_cache, v_cache, i, start, out=y_attn)),
-        ("  + store new k, v", "2 copies + the above", torch_attention,
-         lambda i: cpu_ops.decode_attention(q, k_cache, v_cache, i, start, k_new, v_new),
-         lambda i: cpu_ops.decode_attention(q, k_cache, v_cache, i, start, k_new, v_new, out=y_attn)),
+        (f"paged_attention S={args.seq}", "gather, SDPA",
+         lambda i: reference.paged_attention(q, k_pages, v_pages, i, table, end),
+         lambda i: cpu_ops.paged_attention(q, k_pages, v_pages, i, table, end),
+         lambda i: cpu_ops.paged_attention(q, k_pages, v_pages, i, table, end, out=y_attn)),
+        ("  + store new k, v", "index_put + the above",
+         lambda i: reference.paged_attention(q, k_pages, v_pages, i, table, end, k_new, v_new),
+         lambda i: cpu_ops.paged_attention(q, k_pages, v_pages, i, table, end, k_new, v_new),
+         lambda i: cpu_ops.paged_attention(q, k_pages, v_pages, i, table, end, k_new, v_new, out=y_attn)),
+        ("  + node mass (32/node)", "softmax, index_add",
+         lambda i: reference.paged_attention(q, k_pages, v_pages, i, table, end, k_new, v_new, bounds, mass),
+         lambda i: cpu_ops.paged_attention(q, k_pages, v_pages, i, table, end, k_new, v_new, bounds, mass),
+         lambda i: cpu_ops.paged_attention(q, k_pages, v_pages, i, table, end, k_new, v_new, bounds, mass,
+                                           out=y_attn)),
     ]
     print(f"T=1, SmolLM2-135M shapes, {args.threads} threads, isa {_C.cpu_ops_isa()}; µs per call, median (p10)")
     print(f"{'kernel':<26}{'torch ops replaced':<22}{'torch':>16}{'nodekv':>16}{'nodekv out=':>16}{'speedup':>9}")

@@ -1,7 +1,9 @@
 """Prefill and decode speed of nodekv against HF transformers on the same GGUF, same dtype, same threads,
-measured side by side in one process; optionally HF's and nodekv's bf16-vs-fp32 top-1 agreement.
+measured side by side in one process; with --llama-cpp also llama.cpp (llama-cpp-python, computing on the Q4_1
+blocks); optionally HF's and nodekv's bf16-vs-fp32 top-1 agreement.
 
     python -m nodekv.bench.engine_speed [--dtypes float32,bfloat16] [--prefill 512,2048,8192] [--decode 128]
+                                        [--llama-cpp]
 """
 from __future__ import annotations
 
@@ -51,6 +53,33 @@ def hf_decode(model, prompt: list[int], n: int) -> int:
     return n
 
 
+class LlamaCpp:
+    """llama.cpp on the same GGUF through llama-cpp-python (an optional peer: see DESIGN.md §7 for its build flags)."""
+
+    def __init__(self, path: Path, n_ctx: int, threads: int):
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   n_batch=512, logits_all=False, verbose=False)
+
+    def prefill(self, ids: list[int]) -> None:
+        self.llm.reset()
+        self.llm.eval(ids)
+
+    def decode(self, prompt: list[int], n: int) -> float:
+        """Seconds for n greedy tokens after `prompt`."""
+        import numpy as np
+
+        self.prefill(prompt)
+        t = time.perf_counter()
+        for _ in range(n):
+            logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.llm._ctx.ctx, -1),
+                                           shape=(self.llm.n_vocab(),))
+            self.llm.eval([int(logits.argmax())])
+        return time.perf_counter() - t
+
+
 def nodekv_decode(engine, prompt: list[int], n: int) -> tuple[int, float]:
     """(tokens generated, seconds) for greedy decoding after `prompt`."""
     s = engine.session()
@@ -64,6 +93,9 @@ def speed_table(args) -> Iterator[tuple]:
     import nodekv
     from nodekv.engine.engine import DTYPES
 
+    from nodekv.engine.loader import default_model_path
+
+    llama = LlamaCpp(default_model_path(), max(args.prefill + [640]) + 8, args.threads) if args.llama_cpp else None
     for dtype_name in args.dtypes:
         engine = nodekv.load_engine(dtype=dtype_name, threads=args.threads)
         tok = engine.tokenizer
@@ -71,20 +103,24 @@ def speed_table(args) -> Iterator[tuple]:
         while len(ids) < max(args.prefill + [512]):
             ids = ids + ids
         hf = None if args.skip_hf else load_hf(engine.path, DTYPES[dtype_name])
+        nan = float("nan")
         for n in args.prefill:
             repeats = 3 if n <= 2048 else 1
             ours = _timed(lambda: engine.session().append(ids[:n]), repeats)
-            theirs = _timed(lambda: hf_prefill(hf, ids[:n]), repeats) if hf else float("nan")
-            yield dtype_name, f"prefill {n}", n / ours, n / theirs
+            theirs = _timed(lambda: hf_prefill(hf, ids[:n]), repeats) if hf else nan
+            cpp = _timed(lambda: llama.prefill(ids[:n]), repeats) if llama else nan
+            yield dtype_name, f"prefill {n}", n / ours, n / theirs, n / cpp
         if args.decode:
             prompt = ids[:512]
             count, ours = nodekv_decode(engine, prompt, args.decode)
-            theirs = float("nan")
+            theirs = cpp = nan
             if hf:
                 t_prefill = _timed(lambda: hf_prefill(hf, prompt), 1)
                 t_all = _timed(lambda: hf_decode(hf, prompt, args.decode), 1)
                 theirs = (t_all - t_prefill) / args.decode
-            yield dtype_name, f"decode {count} after 512", count / ours, 1 / theirs
+            if llama:
+                cpp = llama.decode(prompt, args.decode) / args.decode
+            yield dtype_name, f"decode {count} after 512", count / ours, 1 / theirs, 1 / cpp
         del hf, engine
 
 
@@ -114,14 +150,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode", default=128, type=int, help="tokens to decode after a 512-token prompt (0: skip)")
     p.add_argument("--threads", default=2, type=int)
     p.add_argument("--skip-hf", action="store_true", help="time nodekv alone")
+    p.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp (needs llama-cpp-python)")
     p.add_argument("--agreement", action="store_true", help="also measure bf16-vs-fp32 top-1 agreement")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     print(f"SmolLM2-135M-Instruct (GGUF Q4_1), {args.threads} threads, torch {torch.__version__}")
-    print(f"{'dtype':<10} {'work':<22} {'nodekv tok/s':>13} {'HF tok/s':>10} {'ratio':>7}")
-    for dtype, work, ours, theirs in speed_table(args):
-        print(f"{dtype:<10} {work:<22} {ours:>13,.1f} {theirs:>10,.1f} {ours / theirs:>7.2f}", flush=True)
+    print(f"{'dtype':<10} {'work':<22} {'nodekv tok/s':>13} {'HF tok/s':>10} {'ratio':>7}"
+          f" {'llama.cpp (Q4_1)':>17} {'ratio':>7}")
+    for dtype, work, ours, theirs, cpp in speed_table(args):
+        print(f"{dtype:<10} {work:<22} {ours:>13,.1f} {theirs:>10,.1f} {ours / theirs:>7.2f} {cpp:>17,.1f}"
+              f" {ours / cpp:>7.2f}", flush=True)
     if args.agreement:
         print("\nbf16 vs fp32 top-1 agreement, first 2,000 tokens of the first QuALITY story")
         for who, value in agreement(args):

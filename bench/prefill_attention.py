@@ -1,6 +1,12 @@
-"""Prefill attention: nodekv.kernels.cpu_ops.prefill_attention vs torch's SDPA (CPU flash, is_causal, enable_gqa) at
-SmolLM2-135M shapes (9 query / 3 KV heads of 64), start=0, n=T, side by side. Best-of-N wall time and GFLOP/s
-counting the causal half: 4 * T^2 / 2 * hd * H. Run: python -m nodekv.bench.prefill_attention [--threads 2]
+"""Prefill attention over the paged KV cache: nodekv.kernels.cpu_ops.paged_attention (the C++ tiled kernel) with and
+without node mass, vs torch SDPA: `reference.paged_attention` without mass (gathers the pages, then SDPA with an
+explicit causal mask: the torch backend's path) and, for scale, SDPA with is_causal on K/V already contiguous.
+
+SmolLM2-135M shapes (9 query / 3 KV heads of 64), n = end queries from empty, pages of 64 scattered in a pool twice
+the size, nodes of --node-len keys for the mass. The variants take turns, once per round; best of --reps rounds, and
+GFLOP/s counting the causal half: 4 * T^2 / 2 * hd * H. On a busy machine the kernels' contention guard
+(csrc/cpu_common.h) may run them on one thread for a while: compare with --threads 1 when the numbers jump.
+Run: python -m nodekv.bench.prefill_attention [--threads 2] [--seq 512 2048 8192] [--node-len 32]
 """
 from __future__ import annotations
 
@@ -10,19 +16,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nodekv.kernels import cpu_ops
+from nodekv.kernels import cpu_ops, reference
 
 H, KV, HD = 9, 3, 64
-
-
-def best_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
 
 
 def main() -> None:
@@ -30,24 +26,47 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seq", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--node-len", type=int, default=32, help="keys per node for the mass output")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    print(f"threads {args.threads}, best of {args.reps}; H={H}, kv_heads={KV}, hd={HD}")
-    print(f"{'T':>6} {'nodekv ms':>10} {'GFLOP/s':>8} {'SDPA ms':>10} {'GFLOP/s':>8} {'speedup':>8} {'max|diff|':>10}")
+    P = args.page_size
+    print(f"threads {args.threads}, best of {args.reps}; H={H}, kv_heads={KV}, hd={HD}, page_size {P}, "
+          f"nodes of {args.node_len} keys; ms (GFLOP/s)")
+    print(f"{'T':>6} {'C++':>16} {'C++ + mass':>16} {'mass cost':>10} {'reference SDPA':>16} {'vs C++':>7} "
+          f"{'SDPA is_causal':>16} {'vs C++':>7} {'max|diff|':>10}")
     for t in args.seq:
-        q = torch.randn(t, H, HD, generator=g)                # [n, H, hd], as the engine holds it
-        k_cache = torch.randn(1, KV, t, HD, generator=g)      # [layers, kv_heads, capacity, hd]
-        v_cache = torch.randn(1, KV, t, HD, generator=g)
-        qs = q.transpose(0, 1).contiguous()[None]             # SDPA's [1, H, T, hd]
-        ours = lambda: cpu_ops.prefill_attention(q, k_cache, v_cache, 0, 0)  # noqa: E731
-        ref = lambda: F.scaled_dot_product_attention(qs, k_cache, v_cache, is_causal=True,  # noqa: E731
-                                                     enable_gqa=True)
-        diff = (ours() - ref()[0].transpose(0, 1).reshape(t, H * HD)).abs().max().item()
-        a, b = best_ms(ours, args.reps), best_ms(ref, args.reps)
+        n_blocks = -(-t // P)
+        n_pages = 2 * n_blocks
+        k_pages = torch.randn(1, n_pages, KV, P, HD, generator=g)
+        v_pages = torch.randn(1, n_pages, KV, P, HD, generator=g)
+        table = torch.randperm(n_pages, generator=g)[:n_blocks].int()
+        q = torch.randn(t, H, HD, generator=g)
+        bounds = torch.tensor(sorted({*range(0, t, args.node_len), t}), dtype=torch.int32)
+        mass = torch.zeros(t, bounds.shape[0] - 1)
+        keys, values = (reference.gather_kv(x, 0, table, t)[None] for x in (k_pages, v_pages))
+        qs = q.transpose(0, 1).contiguous()[None]  # SDPA's [1, H, T, hd]
+        variants = {
+            "C++": lambda: cpu_ops.paged_attention(q, k_pages, v_pages, 0, table, t),
+            "mass": lambda: cpu_ops.paged_attention(q, k_pages, v_pages, 0, table, t, node_bounds=bounds, mass=mass),
+            "reference": lambda: reference.paged_attention(q, k_pages, v_pages, 0, table, t),
+            "causal": lambda: F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True),
+        }
+        diff = (variants["C++"]() - variants["reference"]()).abs().max().item()
+        best = dict.fromkeys(variants, float("inf"))
+        for _ in range(args.reps):
+            for name, fn in variants.items():
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
         gflop = 4 * t * t / 2 * HD * H / 1e9
-        print(f"{t:>6} {a:>10.2f} {gflop / a * 1e3:>8.1f} {b:>10.2f} {gflop / b * 1e3:>8.1f} {b / a:>7.2f}x "
-              f"{diff:>10.2e}")
+        rate = lambda ms: f"{ms:>8.2f} ({gflop / ms * 1e3:>5.1f})"  # noqa: E731
+        a = best["C++"]
+        print(f"{t:>6} {rate(a):>16} {rate(best['mass']):>16} {best['mass'] / a - 1:>+9.1%} "
+              f"{rate(best['reference']):>16} {best['reference'] / a:>6.2f}x {rate(best['causal']):>16} "
+              f"{best['causal'] / a:>6.2f}x {diff:>10.2e}")
+    print("(mass cost: C++ + mass over C++; vs C++: that time / C++ time)")
 
 
 if __name__ == "__main__":

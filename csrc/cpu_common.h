@@ -45,6 +45,49 @@ NKV_AVX2 inline __m256 exp_reduced(__m256 r) {
     return _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
 }
 
+// exp(x) for x <= 0 (NaN propagates): exp_reduced on r = x - n ln2, times 2^n built as 2^n1 * 2^n2, so that
+// results in the subnormal range come out right too. ~1 ulp.
+NKV_AVX2 inline __m256 exp_nonpos(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);  // exp(-104) < 2^-150 rounds to 0 anyway
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    const __m256 p = exp_reduced(r);
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1);
+    const __m256i n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+// 2^x for x <= 0 (x = -inf gives 0); relative error ~1e-7. Below -126 the result is 0.
+NKV_AVX2 inline __m256 exp2_nonpos(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.693147180559945309f));  // |r| <= ln2/2
+    const __m256 p = exp_reduced(r);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+// Lanes [0, n) of a vector, n in 0..8, for masked loads and stores of a row's tail.
+NKV_AVX2 inline __m256i tail_mask(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Sum of p[0, n), 8 lanes at a time (masked tail).
+NKV_AVX2 inline float sum_avx2(const float* p, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + i));
+    if (i < n) acc = _mm256_add_ps(acc, _mm256_maskload_ps(p + i, tail_mask(n - i)));
+    return hsum(acc);
+}
+
 namespace par {
 
 // Contention guard. A parallel region starts by waking the team and ends in a barrier that

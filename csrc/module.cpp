@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "cpu_ops.h"
-#include "prefill_attention.h"
+#include "paged_attention.h"
 #include "quant_matmul.h"
 
 namespace py = pybind11;
@@ -87,40 +87,32 @@ PYBIND11_MODULE(_C, m) {
         py::arg("gu"), py::arg("T"), py::arg("I"), py::arg("y"),
         "y[T,I] = silu(gu[:, :I]) * gu[:, I:]; contiguous fp32 buffers.");
     m.def(
-        "decode_attention",
-        [](std::uintptr_t q, int64_t q_stride_t, int64_t q_stride_h, std::uintptr_t k_cache, std::uintptr_t v_cache,
-           int64_t capacity, std::uintptr_t k_new, int64_t k_new_stride_t, int64_t k_new_stride_h,
-           std::uintptr_t v_new, int64_t v_new_stride_t, int64_t v_new_stride_h, int64_t T, int64_t H,
-           int64_t kv_heads, int64_t hd, int64_t start, std::uintptr_t out, int n_threads) {
-            const o::AttentionArgs a{ptr<const float>(q), q_stride_t, q_stride_h, ptr<float>(k_cache),
-                                     ptr<float>(v_cache), capacity, ptr<const float>(k_new),
-                                     ptr<const float>(v_new), k_new_stride_t, k_new_stride_h, v_new_stride_t,
-                                     v_new_stride_h, T, H, kv_heads, hd, start, ptr<float>(out), n_threads};
-            py::gil_scoped_release nogil;
-            o::decode_attention(a);
-        },
-        py::arg("q"), py::arg("q_stride_t"), py::arg("q_stride_h"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("capacity"), py::arg("k_new"), py::arg("k_new_stride_t"), py::arg("k_new_stride_h"),
-        py::arg("v_new"), py::arg("v_new_stride_t"), py::arg("v_new_stride_h"), py::arg("T"), py::arg("H"),
-        py::arg("kv_heads"), py::arg("hd"), py::arg("start"), py::arg("out"), py::arg("n_threads"),
-        "Causal GQA attention of T tokens at start.. over one layer's [kv_heads, capacity, hd] K/V blocks "
-        "(k_new 0 = nothing to store); out [T, H*hd].");
-    m.def(
-        "prefill_attention",
-        [](std::uintptr_t q, int64_t q_stride_t, int64_t q_stride_h, std::uintptr_t k_cache, std::uintptr_t v_cache,
-           int64_t capacity, int64_t n, int64_t H, int64_t kv_heads, int64_t hd, int64_t start, std::uintptr_t out,
+        "paged_attention",
+        [](std::uintptr_t q, int64_t q_stride_t, int64_t q_stride_h, std::uintptr_t k_pages, std::uintptr_t v_pages,
+           int64_t n_pages, int64_t page_size, std::uintptr_t block_table, int64_t n_table, int64_t end,
+           std::uintptr_t k_new, int64_t k_new_stride_t, int64_t k_new_stride_h, std::uintptr_t v_new,
+           int64_t v_new_stride_t, int64_t v_new_stride_h, int64_t T, int64_t n, int64_t H, int64_t kv_heads,
+           int64_t hd, std::uintptr_t node_bounds, int64_t n_nodes, std::uintptr_t mass, std::uintptr_t out,
            int n_threads) {
-            const o::PrefillArgs a{ptr<const float>(q), q_stride_t, q_stride_h, ptr<const float>(k_cache),
-                                   ptr<const float>(v_cache), capacity, n, H, kv_heads, hd, start, ptr<float>(out),
-                                   n_threads};
+            const o::PagedArgs a{ptr<const float>(q), q_stride_t, q_stride_h, ptr<float>(k_pages), ptr<float>(v_pages),
+                                 n_pages, page_size, ptr<const int32_t>(block_table), n_table, end,
+                                 ptr<const float>(k_new), ptr<const float>(v_new), k_new_stride_t, k_new_stride_h,
+                                 v_new_stride_t, v_new_stride_h, T, n, H, kv_heads, hd,
+                                 ptr<const int32_t>(node_bounds), n_nodes, ptr<float>(mass), ptr<float>(out),
+                                 n_threads};
             py::gil_scoped_release nogil;
-            o::prefill_attention(a);
+            return o::paged_attention(a);
         },
-        py::arg("q"), py::arg("q_stride_t"), py::arg("q_stride_h"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("capacity"), py::arg("n"), py::arg("H"), py::arg("kv_heads"), py::arg("hd"), py::arg("start"),
+        py::arg("q"), py::arg("q_stride_t"), py::arg("q_stride_h"), py::arg("k_pages"), py::arg("v_pages"),
+        py::arg("n_pages"), py::arg("page_size"), py::arg("block_table"), py::arg("n_table"), py::arg("end"),
+        py::arg("k_new"), py::arg("k_new_stride_t"), py::arg("k_new_stride_h"), py::arg("v_new"),
+        py::arg("v_new_stride_t"), py::arg("v_new_stride_h"), py::arg("T"), py::arg("n"), py::arg("H"),
+        py::arg("kv_heads"), py::arg("hd"), py::arg("node_bounds"), py::arg("n_nodes"), py::arg("mass"),
         py::arg("out"), py::arg("n_threads"),
-        "Flash-style causal GQA prefill attention of n tokens at start.. over one layer's [kv_heads, capacity, hd] "
-        "K/V blocks (already holding positions < start + n); out [n, H*hd].");
+        "Causal GQA attention of the last n of end positions over one layer's [n_pages, kv_heads, page_size, hd] "
+        "K/V pages through block_table (int32), storing k_new/v_new [T, kv_heads, hd] at end-T.. first (0 = none); "
+        "mass [n, n_nodes] += attention per key node (0 = none); out [n, H*hd]. Returns 0, or 1 for a block table "
+        "entry out of range, 2 for bad node bounds (nothing written then).");
     m.def("cpu_ops_isa", &o::active_isa, "'avx2' or 'scalar': the path the cpu_ops kernels take now.");
     m.def("cpu_ops_force_scalar", &o::set_force_scalar, py::arg("on"),
           "Testing hook: force the scalar cpu_ops kernels even where AVX2 is available.");

@@ -52,9 +52,8 @@ class Engine:
         except BaseException:
             cache.truncate(n_past)  # gives back pages reserved for the failed tokens
             raise
-        n_logits = 0 if out is None else out.shape[0]
-        self.flops.add(forward_flops(self.config, len(tokens), n_past, n_logits, cache.collecting), len(tokens),
-                       decode)
+        shape = (len(tokens), n_past, 0 if out is None else out.shape[0], cache.collecting)
+        self.flops.add(forward_flops(self.config, *shape), len(tokens), decode, shape)
         return out
 
     def forward_logits(self, ids: Sequence[int]) -> torch.Tensor:

@@ -64,22 +64,36 @@ def per_example_convention(c: ModelConfig, tokens: int) -> int:
 
 @dataclass
 class FlopAccount:
-    """Running totals of FLOPs and tokens, also per named scope (scopes may nest; each level is charged)."""
+    """Running totals of FLOPs and tokens, also per named scope (scopes may nest; each level is charged).
+
+    `project_to` names other configs (e.g. the llama-3.1-8b preset) whose FLOPs for the same forwards (same token
+    counts) are accumulated alongside: `projected[name]` and `projected_scopes[name][scope]`."""
 
     total: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     scopes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    project_to: dict[str, ModelConfig] = field(default_factory=dict)
+    projected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    projected_scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     _active: list[str] = field(default_factory=list)
 
-    def add(self, flops: int, n_new: int, decode: bool = False) -> None:
+    def add(self, flops: int, n_new: int, decode: bool = False, shape: tuple[int, int, int, bool] | None = None):
+        """Charge one forward of n_new tokens; `shape` = (n_new, n_past, n_logits, collect) for the projections."""
         self.total += flops
         if decode:
             self.decode_tokens += n_new
         else:
             self.prefill_tokens += n_new
-        for name in set(self._active):
+        active = set(self._active)
+        for name in active:
             self.scopes[name] += flops
+        if shape is not None:
+            for target, config in self.project_to.items():
+                f = forward_flops(config, *shape)
+                self.projected[target] += f
+                for name in active:
+                    self.projected_scopes[target][name] += f
 
     @contextlib.contextmanager
     def scope(self, name: str) -> Iterator["FlopAccount"]:
@@ -93,6 +107,8 @@ class FlopAccount:
     def reset(self) -> None:
         self.total = self.prefill_tokens = self.decode_tokens = 0
         self.scopes.clear()
+        self.projected.clear()
+        self.projected_scopes.clear()
 
 
 def format_report(c: ModelConfig, name: str, tokens: int, n_ctx: int | None = None) -> str:

@@ -110,6 +110,14 @@ class PagedKVCache:
         self.pool.free(self.pages)
         self.pages, self.length, self.released, self._table = [], 0, True, None
 
+    def __del__(self):
+        # a dropped cache gives its pages back, so forgetting release() cannot drain the pool
+        if not getattr(self, "released", True):
+            try:
+                self.release()
+            except Exception:
+                pass
+
     def check_live(self) -> None:
         if self.released:
             raise SessionReleasedError("this session was released; its KV pages are back in the pool")

@@ -53,6 +53,13 @@ class Session:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.cache.released:
+            self.release()
+
     def append(self, ids: Sequence[int], node_id: Hashable | None = None, collect: bool = False) -> NodeSpan:
         """Prefill `ids` as a new node after everything cached; on error the session is unchanged.
         collect: record each new token's attention mass to every node so far, this one included."""
@@ -163,7 +170,8 @@ class Session:
         return other
 
     def release(self) -> None:
-        """Give the session's KV pages back to the pool; the session cannot be used afterwards."""
+        """Give the session's KV pages back to the pool; the session cannot be used afterwards. (A session that is
+        garbage-collected, or left through `with`, releases itself.)"""
         self.cache.release()
 
     def token_mass(self, node_id: Hashable) -> torch.Tensor:

@@ -81,9 +81,12 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     start = end - n
     if mass is None:
         # 4-D inputs: with 3-D ones torch falls back to its (T x T-materialising) math kernel
-        mask = None if n == 1 else torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        # from an empty cache the mask is plain causal: is_causal takes SDPA's flash path, an explicit mask does not
+        fresh = n == end
+        mask = None if n == 1 or fresh else torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None].to(q.dtype),
-                                             values[None].to(q.dtype), attn_mask=mask, enable_gqa=True)
+                                             values[None].to(q.dtype), attn_mask=mask, is_causal=fresh and n > 1,
+                                             enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, H * hd)
     Hkv = keys.shape[0]
     G = H // Hkv

@@ -5,6 +5,7 @@ at most `k` (fewer when the corpus is smaller).
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Protocol, Sequence
 
@@ -132,6 +133,7 @@ class BM25Index:
     def __init__(self, chunks: Sequence[str], k1: float = 1.5, b: float = 0.75) -> None:
         import bm25s
 
+        logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets DEBUG and logs every index build
         self.chunks = _check_corpus(chunks)
         self._bm25s = bm25s
         terms = self.tokenize(self.chunks)

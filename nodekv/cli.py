@@ -1,4 +1,5 @@
-"""`nodekv` command line: `ask` (answer a question about a text file) and `flops` (exact and paper-style counts)."""
+"""`nodekv` command line: `ask` (answer a question about a text file), `eval` (methods on datasets, and their
+report) and `flops` (exact and paper-style counts)."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,37 @@ def _flops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    if args.runs and args.runs[0] == "report":
+        from nodekv.methods.report import report
+
+        try:
+            print(report([Path(r) for r in args.runs[1:]] or [Path(args.out)], Path(args.out), args.reference))
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if args.runs:
+        print(f"error: unexpected arguments {args.runs}; did you mean `nodekv eval report RUN...`?", file=sys.stderr)
+        return 2
+    if not args.method or not args.dataset:
+        print("error: nodekv eval needs --method and --dataset (or `report RUN...`)", file=sys.stderr)
+        return 2
+    from nodekv import load_engine
+    from nodekv.methods.data import DataNotFoundError
+    from nodekv.methods.evaluate import RunConfig, run
+
+    options = {"k": args.k} if args.k is not None else {}
+    cfg = RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options)
+    try:
+        path = run(load_engine(args.model, threads=args.threads), cfg)
+    except (DataNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nodekv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--seed", type=int, default=None)
     ask.add_argument("--threads", type=int, default=None)
     ask.set_defaults(func=_ask)
+
+    ev = sub.add_parser("eval", help="evaluate a method on a dataset (resumable), or `eval report RUN...`")
+    ev.add_argument("runs", nargs="*", help="`report` followed by run files or directories")
+    ev.add_argument("--method", help="full, bm25, dense")
+    ev.add_argument("--dataset", help="a file stem under the data directory, e.g. hotpotqa")
+    ev.add_argument("--limit", type=int, default=None, help="first N good records")
+    ev.add_argument("--k", type=int, default=None, help="chunks retrieved by bm25/dense")
+    ev.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
+    ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")
+    ev.add_argument("--reference", default=None, help="report: method the TFLOPs ratio is taken against")
+    ev.add_argument("--threads", type=int, default=None)
+    ev.set_defaults(func=_eval)
 
     fl = sub.add_parser("flops", help="exact prefill FLOPs and the papers' conventions for a model")
     fl.add_argument("--model", required=True, help="a preset (llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, "

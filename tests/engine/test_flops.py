@@ -82,3 +82,13 @@ def test_cli_flops(capsys):
     assert f"{forward_flops(preset('llama-3.1-8b'), 79457):,}" in out
     assert f"{per_example_convention(preset('llama-3.1-8b'), 79457):,}" in out
     assert cli_main(["flops", "--model", "no-such-model", "--tokens", "3"]) == 2
+
+
+def test_account_projects_the_same_forwards_to_another_config():
+    big = preset("llama-3.1-8b")
+    acc = FlopAccount(project_to={"llama-3.1-8b": big})
+    with acc.scope("query"):
+        acc.add(1, 100, shape=(100, 0, 1, False))
+        acc.add(1, 1, decode=True, shape=(1, 100, 1, False))
+    want = forward_flops(big, 100, 0, 1) + forward_flops(big, 1, 100, 1)
+    assert acc.projected["llama-3.1-8b"] == acc.projected_scopes["llama-3.1-8b"]["query"] == want

@@ -265,3 +265,14 @@ def test_bad_input_leaves_sessions_usable(hf_tiny):
     with pytest.raises(ContextOverflowError, match="context window of 128"):
         t.append(list(range(29)))
     assert len(t) == 100 and t.cache.length == 100
+
+
+def test_dropped_and_with_sessions_give_pages_back(hf_tiny):
+    _, path = hf_tiny
+    eng = tiny_engine(path, pages=8, page_size=4)
+    for _ in range(5):  # each needs 5 of the 8 pages: only works if the previous one gave them back
+        eng.session().append(list(range(20)))
+    with eng.session() as s:
+        s.append(list(range(20)))
+        assert eng.pool.n_free == 3
+    assert s.cache.released and eng.pool.n_free == 8

@@ -1,4 +1,5 @@
-"""nodekv.kernels.cpu_ops against float64 references written with plain torch ops, on the SIMD and the scalar path.
+"""nodekv.kernels.cpu_ops against float64 references written with plain torch ops, on the SIMD and the scalar path
+(paged attention: test_cpu_attention.py).
 
 Accuracy is judged against torch itself: a kernel's max error vs the float64 result must stay within a small
 multiple of the error of the same formula evaluated by torch in float32.
@@ -75,10 +76,6 @@ def test_out_buffers(isa):
     assert co.add_rms_norm_(x, d, w, 1e-5, out=y) is y and torch.equal(y, want) and torch.equal(x, x2)
     gu, y = torch.randn(2, 3072), torch.empty(2, 1536)
     assert co.silu_mul(gu, out=y) is y and torch.equal(y, co.silu_mul(gu))
-    q, k_cache, v_cache, k_new, v_new = attention_case(3, 20, 3, 64)
-    y = torch.empty(3, 6 * 64)
-    assert co.decode_attention(q, k_cache, v_cache, 1, 20, k_new, v_new, out=y) is y
-    assert torch.equal(y, co.decode_attention(q, k_cache, v_cache, 1, 20))
 
 
 def test_rms_norm_tiny_and_huge_rows(isa):
@@ -168,110 +165,6 @@ def test_silu_mul_extremes(isa):
     assert (got[tiny].double() - ref[tiny]).abs().max().item() <= max(torch_err, 2.0 ** -149)
 
 
-# ---------------------------------------------------------------- attention
-
-
-def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
-    """q [T, H, hd]; keys/values [kv, end, hd] -> [T, H * hd] with repeat_interleave'd K/V and an explicit causal
-    mask, in q's dtype."""
-    t, h, hd = q.shape
-    end = keys.shape[1]
-    g = h // keys.shape[0]
-    k = keys.repeat_interleave(g, 0)  # [H, end, hd]
-    v = values.repeat_interleave(g, 0)
-    scores = torch.einsum("thd,hsd->hts", q, k) / math.sqrt(hd)
-    visible = torch.arange(end)[None, :] <= start + torch.arange(t)[:, None]  # [T, end]
-    scores = scores.masked_fill(~visible, -math.inf)
-    return torch.einsum("hts,hsd->thd", scores.softmax(-1), v).reshape(t, h * hd)
-
-
-def attention_case(t: int, start: int, groups: int, hd: int, kv: int = 2, scale_q: float = 1.0, seed: int = 0):
-    """A 2-layer cache (capacity beyond the end filled with NaN, which must never be read), layer 1 holding
-    positions [0, start) and new q/k/v as strided views of a fused qkv row."""
-    n_layers, cap = 2, start + t + 5
-    h = groups * kv
-    r = gen(seed)
-    k_cache = torch.full((n_layers, kv, cap, hd), math.nan)
-    v_cache = torch.full((n_layers, kv, cap, hd), math.nan)
-    k_cache[:, :, :start] = torch.randn(n_layers, kv, start, hd, generator=r)
-    v_cache[:, :, :start] = torch.randn(n_layers, kv, start, hd, generator=r)
-    qkv = torch.randn(t, (h + 2 * kv) * hd + 3, generator=r)
-    q = qkv[:, : h * hd].view(t, h, hd)
-    if scale_q != 1.0:
-        q = q * scale_q
-    k_new = qkv[:, h * hd: (h + kv) * hd].view(t, kv, hd)
-    v_new = qkv[:, (h + kv) * hd: (h + 2 * kv) * hd].view(t, kv, hd)
-    return q, k_cache, v_cache, k_new, v_new
-
-
-@pytest.mark.parametrize("hd", [64, 128])
-@pytest.mark.parametrize("groups", [1, 3])
-@pytest.mark.parametrize("start", [0, 1, 17, 600])
-@pytest.mark.parametrize("t", TS)
-def test_decode_attention(isa, t, start, groups, hd):
-    q, k_cache, v_cache, k_new, v_new = attention_case(t, start, groups, hd, seed=t + start + hd)
-    out = co.decode_attention(q, k_cache, v_cache, 1, start, k_new, v_new)
-    end = start + t
-    assert torch.equal(k_cache[1, :, start:end], k_new.transpose(0, 1))
-    assert torch.equal(v_cache[1, :, start:end], v_new.transpose(0, 1))
-    assert k_cache[0, :, start:].isnan().all() and k_cache[1, :, end:].isnan().all()  # nothing else written
-    keys, values = k_cache[1, :, :end], v_cache[1, :, :end]
-    ref = attention_reference(q.double(), keys.double(), values.double(), start)
-    assert_close(out, ref, attention_reference(q, keys, values, start))
-    # the same step with the cache already holding the new tokens
-    assert torch.equal(co.decode_attention(q, k_cache, v_cache, 1, start), out)
-
-
-@pytest.mark.parametrize("scale_q", [30.0, 1e-3])
-def test_decode_attention_peaked_and_flat(isa, scale_q):
-    """Scores of several hundred (softmax needs the max subtracted) and nearly uniform attention."""
-    q, k_cache, v_cache, k_new, v_new = attention_case(3, 700, 3, 64, scale_q=scale_q, seed=4)
-    out = co.decode_attention(q, k_cache, v_cache, 1, 700, k_new, v_new)
-    keys, values = k_cache[1, :, :703], v_cache[1, :, :703]
-    ref = attention_reference(q.double(), keys.double(), values.double(), 700)
-    assert_close(out, ref, attention_reference(q, keys, values, 700))
-
-
-def test_decode_attention_long_context(isa):
-    q, k_cache, v_cache, k_new, v_new = attention_case(1, 8191, 3, 64, kv=3, seed=8)
-    out = co.decode_attention(q, k_cache, v_cache, 1, 8191, k_new, v_new)
-    keys, values = k_cache[1, :, :8192], v_cache[1, :, :8192]
-    ref = attention_reference(q.double(), keys.double(), values.double(), 8191)
-    assert_close(out, ref, attention_reference(q, keys, values, 8191))
-
-
-def test_decode_attention_strided_q(isa):
-    """Queries with a head stride other than head_dim (every other head of a buffer) give the same results."""
-    q, k_cache, v_cache, k_new, v_new = attention_case(3, 150, 3, 64)
-    buf = torch.randn(3, 2 * q.shape[1], 64)
-    buf[:, ::2] = q
-    want = co.decode_attention(q.contiguous(), k_cache, v_cache, 1, 150, k_new, v_new)
-    assert torch.equal(co.decode_attention(buf[:, ::2], k_cache, v_cache, 1, 150), want)
-
-
-def test_decode_attention_other_head_dim(isa):
-    """A head_dim that is not a multiple of 16 takes the scalar kernel on either path."""
-    q, k_cache, v_cache, k_new, v_new = attention_case(3, 40, 2, 24, seed=6)
-    out = co.decode_attention(q, k_cache, v_cache, 1, 40, k_new, v_new)
-    keys, values = k_cache[1, :, :43], v_cache[1, :, :43]
-    ref = attention_reference(q.double(), keys.double(), values.double(), 40)
-    assert_close(out, ref, attention_reference(q, keys, values, 40))
-
-
-@pytest.mark.parametrize("t,start", [(1, 2000), (3, 600)])
-def test_decode_attention_threads_do_not_change_results(t, start):
-    q, k_cache, v_cache, k_new, v_new = attention_case(t, start, 3, 64, kv=3, seed=9)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        y1 = co.decode_attention(q, k_cache, v_cache, 1, start, k_new, v_new)
-        torch.set_num_threads(2)
-        y2 = co.decode_attention(q, k_cache, v_cache, 1, start)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(y1, y2)
-
-
 # ---------------------------------------------------------------- bad input
 
 
@@ -316,35 +209,3 @@ def test_bad_inputs():
         co.silu_mul(torch.randn(8))
     with pytest.raises(ValueError, match="out must be a float32"):
         co.silu_mul(torch.randn(1, 8), out=torch.empty(1, 4, dtype=torch.float64))
-
-    q, kc, vc, kn, vn = attention_case(2, 10, 3, 64)
-    with pytest.raises(ValueError, match="q must be a float32"):
-        co.decode_attention(q.double(), kc, vc, 1, 10, kn, vn)
-    with pytest.raises(ValueError, match="q must be 3-D"):
-        co.decode_attention(q.reshape(2, -1), kc, vc, 1, 10, kn, vn)
-    with pytest.raises(ValueError, match="k_cache must be 4-D"):
-        co.decode_attention(q, kc[1], vc, 1, 10, kn, vn)
-    with pytest.raises(ValueError, match="k_cache must be contiguous"):
-        co.decode_attention(q, kc.transpose(0, 1), vc.transpose(0, 1), 1, 10, kn, vn)
-    with pytest.raises(ValueError, match="v_cache must have shape"):
-        co.decode_attention(q, kc, vc[:, :, :-1], 1, 10, kn, vn)
-    with pytest.raises(ValueError, match="v_cache must be a float32"):
-        co.decode_attention(q, kc, vc.bfloat16(), 1, 10, kn, vn)
-    with pytest.raises(ValueError, match="head_dim 32, the cache 64"):
-        co.decode_attention(q[..., :32], kc, vc, 1, 10, kn, vn)
-    with pytest.raises(ValueError, match="5 heads are not a multiple"):
-        co.decode_attention(q[:, :5], kc, vc, 1, 10, kn, vn)
-    with pytest.raises(ValueError, match="layer 2 out of range"):
-        co.decode_attention(q, kc, vc, 2, 10, kn, vn)
-    with pytest.raises(ValueError, match="do not fit the cache's capacity 17"):
-        co.decode_attention(q, kc, vc, 1, 16, kn, vn)
-    with pytest.raises(ValueError, match="positions \\[-1, 1\\)"):
-        co.decode_attention(q, kc, vc, 1, -1, kn, vn)
-    with pytest.raises(ValueError, match="both k_new and v_new"):
-        co.decode_attention(q, kc, vc, 1, 10, kn)
-    with pytest.raises(ValueError, match="v_new must have shape \\[2, 2, 64\\]"):
-        co.decode_attention(q, kc, vc, 1, 10, kn, vn[:1])
-    with pytest.raises(ValueError, match="k_new's last dim must be contiguous"):
-        co.decode_attention(q, kc, vc, 1, 10, torch.randn(2, 2, 128)[..., ::2], vn)
-    with pytest.raises(ValueError, match="out must have shape \\[2, 384\\]"):
-        co.decode_attention(q, kc, vc, 1, 10, kn, vn, out=torch.empty(2, 383))

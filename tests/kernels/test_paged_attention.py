@@ -19,6 +19,9 @@ SHAPES = [  # (n queries, T new tokens, end, H, Hkv, hd, page size, nodes)
     (20, 20, 20, 4, 4, 16, 8, 5),     # prefill from empty, MHA
     (3, 24, 64, 8, 1, 16, 4, 6),      # last-rows queries of a chunk (last-layer pruning), MQA
     (70, 70, 150, 9, 3, 64, 64, 7),   # SmolLM2 head shape, more than one key block
+    (16, 16, 131, 8, 2, 32, 4, 20),   # 16 queries (the most of cpu's decode kernel), odd length
+    (17, 17, 17, 9, 3, 64, 64, 3),    # 17 queries (the fewest of cpu's tiled kernel), from empty
+    (40, 48, 200, 6, 2, 64, 1, 200),  # pages of one key, every key its own node, pruned last rows
 ]
 
 

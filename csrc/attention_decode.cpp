@@ -1,0 +1,411 @@
+// Paged attention for few queries (decode steps, short appends); see paged_attention.h.
+//
+// Keys are split in fixed chunks of 128 whose partial results are merged by log-sum-exp; within a
+// chunk the softmax runs online over blocks of <= 64 keys that stay in L1 while every query row of
+// a KV head reads them. A block within one page (every block when page_size is a multiple of 64)
+// is read in place, one that spans pages through a table of row pointers. The chunks of all KV
+// heads are shared among up to n_threads threads when the work is large enough; the split does not
+// depend on the thread count, so neither do the results. Scratch: hd + 2 floats per query row and
+// chunk (150 KB for one SmolLM2 token at 8192 keys), plus with node mass one float per query row
+// and (chunk, node overlapping it) pair. Scores are fp32 and max-subtracted, sums accumulate in
+// fp32.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_common.h"
+#include "cpu_ops.h"
+#include "paged_attention.h"
+
+namespace nodekv::ops {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The rows of a block of keys (or values), row i at row(kp, i, hd): a block within one page is
+// given by its first row (rows hd floats apart), one that spans pages by a table of row pointers.
+inline const float* row(const float* first, int64_t i, int64_t hd) { return first + i * hd; }
+inline const float* row(const float* const* table, int64_t i, int64_t) { return table[i]; }
+
+// ---------------------------------------------------------------- scalar path
+
+// Building blocks over one block of n keys, key i at row(kp, i, hd) and its value at row(vp, i, hd).
+// Rows of scores are r = t * G + j for query t and query head g * G + j; `ld` is their stride.
+struct ScalarOps {
+    template <class Rows>
+    static void scores(const float* qg, int64_t T, int64_t G, int64_t qst, int64_t qsh, Rows kp, int64_t n,
+                       int64_t hd, float scale, float* sc, int64_t ld) {
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < G; ++j) {
+                const float* q = qg + t * qst + j * qsh;
+                float* out = sc + (t * G + j) * ld;
+                for (int64_t i = 0; i < n; ++i) {
+                    float acc[8] = {};  // interleaved partial sums, as the SIMD path keeps them
+                    for (int64_t c = 0; c < hd; ++c) acc[c % 8] += q[c] * row(kp, i, hd)[c];
+                    const float dot = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+                    out[i] = dot * scale;
+                }
+            }
+    }
+    static float max(const float* s, int64_t n) {
+        float m = s[0];
+        for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
+        return m;
+    }
+    static float exp_sum(float* s, int64_t n, float mx) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) sum += (s[i] = std::exp(s[i] - mx));
+        return sum;
+    }
+    static float sum(const float* s, int64_t n) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) sum += s[i];
+        return sum;
+    }
+    template <class Rows>
+    static void pv(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
+        for (int64_t r = 0; r < R; ++r)
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t c = 0; c < hd; ++c) o[r * hd + c] += p[r * ld + i] * row(vp, i, hd)[c];
+    }
+};
+
+// ---------------------------------------------------------------- AVX2 path
+
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once.
+NKV_AVX2 inline __m256 hsum8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// o[r, c..c+8CW) += sum_i p[r, i] * v_i[c..c+8CW) for RT rows: each V load feeds RT FMAs, and
+// RT x CW >= 8 independent accumulators keep both FMA pipes busy despite the 4-cycle latency.
+template <int RT, int CW, class Rows>
+NKV_AVX2 void pv_tile(const float* p, int64_t ld, Rows vp, int64_t n, int64_t hd, float* o) {
+    for (int64_t c = 0; c < hd; c += 8 * CW) {
+        __m256 acc[RT][CW];
+        for (int r = 0; r < RT; ++r)
+            for (int w = 0; w < CW; ++w) acc[r][w] = _mm256_loadu_ps(o + r * hd + c + 8 * w);
+        for (int64_t i = 0; i < n; ++i) {
+            __m256 pr[RT];
+            for (int r = 0; r < RT; ++r) pr[r] = _mm256_broadcast_ss(p + r * ld + i);
+            const float* vi = row(vp, i, hd) + c;
+            for (int w = 0; w < CW; ++w) {
+                const __m256 v = _mm256_loadu_ps(vi + 8 * w);
+                for (int r = 0; r < RT; ++r) acc[r][w] = _mm256_fmadd_ps(pr[r], v, acc[r][w]);
+            }
+        }
+        for (int r = 0; r < RT; ++r)
+            for (int w = 0; w < CW; ++w) _mm256_storeu_ps(o + r * hd + c + 8 * w, acc[r][w]);
+    }
+}
+
+// Rows of the PV product per tile: up to 12 accumulators (+ the V vector and RT broadcasts).
+template <int CW, class Rows>
+NKV_AVX2 void pv_rows(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
+    constexpr int kTile = 12 / CW;
+    for (int64_t r = 0; r < R; r += kTile) {
+        const float* pr = p + r * ld;
+        float* orow = o + r * hd;
+        switch (std::min<int64_t>(kTile, R - r)) {
+            case 6: pv_tile<6, CW>(pr, ld, vp, n, hd, orow); break;
+            case 5: pv_tile<5, CW>(pr, ld, vp, n, hd, orow); break;
+            case 4: pv_tile<4, CW>(pr, ld, vp, n, hd, orow); break;
+            case 3: pv_tile<3, CW>(pr, ld, vp, n, hd, orow); break;
+            case 2: pv_tile<2, CW>(pr, ld, vp, n, hd, orow); break;
+            default: pv_tile<1, CW>(pr, ld, vp, n, hd, orow); break;
+        }
+    }
+}
+
+// Scores of one query row against keys [i0, n): 8 keys per step, so one q load feeds 8 FMAs.
+template <class Rows>
+NKV_AVX2 void scores_row(const float* q, Rows kp, int64_t i0, int64_t n, int64_t hd, float scale, float* out) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    int64_t i = i0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 acc[8];
+        for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < hd; c += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + c);
+            for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(row(kp, i + k, hd) + c), acc[k]);
+        }
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8(acc), vscale));
+    }
+    for (; i < n; ++i) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t c = 0; c < hd; c += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(row(kp, i, hd) + c), acc);
+        out[i] = hsum(acc) * scale;
+    }
+}
+
+// Scores of two query rows: 2 rows x 4 keys per step, 6 loads per 8 FMAs instead of 9.
+template <class Rows>
+NKV_AVX2 void scores_row_pair(const float* q0, const float* q1, Rows kp, int64_t n, int64_t hd, float scale,
+                              float* out0, float* out1) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256 acc[8];  // row 0 at keys i..i+3, then row 1
+        for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < hd; c += 8) {
+            const __m256 qa = _mm256_loadu_ps(q0 + c), qb = _mm256_loadu_ps(q1 + c);
+            for (int k = 0; k < 4; ++k) {
+                const __m256 kv = _mm256_loadu_ps(row(kp, i + k, hd) + c);
+                acc[k] = _mm256_fmadd_ps(qa, kv, acc[k]);
+                acc[4 + k] = _mm256_fmadd_ps(qb, kv, acc[4 + k]);
+            }
+        }
+        const __m256 s = _mm256_mul_ps(hsum8(acc), vscale);
+        _mm_storeu_ps(out0 + i, _mm256_castps256_ps128(s));
+        _mm_storeu_ps(out1 + i, _mm256_extractf128_ps(s, 1));
+    }
+    scores_row(q0, kp, i, n, hd, scale, out0);
+    scores_row(q1, kp, i, n, hd, scale, out1);
+}
+
+struct Avx2Ops {  // hd % 16 == 0
+    template <class Rows>
+    NKV_AVX2 static void scores(const float* qg, int64_t T, int64_t G, int64_t qst, int64_t qsh, Rows kp, int64_t n,
+                                int64_t hd, float scale, float* sc, int64_t ld) {
+        const int64_t R = T * G;
+        auto qrow = [&](int64_t r) { return qg + r / G * qst + r % G * qsh; };
+        int64_t r = 0;
+        for (; r + 2 <= R; r += 2)
+            scores_row_pair(qrow(r), qrow(r + 1), kp, n, hd, scale, sc + r * ld, sc + (r + 1) * ld);
+        if (r < R) scores_row(qrow(r), kp, 0, n, hd, scale, sc + r * ld);
+    }
+    NKV_AVX2 static float max(const float* s, int64_t n) {
+        __m256 m = _mm256_set1_ps(kNegInf);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        float r = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_movehdup_ps(h)));
+        for (; i < n; ++i) r = std::max(r, s[i]);
+        return r;
+    }
+    NKV_AVX2 static float exp_sum(float* s, int64_t n, float mx) {
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 sum = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+            _mm256_storeu_ps(s + i, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        if (i < n) {
+            const __m256i m = tail_mask(n - i);
+            const __m256 e = _mm256_and_ps(exp_nonpos(_mm256_sub_ps(_mm256_maskload_ps(s + i, m), vm)),
+                                           _mm256_castsi256_ps(m));
+            _mm256_maskstore_ps(s + i, m, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        return hsum(sum);
+    }
+    NKV_AVX2 static float sum(const float* s, int64_t n) { return sum_avx2(s, n); }
+    template <class Rows>
+    static void pv(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
+        if (hd % 32 == 0)
+            pv_rows<4>(p, ld, R, vp, n, hd, o);
+        else
+            pv_rows<2>(p, ld, R, vp, n, hd, o);
+    }
+};
+
+// ---------------------------------------------------------------- driver
+
+// Keys per softmax block: K and V blocks of <= 16 KiB each stay in L1 while every row of the
+// group reads them.
+int64_t block_positions(int64_t hd) { return std::clamp<int64_t>(4096 / hd / 8 * 8, 8, 64); }
+
+// Keys per chunk, the unit of work shared among threads: fixed, so that the thread count does not
+// change the results.
+constexpr int64_t kChunk = 128;
+
+// Below this many multiply-adds (QK^T and PV together) a fork/join costs more than it saves.
+constexpr int64_t kParallelMacs = int64_t{1} << 17;
+
+// Node mass of one unit (KV head, chunk): nodes [j0, j0 + cnt) overlap the chunk, and acc[r, j - j0]
+// sums row r's unnormalised probabilities over node j's keys at the row's running max: a chunk
+// touches few nodes, so they are all rescaled with the output whenever the max rises.
+struct UnitMass {
+    const int32_t* bounds;
+    int64_t j0, cnt;
+    float* acc;
+};
+
+// Online softmax over keys [s0, s1) of KV head g for its R = n * G query rows. Leaves the
+// unnormalised output in o [R, hd], the running max in m [R] and the sum in l [R]; a row that
+// sees none of these keys gets m = -inf, l = 0, o = 0. kp, vp: room for a block's row pointers.
+template <class Ops, bool kMass>
+void attend_chunk(const PagedArgs& a, int64_t G, float scale, int64_t g, int64_t s0, int64_t s1, float* o,
+                  float* m, float* l, float* sc, const float** kp, const float** vp, UnitMass* um) {
+    const int64_t R = a.n * G, hd = a.hd, bs = block_positions(hd), start = a.end - a.n;
+    std::fill(o, o + R * hd, 0.0f);
+    std::fill(m, m + R, kNegInf);
+    std::fill(l, l + R, 0.0f);
+    if (kMass) std::fill(um->acc, um->acc + R * um->cnt, 0.0f);
+    const float* qg = a.q + g * G * a.q_stride_h;
+    int64_t jb = kMass ? um->j0 : 0;  // the node holding b0
+    for (int64_t b0 = s0; b0 < s1; b0 += bs) {
+        const int64_t n = std::min(bs, s1 - b0);
+        const bool one_page = b0 % a.page_size + n <= a.page_size;
+        const float* const* kt = kp;
+        const float* const* vt = vp;
+        if (one_page) {
+            Ops::scores(qg, a.n, G, a.q_stride_t, a.q_stride_h, a.k_row(b0, g), n, hd, scale, sc, bs);
+        } else {
+            a.rows(b0, n, g, kp, vp);
+            Ops::scores(qg, a.n, G, a.q_stride_t, a.q_stride_h, kt, n, hd, scale, sc, bs);
+        }
+        if (kMass)
+            while (um->bounds[jb + 1] <= b0) ++jb;
+        for (int64_t t = 0; t < a.n; ++t) {
+            const int64_t nv = std::clamp<int64_t>(start + t + 1 - b0, 0, n);  // causal: visible keys
+            for (int64_t j = 0; j < G; ++j) {
+                const int64_t r = t * G + j;
+                float* p = sc + r * bs;
+                std::fill(p + nv, p + n, 0.0f);
+                if (nv == 0) continue;
+                const float mn = std::max(m[r], Ops::max(p, nv));
+                const float alpha = m[r] == kNegInf ? 0.0f : std::exp(m[r] - mn);
+                const float sum = Ops::exp_sum(p, nv, mn);
+                l[r] = l[r] * alpha + sum;
+                if (alpha != 1.0f)
+                    for (int64_t c = 0; c < hd; ++c) o[r * hd + c] *= alpha;
+                m[r] = mn;
+                if (kMass) {
+                    float* acc = um->acc + r * um->cnt;  // acc[k - j0]: node k
+                    if (alpha != 1.0f)
+                        for (int64_t k = 0; k <= jb - um->j0; ++k) acc[k] *= alpha;  // the nodes touched so far
+                    for (int64_t k = jb, s = b0, e = b0 + nv; s < e; ++k) {  // the nodes of keys [b0, b0 + nv)
+                        const int64_t se = std::min<int64_t>(um->bounds[k + 1], e);
+                        acc[k - um->j0] += (s == b0 && se == e) ? sum : Ops::sum(p + (s - b0), se - s);
+                        s = se;
+                    }
+                }
+            }
+        }
+        if (one_page)
+            Ops::pv(sc, bs, R, a.v_row(b0, g), n, hd, o);
+        else
+            Ops::pv(sc, bs, R, vt, n, hd, o);
+    }
+}
+
+template <class Ops>
+void decode_typed(const PagedArgs& a) {
+    const int64_t G = a.H / a.kv_heads, R = a.n * G, hd = a.hd, end = a.end, N = a.n_nodes;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const int64_t n_split = (end + kChunk - 1) / kChunk, n_units = a.kv_heads * n_split;
+    const int64_t unit_floats = R * (hd + 2);  // o [R, hd], m [R], l [R]
+    // reused: called once per layer and token
+    thread_local std::vector<float> results_buf, wts_buf, mass_buf;
+    thread_local std::vector<int64_t> node_lo_buf, node_off_buf;
+    results_buf.resize(static_cast<size_t>(n_units * unit_floats));
+    wts_buf.resize(static_cast<size_t>(n_split));
+    float* const results = results_buf.data();  // the caller's buffers, also for the worker threads
+    float* const wts = wts_buf.data();
+    // With mass: chunk c overlaps nodes [node_lo[c], node_lo[c] + cnt_c), whose sums for the R
+    // rows of KV head g sit at mass_acc + (g * n_off + node_off[c]) * R, [R, cnt_c].
+    int64_t* node_lo = nullptr;
+    int64_t* node_off = nullptr;
+    int64_t n_off = 0;
+    float* mass_acc = nullptr;
+    if (a.mass) {
+        node_lo_buf.resize(static_cast<size_t>(n_split));
+        node_off_buf.resize(static_cast<size_t>(n_split + 1));
+        node_lo = node_lo_buf.data();
+        node_off = node_off_buf.data();
+        node_off[0] = 0;
+        for (int64_t c = 0; c < n_split; ++c) {
+            node_lo[c] = node_of(a.node_bounds, N, c * kChunk);
+            const int64_t hi = node_of(a.node_bounds, N, std::min(end, (c + 1) * kChunk) - 1);
+            node_off[c + 1] = node_off[c] + hi - node_lo[c] + 1;
+        }
+        n_off = node_off[n_split];
+        mass_buf.resize(static_cast<size_t>(a.kv_heads * n_off * R));
+        mass_acc = mass_buf.data();
+    }
+
+    auto run_unit = [&](int64_t u) {
+        thread_local std::vector<float> sc;
+        thread_local std::vector<const float*> rows;
+        const int64_t bs = block_positions(hd);
+        sc.resize(static_cast<size_t>(R * bs));
+        rows.resize(static_cast<size_t>(2 * bs));
+        // KV heads inner: a page holds the rows of all KV heads side by side, so consecutive units
+        // read adjacent memory
+        const int64_t c = u / a.kv_heads, g = u % a.kv_heads;
+        float* res = results + (g * n_split + c) * unit_floats;
+        UnitMass um{};
+        if (a.mass)
+            um = {a.node_bounds, node_lo[c], node_off[c + 1] - node_off[c], mass_acc + (g * n_off + node_off[c]) * R};
+        const int64_t s0 = c * kChunk, s1 = std::min(end, s0 + kChunk);
+        float *m = res + R * hd, *l = m + R;
+        if (a.mass)
+            attend_chunk<Ops, true>(a, G, scale, g, s0, s1, res, m, l, sc.data(), rows.data(), rows.data() + bs, &um);
+        else
+            attend_chunk<Ops, false>(a, G, scale, g, s0, s1, res, m, l, sc.data(), rows.data(), rows.data() + bs,
+                                     nullptr);
+    };
+    int nt = a.n_threads > 0 ? a.n_threads : omp_get_max_threads();
+    if (2 * a.H * a.n * end * hd < kParallelMacs) nt = 1;
+    nt = par::threads_after_guard(static_cast<int>(std::min<int64_t>(nt, n_units)));
+    if (nt <= 1)
+        for (int64_t u = 0; u < n_units; ++u) run_unit(u);
+    else
+        par::run_team(n_units, nt, [&](int64_t u, int) { run_unit(u); });
+
+    // Merge the chunks of each row: out = sum_c o_c e^(m_c - M) / sum_c l_c e^(m_c - M), M = max_c m_c
+    // (finite: chunk 0 holds key 0, which every row sees); the node sums of chunk c scale alike.
+    for (int64_t g = 0; g < a.kv_heads; ++g)
+        for (int64_t r = 0; r < R; ++r) {
+            const float* res0 = results + g * n_split * unit_floats;
+            float M = kNegInf;
+            for (int64_t c = 0; c < n_split; ++c) M = std::max(M, res0[c * unit_floats + R * hd + r]);
+            float den = 0.0f;
+            for (int64_t c = 0; c < n_split; ++c) {
+                const float* res = res0 + c * unit_floats;
+                const float mc = res[R * hd + r];
+                wts[c] = mc == kNegInf ? 0.0f : std::exp(mc - M);
+                den += res[R * hd + R + r] * wts[c];
+            }
+            const float inv = 1.0f / den;
+            const int64_t t = r / G, h = g * G + r % G;
+            float* out = a.out + t * a.H * hd + h * hd;
+            std::fill(out, out + hd, 0.0f);
+            for (int64_t c = 0; c < n_split; ++c) {
+                const float* o = res0 + c * unit_floats + r * hd;
+                const float w = wts[c] * inv;
+                for (int64_t i = 0; i < hd; ++i) out[i] += o[i] * w;
+            }
+            if (a.mass) {
+                float* mrow = a.mass + t * N;
+                for (int64_t c = 0; c < n_split; ++c) {
+                    const float w = wts[c] * inv;
+                    const int64_t cnt = node_off[c + 1] - node_off[c];
+                    const float* acc = mass_acc + (g * n_off + node_off[c]) * R + r * cnt;
+                    if (w != 0.0f)
+                        for (int64_t j = 0; j < cnt; ++j) mrow[node_lo[c] + j] += acc[j] * w;
+                }
+            }
+        }
+}
+
+}  // namespace
+
+void decode_attention(const PagedArgs& a) {
+    if (a.n <= 0) return;
+    if (avx2_active() && a.hd % 16 == 0)
+        decode_typed<Avx2Ops>(a);
+    else
+        decode_typed<ScalarOps>(a);
+}
+
+}  // namespace nodekv::ops

@@ -1,0 +1,117 @@
+"""`nodekv eval`: run a method over a dataset, one JSON line per record, resumable.
+
+Each line holds the record's id, question, prediction, references, metrics, the nodes the answer used, the
+query-dependent and indexing FLOPs measured on the model (and projected to the llama-3.1-8b preset for the same
+token counts), wall time, and the document's hash (so a report counts each document's index once). A document
+is indexed once per run however many questions it has. Killing a run and starting it again skips the records
+already written (a torn last line is dropped), so the final file is the same as an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..engine.config import preset
+from ..engine.engine import Engine
+from . import get
+from .data import load_dataset
+from .metrics import score
+from .prompts import prompt_for
+
+PROJECT_TO = "llama-3.1-8b"
+
+
+@dataclass
+class RunConfig:
+    """What identifies a run: its output file is <out>/<label>-<dataset>.jsonl."""
+
+    method: str
+    dataset: str
+    limit: int | None = None
+    data_dir: str | None = None
+    out: str = "runs"
+    options: dict = field(default_factory=dict)  # method config, e.g. {"k": 3}
+
+    @property
+    def label(self) -> str:
+        return self.method if "k" not in self.options else f"{self.method}-top{self.options['k']}"
+
+    @property
+    def path(self) -> Path:
+        return Path(self.out) / f"{self.label}-{self.dataset}.jsonl"
+
+
+def read_done(path: Path) -> list[dict]:
+    """The complete lines of a run file; a torn last line (killed mid-write) is cut off the file."""
+    if not path.exists():
+        return []
+    lines, good = path.read_bytes().split(b"\n"), []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            good.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    text = "".join(json.dumps(r) + "\n" for r in good)
+    if text.encode() != path.read_bytes():
+        path.write_text(text)
+    return good
+
+
+def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
+    """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path."""
+    loaded = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit)
+    spec = prompt_for(cfg.dataset)
+    method = get(cfg.method)(engine, prompt=spec, **cfg.options)
+    engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
+    cfg.path.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["id"] for r in read_done(cfg.path)}
+    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": cfg.options,
+            "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
+    cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
+    for rid, why in loaded.problems:
+        print(f"skipped record {rid}: {why}", file=sys.stderr)
+    indexes: dict[str, tuple[object, int, int, float]] = {}  # doc hash -> (index, flops, flops 8B, seconds)
+    todo = [r for r in loaded.records if r.id not in done]
+    bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
+               desc=f"{cfg.label} {cfg.dataset}", disable=not progress)
+    with cfg.path.open("a") as out:
+        for record in todo:
+            out.write(json.dumps(_evaluate(engine, method, record, indexes)) + "\n")
+            out.flush()
+            bar.update()
+    bar.close()
+    return cfg.path
+
+
+def _evaluate(engine: Engine, method, record, indexes: dict) -> dict:
+    doc = hashlib.sha256(record.document.encode()).hexdigest()[:16]
+    line = {"id": record.id, "question": record.question, "references": list(record.references), "document": doc}
+    acc = engine.flops
+    try:
+        if doc not in indexes:
+            before, before_8b, t = acc.total, acc.projected[PROJECT_TO], time.perf_counter()
+            with acc.scope("index"):
+                built = method.index(record.document)
+            indexes.clear()  # records come grouped by document: keep one index alive
+            indexes[doc] = (built, acc.total - before, acc.projected[PROJECT_TO] - before_8b,
+                            time.perf_counter() - t)
+        built, index_flops, index_flops_8b, index_s = indexes[doc]
+        before, before_8b, t = acc.total, acc.projected[PROJECT_TO], time.perf_counter()
+        with acc.scope("query"):
+            answer = method.answer(built, record.question, record.options)
+        wall = time.perf_counter() - t
+    except Exception as e:  # one bad record never stops the run; the report counts it
+        return {**line, "error": f"{type(e).__name__}: {e}"}
+    return {**line, "prediction": answer.text, "metrics": score(record, answer.text), "nodes": answer.nodes,
+            "query_flops": acc.total - before, "query_flops_8b": acc.projected[PROJECT_TO] - before_8b,
+            "index_flops": index_flops, "index_flops_8b": index_flops_8b, "index_s": round(index_s, 3),
+            "wall_s": round(wall, 3), "prompt_tokens": answer.prompt_tokens,
+            "generated_tokens": answer.generated_tokens, "truncated": answer.truncated, "trace": answer.trace}

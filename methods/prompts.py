@@ -1,0 +1,70 @@
+"""Prompts and answer lengths per dataset: LongBench's templates and generation budgets where LongBench has the
+dataset (hotpotqa, 2wikimqa, musique, narrativeqa, multi_news, qmsum, and its qasper template for scientific_qa),
+plain equivalents for the L-Eval files, and a letter-answer prompt for QuALITY's multiple choice."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_MULTIHOP = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
+             "words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given "
+             "passages. Only give me the answer and do not output any other words.\n\nQuestion: {question}\nAnswer:")
+_NARRATIVE = ("You are given a story, which can be either a novel or a movie script, and a question. Answer the "
+              "question as concisely as you can, using a single phrase if possible. Do not provide any explanation."
+              "\n\nStory: {context}\n\nNow, answer the question based on the story as concisely as you can, using a "
+              "single phrase if possible. Do not provide any explanation.\n\nQuestion: {question}\n\nAnswer:")
+_QASPER = ("You are given a scientific article and a question. Answer the question as concisely as you can, using a "
+           "single phrase or sentence if possible. If the question cannot be answered based on the information in "
+           "the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or "
+           "\"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on "
+           "the above article as concisely as you can, using a single phrase or sentence if possible. If the "
+           "question cannot be answered based on the information in the article, write \"unanswerable\". If the "
+           "question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any "
+           "explanation.\n\nQuestion: {question}\n\nAnswer:")
+_DOC_QA = ("Answer the question based on the given document. Only give me the answer and do not output any other "
+           "words.\n\nDocument:\n{context}\n\nAnswer the question based on the given document. Only give me the "
+           "answer and do not output any other words.\n\nQuestion: {question}\nAnswer:")
+_MULTI_NEWS = ("You are given several news articles. Write a one-page summary of all news. \n\nNews:\n{context}\n\n"
+               "Now, write a one-page summary of all the news.\n\nSummary:")
+_QMSUM = ("You are given a meeting transcript and a query containing a question or instruction. Answer the query in "
+          "one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting "
+          "transcript in one or more sentences.\n\nQuery: {question}\nAnswer:")
+_SUMMARY = ("You are given a long document and an instruction about it.\n\nDocument:\n{context}\n\nNow, follow the "
+            "instruction based on the above document.\n\nInstruction: {question}\nAnswer:")
+_CHOICE = ("Read the document and answer the multiple-choice question with the letter of the correct option only."
+           "\n\nDocument:\n{context}\n\nQuestion: {question}\n{options}\nAnswer:")
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """A prompt template with {context}, {question} and ({options}) and the answer's token budget."""
+
+    template: str
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+
+    def render(self, context: str, question: str, options: tuple[str, ...] = ()) -> str:
+        letters = "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))
+        return self.template.format(context=context, question=question, options=letters)
+
+
+PROMPTS: dict[str, PromptSpec] = {
+    "hotpotqa": PromptSpec(_MULTIHOP, 32, ("\n",)),
+    "2wikimqa": PromptSpec(_MULTIHOP, 32, ("\n",)),
+    "musique": PromptSpec(_MULTIHOP, 32, ("\n",)),
+    "narrativeqa": PromptSpec(_NARRATIVE, 128),
+    "scientific_qa": PromptSpec(_QASPER, 128),
+    "multidoc_qa": PromptSpec(_DOC_QA, 128),
+    "natural_question": PromptSpec(_DOC_QA, 64),
+    "quality": PromptSpec(_CHOICE, 16, ("\n",)),
+    "multi_news": PromptSpec(_MULTI_NEWS, 512),
+    "qmsum": PromptSpec(_QMSUM, 512),
+    "gov_report_summ": PromptSpec(_SUMMARY, 512),
+    "meeting_summ": PromptSpec(_SUMMARY, 512),
+    "news_summ": PromptSpec(_SUMMARY, 512),
+    "tv_show_summ": PromptSpec(_SUMMARY, 512),
+}
+
+
+def prompt_for(dataset: str) -> PromptSpec:
+    """The dataset's prompt; unknown names get the generic document-QA prompt."""
+    return PROMPTS.get(dataset, PromptSpec(_DOC_QA, 64))

@@ -1,0 +1,110 @@
+"""`nodekv eval report`: a Table-1-style comparison of runs (quality against query TFLOPs, measured on the model
+and projected to llama-3.1-8b), Table A4's amortisation of index FLOPs over 1/2/4/8 queries per document,
+written as Markdown and as a PNG plot of F1 against TFLOPs."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+from .evaluate import read_done
+
+
+def summarize(path: Path) -> dict:
+    """Means over a run file's answered records, with counts of failed and skipped ones."""
+    rows = read_done(path)
+    ok = [r for r in rows if "error" not in r]
+    meta_path = path.with_suffix(".meta.json")
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    method, dataset = meta.get("method"), meta.get("dataset")
+    if method is None:
+        method, _, dataset = path.stem.rpartition("-")
+    docs: dict[str, tuple[int, int]] = {}
+    for r in ok:
+        docs[r["document"]] = (r["index_flops"], r["index_flops_8b"])
+    metric_names = sorted({k for r in ok for k in r["metrics"]})
+    out = {"method": method, "dataset": dataset, "n": len(ok), "errors": len(rows) - len(ok),
+           "skipped": len(meta.get("skipped", [])), "docs": len(docs)}
+    if not ok:
+        return out
+    out.update({m: 100 * mean(r["metrics"].get(m, 0.0) for r in ok) for m in metric_names})
+    out.update(nodes=mean(len(r["nodes"]) for r in ok), wall_s=mean(r["wall_s"] for r in ok),
+               query_tflops=mean(r["query_flops"] for r in ok) / 1e12,
+               query_tflops_8b=mean(r["query_flops_8b"] for r in ok) / 1e12,
+               index_tflops_doc=mean(f for f, _ in docs.values()) / 1e12,
+               index_tflops_doc_8b=mean(f for _, f in docs.values()) / 1e12,
+               truncated=sum(bool(r.get("truncated")) for r in ok))
+    return out
+
+
+def table(summaries: list[dict], reference: str | None = None) -> str:
+    """Markdown: one row per (dataset, method); ratio = query TFLOPs over the reference method's on that dataset."""
+    ref = {s["dataset"]: s.get("query_tflops_8b") for s in summaries if s["method"] == reference}
+    head = ("| dataset | method | n | failed | skipped | F1 | ROUGE-L | acc | nodes | query TFLOPs (model) | "
+            "query TFLOPs (8B) | ratio | index TFLOPs/doc (8B) | truncated | s/query |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s.get("query_tflops_8b", 0))):
+        def f(key, fmt="{:.1f}"):
+            return fmt.format(s[key]) if key in s else "-"
+        r = ref.get(s["dataset"])
+        ratio = f"{s['query_tflops_8b'] / r:.2f}" if r and "query_tflops_8b" in s else "-"
+        lines.append(f"| {s['dataset']} | {s['method']} | {s['n']} | {s['errors']} | {s['skipped']} | {f('f1')} | "
+                     f"{f('rouge_l')} | {f('accuracy')} | {f('nodes')} | {f('query_tflops', '{:.4f}')} | "
+                     f"{f('query_tflops_8b', '{:.2f}')} | {ratio} | {f('index_tflops_doc_8b', '{:.2f}')} | "
+                     f"{s.get('truncated', '-')} | {f('wall_s', '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def amortization(summaries: list[dict]) -> str:
+    """Table A4: (index TFLOPs per document / q + query TFLOPs) for q = 1, 2, 4, 8 queries per document (8B)."""
+    lines = ["| dataset | method | 1 | 2 | 4 | 8 |", "|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+        if "query_tflops_8b" not in s:
+            continue
+        cells = " | ".join(f"{s['index_tflops_doc_8b'] / q + s['query_tflops_8b']:.2f}" for q in (1, 2, 4, 8))
+        lines.append(f"| {s['dataset']} | {s['method']} | {cells} |")
+    return "\n".join(lines)
+
+
+def plot(summaries: list[dict], path: Path) -> bool:
+    """F1 (or ROUGE-L where there is no F1) against projected query TFLOPs, one panel per dataset."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    by_dataset = defaultdict(list)
+    for s in summaries:
+        if "query_tflops_8b" in s:
+            by_dataset[s["dataset"]].append(s)
+    fig, axes = plt.subplots(1, max(1, len(by_dataset)), figsize=(5 * max(1, len(by_dataset)), 4), squeeze=False)
+    for ax, (dataset, rows) in zip(axes[0], sorted(by_dataset.items())):
+        key = "f1" if all("f1" in r for r in rows) else "rouge_l"
+        for r in rows:
+            ax.scatter(r["query_tflops_8b"], r.get(key, 0))
+            ax.annotate(r["method"], (r["query_tflops_8b"], r.get(key, 0)), fontsize=8)
+        ax.set(title=dataset, xlabel="query TFLOPs (llama-3.1-8b projection)", ylabel=key.upper())
+        ax.set_xscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def report(runs: list[Path], out_dir: Path, reference: str | None = None) -> str:
+    """Summaries of run files (or directories of them) as Markdown, written to out_dir/report.md (+ report.png)."""
+    files = sorted({f for p in runs for f in ([p] if p.is_file() else p.glob("*.jsonl"))})
+    if not files:
+        raise FileNotFoundError(f"no run files (*.jsonl) in {', '.join(map(str, runs))}")
+    summaries = [summarize(f) for f in files]
+    text = ("## Quality and query cost\n\n" + table(summaries, reference) +
+            "\n\n## Index + query TFLOPs per query for 1, 2, 4, 8 queries per document (8B projection)\n\n" +
+            amortization(summaries) + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.md").write_text(text)
+    if not plot(summaries, out_dir / "report.png"):
+        text += "\n(no plot: matplotlib is not installed)\n"
+    return text
