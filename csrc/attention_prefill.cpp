@@ -476,17 +476,19 @@ void prefill_typed(const PagedArgs& a) {
         run_task<Ops>(a, G, qb * bq, std::min(a.n, (qb + 1) * bq), pk, sc);
     };
     int nt = a.n_threads > 0 ? a.n_threads : omp_get_max_threads();
-    nt = par::threads_after_guard(static_cast<int>(std::min<int64_t>(nt, n_tasks)));
+    // QK^T and PV over the visible keys (the causal triangle of the new rows)
+    const double work = 4.0 * a.H * a.hd * a.n * (a.end - 0.5 * a.n);
+    nt = par::threads_after_guard(static_cast<int>(std::min<int64_t>(nt, n_tasks)), work);
     if (nt <= 1) {
         thread_local Scratch sc;
         for (int64_t u = 0; u < a.kv_heads * n_kb; ++u) pack(u);
         for (int64_t c = 0; c < n_tasks; ++c) task(c, sc);
     } else {
-        par::run_team(a.kv_heads * n_kb, nt, [&](int64_t u, int) { pack(u); });
+        par::run_team(a.kv_heads * n_kb, nt, [&](int64_t u, int) { pack(u); }, work);
         par::run_team(n_tasks, nt, [&](int64_t c, int) {
             thread_local Scratch sc;
             task(c, sc);
-        });
+        }, work);
     }
 }
 

@@ -105,9 +105,15 @@ constexpr int kSoloCallsMin = 128, kSoloCallsMax = 8192;
 inline std::atomic<int> g_solo_left{0};
 inline std::atomic<int> g_solo_span{kSoloCallsMin};
 
-// The number of threads to use now for a call that wants nt (1 while the guard is on).
-inline int threads_after_guard(int nt) {
-    if (nt <= 1 || g_solo_left.load(std::memory_order_relaxed) <= 0) return nt;
+// Calls of more work than this (FLOPs; a few ms on this class of machine) neither consult nor feed the
+// guard: a stall of one time slice is small next to them, while running them on one thread would halve
+// their speed (a long prefill's attention took 1.3 s a layer instead of 0.7 after a stall elsewhere).
+constexpr double kGuardedWorkMax = 2e7;
+
+// The number of threads to use now for a call that wants nt and does `work` FLOPs (1 while the guard is
+// on, unless the call is big).
+inline int threads_after_guard(int nt, double work = 0) {
+    if (nt <= 1 || work > kGuardedWorkMax || g_solo_left.load(std::memory_order_relaxed) <= 0) return nt;
     g_solo_left.fetch_sub(1, std::memory_order_relaxed);
     return 1;
 }
@@ -126,10 +132,10 @@ inline void record_region(Clock::duration wall, Clock::duration busy, int64_t n_
 }
 
 // fn(c, tid) for every chunk c in [0, n_chunks) on a team of nt >= 2 threads (tid 0 is the
-// caller), claimed dynamically, then feeds the region's timing to the guard. Callers take nt
-// from threads_after_guard and run serially themselves when it is 1.
+// caller), claimed dynamically, then feeds the region's timing to the guard (unless `work` is big).
+// Callers take nt from threads_after_guard and run serially themselves when it is 1.
 template <class Fn>
-void run_team(int64_t n_chunks, int nt, Fn&& fn) {
+void run_team(int64_t n_chunks, int nt, Fn&& fn, double work = 0) {
     const Clock::time_point start = Clock::now();
     std::atomic<Clock::rep> busy{0};
     int team = nt;
@@ -142,7 +148,7 @@ void run_team(int64_t n_chunks, int nt, Fn&& fn) {
         for (int64_t c = 0; c < n_chunks; ++c) fn(c, tid);
         busy.fetch_add((Clock::now() - t0).count(), std::memory_order_relaxed);
     }
-    record_region(Clock::now() - start, Clock::duration(busy.load()), n_chunks, team);
+    if (work <= kGuardedWorkMax) record_region(Clock::now() - start, Clock::duration(busy.load()), n_chunks, team);
 }
 
 }  // namespace par

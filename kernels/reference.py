@@ -1,5 +1,6 @@
-"""Torch reference of the forward's elementwise ops: the path for many-token steps and any dtype, and the math the
-few-token C++ kernels (`cpu_ops`) reproduce. Each function returns its result; it may reuse its input's storage."""
+"""Torch reference of the forward's kernels (elementwise ops, paged KV write, paged attention with node mass): the
+oracle the C++ (`cpu_ops`) and Triton (`triton_ops`) backends are tested against, and the path for bf16 and
+`backend="torch"`. Each function returns its result; it may reuse its input's storage."""
 from __future__ import annotations
 
 import math
