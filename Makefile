@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/nodekv ask examples/lost_in_translation.txt "Who is Korvin, and where is he held?"
+	mkdir -p build
+	$(VENV)/bin/nodekv index examples/lost_in_translation.txt -o build/demo.pecan --html build/demo.html
+	$(VENV)/bin/nodekv ask build/demo.pecan "Who is Korvin, and where is he held?" --trace
 
 test: $(STAMP)
 	$(PY) -m pytest -q

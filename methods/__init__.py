@@ -7,10 +7,11 @@ from typing import Callable
 
 
 def get(name: str) -> Callable:
-    """The constructor of method `name`: "full", "bm25", "dense" (more arrive with the methods' issues)."""
-    from . import baselines
+    """The constructor of method `name`: "pecan", "full", "bm25", "dense"."""
+    from . import baselines, pecan
 
     methods = {
+        "pecan": pecan.Pecan,
         "full": baselines.FullContext,
         "bm25": lambda engine, **kw: baselines.TopK(engine, "bm25", **kw),
         "dense": lambda engine, **kw: baselines.TopK(engine, "dense", **kw),
@@ -20,4 +21,4 @@ def get(name: str) -> Callable:
     return methods[name]
 
 
-METHODS = ("full", "bm25", "dense")
+METHODS = ("pecan", "full", "bm25", "dense")

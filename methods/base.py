@@ -54,3 +54,12 @@ def generate_answer(engine: Engine, ids: list[int], spec: PromptSpec, nodes: lis
         generated = len(s) - len(ids)
     return Answer(text.strip(), nodes, trace or [], engine.flops.scopes["query"] - before, len(ids), generated,
                   truncated)
+
+
+def chat_pieces(engine: Engine, messages: list[dict], add_generation_prompt: bool = True) -> list[str]:
+    """The rendered chat prompt of `messages`, split at each "{}" in their contents: pieces[0] is the text before
+    the first "{}", pieces[-1] the text after the last one (end of turn, assistant header). Lets a method append a
+    prompt to a session node by node (encode each piece with parse_special=True)."""
+    mark = "\x00\x01\x00"
+    filled = [dict(m, content=m["content"].replace("{}", mark)) for m in messages]
+    return engine.tokenizer.render_chat(filled, add_generation_prompt).split(mark)

@@ -61,13 +61,16 @@ class TopK:
             self._embedder = Embedder()
         return ChunkIndex(chunks, DenseIndex(chunks, self._embedder))
 
-    def answer(self, index: ChunkIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
+    def prompt_for(self, index: ChunkIndex, question: str, options: tuple[str, ...] = ()):
+        """(prompt ids, truncated, hits): the k best chunks, in document order, in the dataset's prompt."""
         hits = index.search.search(question, self.k)
-        picked = sorted(i for i, _ in hits)
-        context = "\n\n".join(index.chunks[i].strip() for i in picked)
-        ids, truncated = prompt_ids(self.engine, self.prompt, context, question, options)
+        context = "\n\n".join(index.chunks[i].strip() for i in sorted(i for i, _ in hits))
+        return (*prompt_ids(self.engine, self.prompt, context, question, options), hits)
+
+    def answer(self, index: ChunkIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
+        ids, truncated, hits = self.prompt_for(index, question, options)
         trace = [{"chunk": i, "score": round(s, 4)} for i, s in hits]
-        return generate_answer(self.engine, ids, self.prompt, picked, truncated, trace)
+        return generate_answer(self.engine, ids, self.prompt, sorted(i for i, _ in hits), truncated, trace)
 
 
 def _check_document(document: str) -> str:

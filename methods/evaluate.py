@@ -37,13 +37,18 @@ class RunConfig:
     data_dir: str | None = None
     out: str = "runs"
     options: dict = field(default_factory=dict)  # method config, e.g. {"k": 3}
+    match: str | None = None  # a reference run file: pick k so that query FLOPs match its mean (Top-X)
 
     @property
     def label(self) -> str:
+        if self.match is not None:
+            return f"{self.method}-topx"
         return self.method if "k" not in self.options else f"{self.method}-top{self.options['k']}"
 
     @property
     def path(self) -> Path:
+        if self.match is not None:
+            return Path(self.out) / f"{self.method}-topx-{self.dataset}.jsonl"
         return Path(self.out) / f"{self.label}-{self.dataset}.jsonl"
 
 
@@ -65,15 +70,46 @@ def read_done(path: Path) -> list[dict]:
     return good
 
 
+def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sample: int = 10) -> tuple[int, dict]:
+    """Top-X: the k whose predicted mean query FLOPs on cfg's records come closest to the mean of a reference run
+    (as Table 1 matches BM25/dense to PECAN). A prediction is one exact prefill of the k-chunk prompt plus the
+    reference's mean number of generated tokens decoded after it, over the first `sample` records."""
+    from ..engine.flops import forward_flops
+
+    if cfg.method not in ("bm25", "dense"):
+        raise ValueError(f"--match picks k for bm25 or dense, not {cfg.method!r}")
+    if not reference.is_file():
+        raise ValueError(f"reference run {reference} does not exist")
+    ref = [r for r in read_done(reference) if "error" not in r]
+    if not ref:
+        raise ValueError(f"reference run {reference} has no answered records to match")
+    target = sum(r["query_flops"] for r in ref) / len(ref)
+    gen = round(sum(r["generated_tokens"] for r in ref) / len(ref))
+    records = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit).records[:sample]
+    method = get(cfg.method)(engine, prompt=prompt_for(cfg.dataset), **{**cfg.options, "k": k_max})
+    c = engine.config
+    predicted = {k: 0.0 for k in range(1, k_max + 1)}
+    for record in records:
+        built = method.index(record.document)
+        for k in predicted:
+            method.k = k
+            n = len(method.prompt_for(built, record.question, record.options)[0])
+            predicted[k] += (forward_flops(c, n) + sum(forward_flops(c, 1, n + i) for i in range(gen))) / len(records)
+    k = min(predicted, key=lambda k: (abs(predicted[k] - target), k))
+    return k, {"matched_to": str(reference), "target_query_flops": target, "predicted_query_flops": predicted[k]}
+
+
 def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path."""
     loaded = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit)
-    spec = prompt_for(cfg.dataset)
-    method = get(cfg.method)(engine, prompt=spec, **cfg.options)
+    matched = {}
+    if cfg.match is not None:
+        cfg.options["k"], matched = match_k(engine, cfg, Path(cfg.match))
+    method = get(cfg.method)(engine, prompt=prompt_for(cfg.dataset), **cfg.options)
     engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_done(cfg.path)}
-    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": cfg.options,
+    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": cfg.options, **matched,
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
     cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     for rid, why in loaded.problems:

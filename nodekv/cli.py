@@ -10,6 +10,68 @@ from pathlib import Path
 QA_SYSTEM = "You answer questions about a document using only the document. Answer briefly."
 
 
+def _index(args: argparse.Namespace) -> int:
+    from nodekv import load_engine
+    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.pecan_store import save, to_graphml, to_html
+
+    doc = Path(args.document)
+    if not doc.is_file():
+        print(f"error: document {doc} does not exist", file=sys.stderr)
+        return 2
+    text = doc.read_text(encoding="utf-8")
+    if not text.strip():
+        print(f"error: document {doc} is empty (nothing to index)", file=sys.stderr)
+        return 2
+    eng = load_engine(args.model, threads=args.threads)
+    t = time.perf_counter()
+    with eng.flops.scope("index"):
+        index = Pecan(eng, chunk_tokens=args.chunk_tokens, batch_tokens=args.batch_tokens).index(text)
+    out = Path(args.output or f"{doc}.pecan")
+    save(index, out, eng)
+    levels = sorted({n.level for n in index.graph.nodes.values()})
+    print(f"indexed {doc.name}: {len(index.graph.nodes)} nodes on levels {levels}, "
+          f"{sum(map(len, index.graph.edges.values()))} edges, {eng.flops.scopes['index'] / 1e12:.3f} TFLOPs, "
+          f"{time.perf_counter() - t:.1f}s -> {out}")
+    for line in index.log:
+        print(f"  {line}")
+    if args.graphml:
+        Path(args.graphml).write_text(to_graphml(index.graph))
+    if args.html:
+        Path(args.html).write_text(to_html(index.graph))
+    return 0
+
+
+def _ask_index(args: argparse.Namespace) -> int:
+    from nodekv import load_engine
+    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.pecan_store import IndexFileError, load
+
+    eng = load_engine(args.model, dtype=args.dtype, threads=args.threads)
+    try:
+        index = load(args.document, eng)
+    except IndexFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t = time.perf_counter()
+    answer = Pecan(eng, answer_tokens=args.max_new_tokens).answer(index, args.question)
+    print(f"Q: {args.question}\nA: {answer.text}\n")
+    print(f"nodes      {len(answer.nodes)} visited; prompt {answer.prompt_tokens:,} tokens, "
+          f"generated {answer.generated_tokens}")
+    print(f"FLOPs      {answer.flops:,} ({answer.flops / 1e12:.4f} TFLOPs, query only)")
+    print(f"time       {time.perf_counter() - t:.1f}s")
+    if args.trace:
+        for step in answer.trace:
+            if "node" not in step:
+                print(f"stop: {step['stop']}")
+                continue
+            node = index.graph.nodes[step["node"]]
+            z = "" if step["z"] is None else f" z={step['z']:.3f}"
+            p = f" p_yes={step['p_yes']:.3f}" if "p_yes" in step else ""
+            print(f"  #{node.id} L{node.level}{z} r={step['r']:.4f}{p}  {' '.join(node.text.split())[:70]}")
+    return 0
+
+
 def _ask(args: argparse.Namespace) -> int:
     from nodekv import load_engine
 
@@ -17,6 +79,8 @@ def _ask(args: argparse.Namespace) -> int:
     if not doc.is_file():
         print(f"error: document {doc} does not exist", file=sys.stderr)
         return 2
+    if doc.suffix == ".pecan":
+        return _ask_index(args)
     text = doc.read_text(encoding="utf-8")
     if not text.strip():
         print(f"error: document {doc} is empty", file=sys.stderr)
@@ -80,7 +144,7 @@ def _eval(args: argparse.Namespace) -> int:
     from nodekv.methods.evaluate import RunConfig, run
 
     options = {"k": args.k} if args.k is not None else {}
-    cfg = RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options)
+    cfg = RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options, args.match)
     try:
         path = run(load_engine(args.model, threads=args.threads), cfg)
     except (DataNotFoundError, ValueError) as e:
@@ -94,7 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nodekv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    ask = sub.add_parser("ask", help="answer a question about a text file (full document in context)")
+    ix = sub.add_parser("index", help="build a PECAN graph index of a text file")
+    ix.add_argument("document")
+    ix.add_argument("-o", "--output", default=None, help="index file (default DOCUMENT.pecan)")
+    ix.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    ix.add_argument("--chunk-tokens", type=int, default=300)
+    ix.add_argument("--batch-tokens", type=int, default=8192, help="s: tokens per summarised batch")
+    ix.add_argument("--graphml", default=None, help="also write the graph as GraphML")
+    ix.add_argument("--html", default=None, help="also draw the graph in a self-contained HTML page")
+    ix.add_argument("--threads", type=int, default=None)
+    ix.set_defaults(func=_index)
+
+    ask = sub.add_parser("ask", help="answer a question about a text file (full document in context) or, given "
+                                     "a .pecan index, by PECAN's graph search")
+    ask.add_argument("--trace", action="store_true", help="PECAN: print the visited nodes, scores and p(Yes)")
     ask.add_argument("document")
     ask.add_argument("question")
     ask.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
@@ -111,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dataset", help="a file stem under the data directory, e.g. hotpotqa")
     ev.add_argument("--limit", type=int, default=None, help="first N good records")
     ev.add_argument("--k", type=int, default=None, help="chunks retrieved by bm25/dense")
+    ev.add_argument("--match", default=None, help="bm25/dense Top-X: pick k to match this run file's mean "
+                                                   "query FLOPs (output <method>-topx-<dataset>.jsonl)")
     ev.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")

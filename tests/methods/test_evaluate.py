@@ -66,3 +66,20 @@ def test_run_resume_and_report(tmp_path, capsys):
 def test_missing_data_dir_exits_nonzero(tmp_path, capsys):
     assert _eval(tmp_path / "nowhere", tmp_path / "out") == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_top_x_matches_a_reference_runs_flops(tmp_path):
+    import nodekv
+    from nodekv.methods.evaluate import RunConfig, match_k, run
+
+    data = tmp_path / "data"
+    _write_data(data)
+    eng = nodekv.load_engine()
+    ref = run(eng, RunConfig("bm25", "hotpotqa", data_dir=str(data), out=str(tmp_path),
+                             options={"k": 3, "chunk_tokens": 16}), progress=False)
+    cfg = RunConfig("dense", "hotpotqa", data_dir=str(data), out=str(tmp_path), options={"chunk_tokens": 16},
+                    match=str(ref))
+    k, info = match_k(eng, cfg, ref)
+    assert k == 3 and abs(info["predicted_query_flops"] / info["target_query_flops"] - 1) < 0.02
+    with pytest.raises(ValueError, match="bm25 or dense"):
+        match_k(eng, RunConfig("full", "hotpotqa", data_dir=str(data), match=str(ref)), ref)

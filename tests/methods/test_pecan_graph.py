@@ -1,0 +1,59 @@
+"""PECAN's graph arithmetic against values computed by hand: edge normalisation, Eq. (1) scores, App. C's
+positional relevance, the visit order on a toy graph, and IP parsing of messy model output."""
+import pytest
+import torch
+
+from nodekv.methods.pecan_graph import Graph, edge_weights, next_node, parse_ips, positional_relevance, scores
+
+
+def toy() -> Graph:
+    g = Graph()
+    for level, text in [(2, "ip a"), (2, "ip b"), (1, "c0"), (1, "c1"), (1, "c2")]:
+        g.add(level, text)
+    g.edges = {0: {2: 0.7, 3: 0.3}, 1: {3: 0.5, 4: 0.5}}
+    return g
+
+
+def test_edge_weights_rows_sum_to_one_and_stay_zero_without_attention():
+    w = edge_weights(torch.tensor([[0.2, 0.6, 0.2], [0.0, 0.0, 0.0], [1.0, 3.0, 0.0]]))
+    torch.testing.assert_close(w, torch.tensor([[0.2, 0.6, 0.2], [0.0, 0.0, 0.0], [0.25, 0.75, 0.0]]))
+
+
+def test_scores_and_visit_order_by_hand():
+    g = toy()
+    r = {0: 0.2, 1: 0.4}
+    z = scores(g, [0, 1], r)
+    assert z == pytest.approx({2: 0.14, 3: 0.06 + 0.2, 4: 0.2})
+    sim = {2: 0.1, 3: 0.0, 4: 0.3}
+    order, visited = [], [0, 1]
+    for _ in range(3):
+        best, total = next_node(g, visited, r, sim)
+        order.append((best, round(total, 6)))
+        visited.append(best)
+        r[best] = 0.05
+    assert order == [(4, 0.5), (3, 0.26), (2, 0.24)]  # z + similarity
+    assert next_node(g, [0, 1], {0: 0.2, 1: 0.4}, sim, embedding=False) == (3, pytest.approx(0.26))
+    assert next_node(g, [0, 1], {0: 0.2, 1: 0.4}, sim, attention=False) == (4, pytest.approx(0.3))
+    assert next_node(g, [0, 1, 2, 3, 4], r, sim) is None
+    assert g.top_level == [0, 1] and g.parents(3) == {0: 0.3, 1: 0.5}
+
+
+def test_positional_relevance():
+    assert positional_relevance([0.1, 0.1, 0.05]) == pytest.approx([0.2, 0.3, 0.2])
+
+
+@pytest.mark.parametrize("text, ips, how", [
+    ("- The king dies.\n- His son flees the city.", ["The king dies.", "His son flees the city."], "bullets"),
+    ("1. Anna meets Bob.\n2) Bob lies to Anna.\n\n3. Anna meets Bob.", ["Anna meets Bob.", "Bob lies to Anna."],
+     "bullets"),
+    ("Here are the points:\n* Ships sink at dawn.\n• Crew survives.", ["Ships sink at dawn.", "Crew survives."],
+     "bullets"),
+    ("The war ended in 1918.\nPeace talks began later.", ["The war ended in 1918.", "Peace talks began later."],
+     "lines"),
+    ("The war ended in 1918. Peace talks began later.", ["The war ended in 1918.", "Peace talks began later."],
+     "sentences"),
+    ("", [], "empty"),
+    ("- ok\n- no", [], "empty"),
+])
+def test_parse_ips(text, ips, how):
+    assert parse_ips(text) == (ips, how)
