@@ -3,7 +3,8 @@
 Each line holds the record's id, question, prediction, references, metrics, the nodes the answer used, the
 query-dependent and indexing FLOPs measured on the model (and projected to the llama-3.1-8b preset for the same
 token counts), wall time, and the document's hash (so a report counts each document's index once). A document
-is indexed once per run however many questions it has. Killing a run and starting it again skips the records
+is indexed once however many questions it has; methods that can save indexes (PECAN) keep them under
+<out>/indexes, keyed by document, method, model and config, so a rerun or a resumed run reuses them. Killing a run and starting it again skips the records
 already written (a torn last line is dropped), so the final file is the same as an uninterrupted run's.
 """
 from __future__ import annotations
@@ -114,31 +115,60 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     for rid, why in loaded.problems:
         print(f"skipped record {rid}: {why}", file=sys.stderr)
+    store = IndexStore(cfg.path.parent / "indexes", f"{cfg.method}-{_config_hash(engine, cfg)}", engine)
     indexes: dict[str, tuple[object, int, int, float]] = {}  # doc hash -> (index, flops, flops 8B, seconds)
     todo = [r for r in loaded.records if r.id not in done]
     bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
                desc=f"{cfg.label} {cfg.dataset}", disable=not progress)
     with cfg.path.open("a") as out:
         for record in todo:
-            out.write(json.dumps(_evaluate(engine, method, record, indexes)) + "\n")
+            out.write(json.dumps(_evaluate(engine, method, record, indexes, store)) + "\n")
             out.flush()
             bar.update()
     bar.close()
     return cfg.path
 
 
-def _evaluate(engine: Engine, method, record, indexes: dict) -> dict:
+class IndexStore:
+    """Indexes of methods that can save them (`save_index` / `load_index`), one file per (document, method, model,
+    config), with the FLOPs and time their construction cost: a rerun or resumed run does not rebuild them."""
+
+    def __init__(self, root: Path, key: str, engine: Engine):
+        self.root, self.key, self.engine = root, key, engine
+
+    def get(self, method, doc: str):
+        meta = self.root / f"{self.key}-{doc}.json"
+        if not hasattr(method, "load_index") or not meta.exists():
+            return None
+        return (method.load_index(self.root / f"{self.key}-{doc}.idx"), *json.loads(meta.read_text()))
+
+    def put(self, method, doc: str, built, cost: tuple) -> None:
+        if hasattr(method, "save_index"):
+            self.root.mkdir(parents=True, exist_ok=True)
+            method.save_index(built, self.root / f"{self.key}-{doc}.idx")
+            (self.root / f"{self.key}-{doc}.json").write_text(json.dumps(cost))
+
+
+def _config_hash(engine: Engine, cfg: RunConfig) -> str:
+    ident = json.dumps([str(engine.path), str(engine.model.dtype), cfg.method, cfg.options], sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:12]
+
+
+def _evaluate(engine: Engine, method, record, indexes: dict, store: IndexStore) -> dict:
     doc = hashlib.sha256(record.document.encode()).hexdigest()[:16]
     line = {"id": record.id, "question": record.question, "references": list(record.references), "document": doc}
     acc = engine.flops
     try:
         if doc not in indexes:
-            before, before_8b, t = acc.total, acc.projected[PROJECT_TO], time.perf_counter()
-            with acc.scope("index"):
-                built = method.index(record.document)
             indexes.clear()  # records come grouped by document: keep one index alive
-            indexes[doc] = (built, acc.total - before, acc.projected[PROJECT_TO] - before_8b,
-                            time.perf_counter() - t)
+            indexes[doc] = store.get(method, doc)
+            if indexes[doc] is None:
+                before, before_8b, t = acc.total, acc.projected[PROJECT_TO], time.perf_counter()
+                with acc.scope("index"):
+                    built = method.index(record.document)
+                cost = (acc.total - before, acc.projected[PROJECT_TO] - before_8b, time.perf_counter() - t)
+                store.put(method, doc, built, cost)
+                indexes[doc] = (built, *cost)
         built, index_flops, index_flops_8b, index_s = indexes[doc]
         before, before_8b, t = acc.total, acc.projected[PROJECT_TO], time.perf_counter()
         with acc.scope("query"):

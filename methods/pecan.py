@@ -213,6 +213,16 @@ class Pecan:
         trace.append({"stop": stop})
         return Answer(text.strip(), visited, trace, eng.flops.scopes["query"] - before, prompt_tokens, generated)
 
+    def save_index(self, index: PecanIndex, path) -> None:
+        from .pecan_store import save
+
+        save(index, path, self.engine)
+
+    def load_index(self, path) -> PecanIndex:
+        from .pecan_store import load
+
+        return load(path, self.engine)
+
     def _limit(self) -> int:
         return self.config.node_budget if self.config.dynamic else self.config.fixed_nodes
 
