@@ -61,6 +61,7 @@ def test_run_resume_and_report(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "| hotpotqa | bm25-top2 | 3 | 0 | 1 |" in text
     assert (tmp_path / "rep" / "report.md").read_text() in text
+    assert (tmp_path / "rep" / "report.png").stat().st_size > 1000  # matplotlib comes with the bench extra
 
 
 def test_missing_data_dir_exits_nonzero(tmp_path, capsys):
