@@ -5,12 +5,17 @@ of 64 scattered in a pool; the torch side is `reference.paged_attention`).
 Each call is timed in batches of 30 (one per layer; attention cycles through a 30-layer cache, ~24 MB at S=512, so
 K/V come from the last-level cache or DRAM as in a forward pass, not from L1). Median and 10th percentile per call;
 a busy machine shows up as median >> p10. Run: python -m nodekv.bench.cpu_ops [--threads N] [--seq 512]
+
+--decode N instead times whole decode steps of the embedded SmolLM2 GGUF after a prompt of --seq tokens: N greedy
+tokens with the fused one-token step (cpu_ops.Decoder, one C++ call per token) and op by op, alternating, best of
+--rounds each, and the fused step's time per part per token (from its own counters).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +46,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--seq", type=int, default=512, help="cached positions S the new token attends to")
     ap.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
+    ap.add_argument("--decode", type=int, default=0, help="time N-token decodes, fused vs op by op, instead")
+    ap.add_argument("--rounds", type=int, default=3, help="with --decode: alternating rounds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode:
+        decode_steps(args.decode, args.seq, args.rounds, args.threads)
+        return
     g = torch.Generator().manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
 
@@ -104,6 +114,43 @@ def main() -> None:
         with_out = "{:>8.2f} ({:5.2f})".format(*per_call_us(out_fn, args.seconds)) if out_fn else f"{'-':>16}"
         print(f"{name:<26}{what:<22}{tm:>8.2f} ({tp:5.2f}){om:>8.2f} ({op:5.2f}){with_out}{tm / om:>8.1f}x")
     print("(speedup: torch median / nodekv median, without out=)")
+
+
+def decode_steps(n: int, prompt_len: int, rounds: int, threads: int) -> None:
+    """Greedy decode of n tokens after prompt_len, fused and op by op alternately; tok/s and the fused breakdown."""
+    import nodekv
+
+    eng = nodekv.load_engine(threads=threads)
+    text = (Path(__file__).resolve().parents[1] / "examples" / "lost_in_translation.txt").read_text()
+    ids = eng.tokenizer.encode(text)
+    while len(ids) < prompt_len:
+        ids += ids
+    ids = ids[:prompt_len]
+    best: dict[bool, float] = {True: 0.0, False: 0.0}
+    parts: dict[str, float] = {}
+    for _ in range(rounds):
+        for fused in (True, False):
+            eng.model.fused_decode = fused
+            s = eng.session()
+            s.append(ids)
+            s.generate(4)  # warm: builds the decoder, grows the RoPE table
+            dec = eng.model._decoder if fused else None
+            if dec:
+                dec.reset_times()
+            t = time.perf_counter()
+            s.generate(n)
+            dt = time.perf_counter() - t
+            got = (len(s) - prompt_len - 4) / dt
+            if got > best[fused]:
+                best[fused] = got
+                if dec:
+                    parts = {k: v / (len(s) - prompt_len - 4) for k, v in dec.times().items()}
+                    parts["outside the step"] = dt / (len(s) - prompt_len - 4) - sum(parts.values())
+            s.release()
+    print(f"decode after {prompt_len} tokens, {threads} threads, best of {rounds}: fused {best[True]:.1f} tok/s, "
+          f"op by op {best[False]:.1f} tok/s")
+    print("fused step, ms per token: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items()))
+
 
 if __name__ == "__main__":
     main()

@@ -3,10 +3,14 @@
 // Tensors cross as raw addresses (torch.Tensor.data_ptr()) plus sizes: the Python wrappers
 // own validation and allocation, which keeps a call down to about a microsecond.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <vector>
 
 #include "cpu_ops.h"
+#include "fused_decode.h"
 #include "paged_attention.h"
 #include "quant_matmul.h"
 
@@ -17,6 +21,13 @@ namespace {
 template <class T>
 T* ptr(std::uintptr_t addr) {
     return reinterpret_cast<T*>(addr);
+}
+
+// A quantised linear from [w, qtype, N, K, bias] (addresses; bias 0 = none), for Decoder.
+nodekv::decode::QLinear qlinear(const std::vector<std::uintptr_t>& v, size_t at) {
+    if (v.size() < at + 5) throw std::invalid_argument("Decoder: a linear takes [w, qtype, N, K, bias]");
+    return {ptr<const uint8_t>(v[at]), nodekv::quant::qtype_from_id(static_cast<int>(v[at + 1])),
+            static_cast<int64_t>(v[at + 2]), static_cast<int64_t>(v[at + 3]), ptr<const float>(v[at + 4])};
 }
 
 }  // namespace
@@ -116,4 +127,58 @@ PYBIND11_MODULE(_C, m) {
     m.def("cpu_ops_isa", &o::active_isa, "'avx2' or 'scalar': the path the cpu_ops kernels take now.");
     m.def("cpu_ops_force_scalar", &o::set_force_scalar, py::arg("on"),
           "Testing hook: force the scalar cpu_ops kernels even where AVX2 is available.");
+
+    namespace d = nodekv::decode;
+    py::class_<d::Decoder>(m, "Decoder",
+                           "One-token decode through every layer in one call (csrc/fused_decode.h); built over "
+                           "weight addresses, which must outlive it.")
+        .def(py::init([](int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t inter,
+                         int64_t vocab, float eps, std::uintptr_t embed,
+                         const std::vector<std::vector<std::uintptr_t>>& layers, std::uintptr_t final_norm,
+                         const std::vector<std::uintptr_t>& lm_head) {
+                 std::vector<d::LayerWeights> ls;
+                 for (const auto& v : layers) {
+                     if (v.size() != 22)
+                         throw std::invalid_argument("Decoder: a layer takes [attn_norm, ffn_norm] + 4 linears");
+                     ls.push_back({ptr<const float>(v[0]), qlinear(v, 2), qlinear(v, 7), ptr<const float>(v[1]),
+                                   qlinear(v, 12), qlinear(v, 17)});
+                 }
+                 const d::QLinear head = lm_head.empty() ? d::QLinear{} : qlinear(lm_head, 0);
+                 return new d::Decoder({dim, n_heads, n_kv_heads, head_dim, inter, vocab, eps},
+                                       ptr<const float>(embed), std::move(ls), ptr<const float>(final_norm), head);
+             }),
+             py::arg("dim"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("inter"),
+             py::arg("vocab"), py::arg("eps"), py::arg("embed"), py::arg("layers"), py::arg("final_norm"),
+             py::arg("lm_head"),
+             "layers: per layer [attn_norm, ffn_norm] + [w, qtype, N, K, bias] for wqkv, wo, w13, w2 (addresses); "
+             "lm_head: [w, qtype, N, K, bias] or [] (not quantised: the caller runs it).")
+        .def(
+            "step",
+            [](d::Decoder& self, int64_t token, std::uintptr_t cos, std::uintptr_t sin_signed, std::uintptr_t k_pages,
+               std::uintptr_t v_pages, int64_t n_pages, int64_t page_size, std::uintptr_t block_table, int64_t n_table,
+               int64_t end, std::uintptr_t node_bounds, int64_t n_nodes, std::uintptr_t mass, bool want_out,
+               std::uintptr_t h_out, std::uintptr_t logits, int n_threads) {
+                const d::StepArgs a{token, ptr<const float>(cos), ptr<const float>(sin_signed), ptr<float>(k_pages),
+                                    ptr<float>(v_pages), n_pages, page_size, ptr<const int32_t>(block_table),
+                                    n_table, end, ptr<const int32_t>(node_bounds), n_nodes, ptr<float>(mass),
+                                    want_out, ptr<float>(h_out), ptr<float>(logits), n_threads};
+                py::gil_scoped_release nogil;
+                return self.step(a);
+            },
+            "One token (position end - 1) through every layer: K/V stored into this sequence's pages, mass [n_nodes] "
+            "+= node attention mass (0 = none), h_out [dim] the final normed state, logits [vocab] (0 = none). "
+            "Returns 0, 1 for a bad block table entry, 2 for bad node bounds, 3 for a token outside the vocabulary "
+            "(nothing written then).")
+        .def(
+            "times",
+            [](const d::Decoder& self) {
+                py::dict out;
+                const auto t = self.times();
+                for (int i = 0; i < d::Decoder::kTimeParts; ++i) out[d::Decoder::kTimeNames[i]] = t[i];
+                return out;
+            },
+            "Seconds spent in each part of the steps since the last reset_times(): a per-token profile.")
+        .def("reset_times", &d::Decoder::reset_times)
+        .def_property_readonly("n_layers", &d::Decoder::n_layers)
+        .def_property_readonly("has_lm_head", &d::Decoder::has_lm_head);
 }

@@ -30,6 +30,16 @@ class PagedKVCache:
         self._mass: torch.Tensor | None = None
 
     @property
+    def block_table(self) -> torch.Tensor | None:
+        """int32 page ids of the positions reserved so far (valid after `begin`)."""
+        return self._table
+
+    @property
+    def collector(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(node bounds, mass accumulator) of the running collection, or (None, None)."""
+        return self._bounds, self._mass
+
+    @property
     def collecting(self) -> bool:
         """True while a forward must attend from every new position (the model then skips no rows)."""
         return self._mass is not None

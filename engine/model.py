@@ -1,6 +1,8 @@
 """The hand-written Llama forward pass (RMSNorm, RoPE, GQA attention, SwiGLU), over any KV cache with `attend`.
 
-Weights are fused where that saves calls on the decode hot path: Q|K|V into one matrix, gate|up into one.
+Weights are fused where that saves calls on the decode hot path: Q|K|V into one matrix, gate|up into one. With the
+cpu backend and GGUF-quantised projections a one-token step goes further: one C++ call runs every layer
+(`cpu_ops.Decoder`, the same kernels in the same order as the op-by-op forward, so the same numbers).
 
 bf16 models: weights, matmul inputs and outputs, and the KV cache are bf16; the residual stream, the norms and the
 logits stay fp32 (cheap, and it keeps top-1 agreement with fp32 above HF's all-bf16 forward). On CPUs without native bf16
@@ -22,6 +24,7 @@ from ..kernels.quant import QuantWeight, quant_linear
 from .config import ModelConfig
 from .cpu import native_bf16_matmul
 from .errors import ModelLoadError
+from .kv_cache import PagedKVCache
 
 # Up to this many tokens per forward the quantised kernel beats the dense GEMM (weight bandwidth dominates).
 QUANT_MAX_TOKENS = 4
@@ -103,6 +106,10 @@ class Llama:
             inv_freq = inv_freq / weights.get("rope_freqs", (config.head_dim // 2,))
         self.inv_freq = inv_freq
         self._cos = self._sin = torch.empty(0)
+        # One-token steps as one C++ call through all layers (`_decode_step`) where that applies; False runs them
+        # op by op like longer steps (the fused step gives the same numbers: a switch for tests and benchmarks).
+        self.fused_decode = True
+        self._decoder: object = None  # cpu_ops.Decoder, built on the first one-token step; False: not applicable
 
     def _layer(self, w: _WeightReader, p: str) -> Layer:
         c = self.config
@@ -133,9 +140,14 @@ class Llama:
 
         The final layer runs attention and MLP only for the positions whose logits are taken (none for None, one
         for "last"): its other outputs feed nothing, while its K/V, which later tokens need, are still cached.
-        While the cache collects attention mass, the final layer's attention runs for every position."""
+        While the cache collects attention mass, the final layer's attention runs for every position.
+        One token on the cpu backend with quantised projections runs fused (`_decode_step`), with the same results."""
         if logits not in ("last", "all", None):
             raise ValueError(f"logits must be 'last', 'all' or None, got {logits!r}")
+        if self.fused_decode and tokens.shape[0] == 1:
+            out = self._decode_step(tokens, cache, logits)
+            if out is not _UNFUSED:
+                return out
         c = self.config
         T = tokens.shape[0]
         start = cache.begin(T)
@@ -165,6 +177,48 @@ class Llama:
         if logits is None:
             return None
         return self.lm_head(cast(h).float())
+
+    def _decode_step(self, tokens: torch.Tensor, cache: KVCache, logits: str | None):
+        """`forward` of one token as one C++ call through every layer (`cpu_ops.Decoder`: the same kernels in the
+        same order, so the same numbers, without ~10 Python calls and allocations per layer; a SmolLM2-135M token
+        took ~4 ms of them). Applies to the cpu backend (fp32) with GGUF-quantised projections in every layer, over
+        a `PagedKVCache`; returns _UNFUSED where it does not, for the op-by-op path to run (and raise its errors)."""
+        dec = self._decoder
+        if dec is None:
+            dec = self._decoder = self._build_decoder()
+        if dec is False or type(cache) is not PagedKVCache or cache.ops is not self.ops:
+            return _UNFUSED
+        token = int(tokens[0])
+        if not 0 <= token < dec.vocab:
+            return _UNFUSED
+        start = cache.begin(1)
+        cos, sin = self.rope(start, 1)
+        pool = cache.pool
+        want = logits is not None
+        out = torch.empty(1, dec.vocab) if want and dec.has_lm_head else None
+        # the cache's block table and node-mass target, as `PagedKVCache.attend` passes them to paged_attention
+        h = dec.step(token, cos, sin, pool.k, pool.v, cache.block_table, start + 1, *cache.collector, want, out)
+        cache.commit(1)
+        if not want:
+            return None
+        return out if out is not None else self.lm_head(h)
+
+    def _build_decoder(self):
+        """The fused one-token step's C++ decoder, or False where it does not apply."""
+        from ..kernels import cpu_ops
+
+        if self.ops is not cpu_ops or self.dtype != torch.float32:
+            return False
+        if any(lin.quant is None for l in self.layers for lin in (l.wqkv, l.wo, l.w13, l.w2)):
+            return False
+        c, head = self.config, self.lm_head
+        layers = [(l.attn_norm, (l.wqkv.quant, l.wqkv.bias), (l.wo.quant, l.wo.bias), l.ffn_norm,
+                   (l.w13.quant, l.w13.bias), (l.w2.quant, l.w2.bias)) for l in self.layers]
+        return cpu_ops.Decoder(self.embed, layers, self.norm, None if head.quant is None else (head.quant, head.bias),
+                               n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, eps=c.norm_eps)
+
+
+_UNFUSED = object()  # `_decode_step`: the fused step does not apply
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ def check_sampling(temperature: float, top_p: float) -> None:
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> int:
     """One token id from float32 logits [vocab]; temperature 0 is greedy (argmax, lowest id on ties)."""
-    if temperature == 0.0:
-        return int(logits.argmax())
+    if temperature == 0.0:  # numpy's argmax (first maximum, like torch's) costs ~9 us here against torch's ~100
+        return int(logits.numpy().argmax()) if logits.is_cpu and logits.dtype == torch.float32 else int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)

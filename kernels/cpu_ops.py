@@ -318,3 +318,114 @@ def _explain_tables(fn, status, k_pages, block_table, end, node_bounds):
 
 
 rope = rope_  # the name the forward's op table shares with `reference.rope` (which is not in place)
+
+
+class Decoder:
+    """One-token decode through every decoder layer in one C++ call (csrc/fused_decode.h): a Llama-family model with
+    GGUF block-quantised projections and fp32 activations, run as the op-by-op forward runs it (RMSNorm, the
+    quantised GEMVs, RoPE, `paged_attention` with optional node mass, SwiGLU, residual adds), on the same kernels in
+    the same order: the results are bit-identical to that path, minus ~10 wrapper calls and allocations per layer.
+
+    Built once over the model's weights (checked here, referenced, and trusted by the C++ side afterwards: do not
+    modify them in place with other shapes); `step` runs one token.
+    """
+
+    def __init__(self, embed: torch.Tensor, layers, final_norm: torch.Tensor, lm_head, *, n_heads: int,
+                 n_kv_heads: int, head_dim: int, eps: float):
+        """embed float32 [vocab, dim]; layers: per layer (attn_norm, wqkv, wo, ffn_norm, w13, w2), the norms
+        float32 [dim] and each projection a (QuantWeight, float32 bias or None) pair (wqkv rows q | k | v, w13 rows
+        gate | up); final_norm [dim]; lm_head: (QuantWeight [vocab, dim], bias) or None (then the caller applies it
+        to `step`'s hidden state). All contiguous."""
+        from .quant import QuantWeight
+
+        fn = "Decoder"
+        vocab, dim = embed.shape
+        _dense("embed", embed, (vocab, dim), fn)
+        _dense("final_norm", final_norm, (dim,), fn)
+        inter = layers[0][4][0].out_features // 2 if layers else 0
+        keep = [embed, final_norm]  # everything whose address the C++ side holds
+
+        def linear(name, wb, n, k):
+            w, b = wb
+            if not isinstance(w, QuantWeight) or w.shape != (n, k):
+                got = list(w.shape) if isinstance(w, QuantWeight) else type(w).__name__
+                raise ValueError(f"{fn}: {name} must be a QuantWeight of shape [{n}, {k}], got {got}")
+            if b is not None:
+                _dense(f"{name} bias", b, (n,), fn)
+            keep.extend([w.data, b])
+            return [w.data.data_ptr(), w._qid, n, k, 0 if b is None else b.data_ptr()]
+
+        qkv = (n_heads + 2 * n_kv_heads) * head_dim
+        packed = []
+        for i, (attn_norm, wqkv, wo, ffn_norm, w13, w2) in enumerate(layers):
+            _dense(f"layers[{i}] attn_norm", attn_norm, (dim,), fn)
+            _dense(f"layers[{i}] ffn_norm", ffn_norm, (dim,), fn)
+            keep.extend([attn_norm, ffn_norm])
+            packed.append([attn_norm.data_ptr(), ffn_norm.data_ptr()]
+                          + linear(f"layers[{i}] wqkv", wqkv, qkv, dim)
+                          + linear(f"layers[{i}] wo", wo, dim, n_heads * head_dim)
+                          + linear(f"layers[{i}] w13", w13, 2 * inter, dim)
+                          + linear(f"layers[{i}] w2", w2, dim, inter))
+        head = [] if lm_head is None else linear("lm_head", lm_head, vocab, dim)
+        self._c = _C.Decoder(dim, n_heads, n_kv_heads, head_dim, inter, vocab, float(eps), embed.data_ptr(), packed,
+                             final_norm.data_ptr(), head)
+        self._keep = keep
+        self.n_layers, self.vocab, self.dim = len(layers), vocab, dim
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.has_lm_head = lm_head is not None
+        self.hidden = torch.empty(1, dim, dtype=_F32)  # the final normed state, rewritten by every step
+
+    def step(self, token: int, cos: torch.Tensor, sin_signed: torch.Tensor, k_pages: torch.Tensor,
+             v_pages: torch.Tensor, block_table: torch.Tensor, end: int, node_bounds: torch.Tensor | None = None,
+             mass: torch.Tensor | None = None, want_out: bool = True,
+             logits: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run `token` at position end - 1: every layer stores its K/V there (the pages and block table as in
+        `paged_attention`, all layers' pages: [layers, n_pages, kv_heads, page_size, hd]) and attends over [0, end);
+        cos, sin_signed: that position's RoPE rows ([1, hd] or [hd], contiguous). mass [1, N] with node_bounds
+        ([N + 1] int32) is added to as `paged_attention` adds, summed over every layer. want_out=False: the last layer
+        only stores its K/V (and attends, when collecting mass), and nothing is returned. Otherwise returns `hidden`,
+        the final normed state [1, dim] (overwritten by the next step), and fills logits ([1, vocab] float32
+        contiguous; only with a quantised lm_head) when given."""
+        fn = "Decoder.step"
+        c, hd = self._c, self.head_dim
+        try:
+            n_layers, n_pages, kv, page, hd_k = k_pages.shape
+            n_table = block_table.shape[0]
+            ok = (k_pages.dtype is _F32 and k_pages.is_cpu and k_pages.is_contiguous() and hd_k == hd
+                  and n_layers == self.n_layers and kv == self.n_kv_heads
+                  and v_pages.dtype is _F32 and v_pages.is_cpu and v_pages.shape == k_pages.shape
+                  and v_pages.is_contiguous()
+                  and block_table.dtype is _I32 and block_table.is_cpu and block_table.dim() == 1
+                  and block_table.is_contiguous() and 1 <= end <= n_table * page
+                  and cos.dtype is _F32 and cos.is_cpu and cos.numel() == hd and cos.is_contiguous()
+                  and sin_signed.dtype is _F32 and sin_signed.is_cpu and sin_signed.numel() == hd
+                  and sin_signed.is_contiguous()
+                  and (logits is None or (self.has_lm_head and want_out and _out_ok(logits, (1, self.vocab)))))
+            if mass is None:
+                n_nodes = bp = mp = 0
+            else:
+                n_nodes = node_bounds.shape[0] - 1
+                ok = (ok and node_bounds.dtype is _I32 and node_bounds.is_cpu and node_bounds.dim() == 1
+                      and node_bounds.is_contiguous() and n_nodes >= 1 and mass.dtype is _F32 and mass.is_cpu
+                      and mass.shape == (1, n_nodes) and mass.is_contiguous())
+                bp, mp = node_bounds.data_ptr(), mass.data_ptr()
+        except _BAD:
+            ok = False
+        if not ok:
+            raise ValueError(f"{fn}: invalid arguments (check them with paged_attention, which names the wrong one)")
+        status = c.step(token, cos.data_ptr(), sin_signed.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), n_pages,
+                        page, block_table.data_ptr(), n_table, end, bp, n_nodes, mp, want_out,
+                        self.hidden.data_ptr(), 0 if logits is None else logits.data_ptr(), torch.get_num_threads())
+        if status == 3:
+            raise ValueError(f"{fn}: token {token} is outside the vocabulary [0, {self.vocab})")
+        if status:
+            _explain_tables("paged_attention", status, k_pages, block_table, end, node_bounds)
+        return self.hidden if want_out else None
+
+    def times(self) -> dict[str, float]:
+        """Seconds spent in each part of the steps (wqkv, rope, attention, wo, w13, w2, norms+silu, lm_head) since
+        the last `reset_times()`: a per-token profile from inside the C++ step."""
+        return self._c.times()
+
+    def reset_times(self) -> None:
+        self._c.reset_times()

@@ -1,0 +1,108 @@
+// One decode step (a single new token) of a Llama-family model with GGUF block-quantised weights
+// and fp32 activations, run through every decoder layer in one call.
+//
+// At one token a layer is a dozen small steps (norm, 4 quantised GEMVs, RoPE, paged attention,
+// SwiGLU, residual adds); run from Python each costs a few µs of wrapper, checks and allocation on
+// top of its work, ~4 ms per SmolLM2-135M token. Here the same C++ functions run back to back on
+// preallocated scratch, in the same order and with the same arguments, so the results are
+// bit-identical to the op-by-op path (engine/model.py Llama.forward with the cpu backend):
+//
+//   x = embed[token];  h = rms_norm(x, attn_norm[0])
+//   per layer i:  qkv = h @ Wqkv^T (+ b);  RoPE on q, k;  store k, v at position end - 1 and attend
+//                 (with node mass when collecting);  h = add_rms_norm(x += attn @ Wo^T, ffn_norm)
+//                 x += silu_mul(h @ W13^T) @ W2^T;  h = rms_norm(x, attn_norm[i + 1] or the final norm)
+//   logits = h @ W_lm^T  (when the lm_head is quantised too; else the caller runs it on h)
+//
+// The GEMVs and attention use the shared OpenMP team and contention guard (cpu_common.h) exactly as
+// the separate calls do. Pointers are trusted: the Python side (engine/model.py) checks shapes once
+// when it builds the decoder and the cache tensors on every step.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "quant_matmul.h"
+
+namespace nodekv::decode {
+
+// y[N] = x[K] @ dequant(w)[N, K]^T (+ bias).
+struct QLinear {
+    const uint8_t* w = nullptr;  // nullptr: absent (only the lm_head may be)
+    quant::QType qt = quant::QType::Q8_0;
+    int64_t N = 0, K = 0;
+    const float* bias = nullptr;
+};
+
+struct LayerWeights {
+    const float* attn_norm;  // [dim]
+    QLinear wqkv;            // [(H + 2 KV) hd, dim]: q | k | v rows
+    QLinear wo;              // [dim, H hd]
+    const float* ffn_norm;   // [dim]
+    QLinear w13;             // [2 I, dim]: gate | up rows
+    QLinear w2;              // [dim, I]
+};
+
+struct Dims {
+    int64_t dim, n_heads, n_kv_heads, head_dim, inter, vocab;
+    float eps;
+};
+
+// Per-step inputs: the token, its RoPE row, the KV pages and the sequence's block table.
+struct StepArgs {
+    int64_t token;
+    const float* cos;         // [head_dim] at position end - 1
+    const float* sin_signed;  // [head_dim]
+    float* k_pages;           // all layers: [layers, n_pages, kv_heads, page_size, hd], contiguous
+    float* v_pages;
+    int64_t n_pages, page_size;
+    const int32_t* block_table;  // n_table entries, n_table * page_size >= end
+    int64_t n_table;
+    int64_t end;                  // positions cached after this step (the new token is end - 1)
+    const int32_t* node_bounds;   // with mass: n_nodes + 1 bounds, 0 = b[0] < ... < b[n_nodes] = end
+    int64_t n_nodes;
+    float* mass;                  // [n_nodes] accumulated (+=) over layers and heads, or nullptr
+    bool want_out;                // false: the last layer only stores its K/V (and attends when collecting)
+    float* h_out;                 // [dim]: the final normed hidden state (written when want_out)
+    float* logits;                // [vocab] or nullptr (when want_out and the lm_head is quantised)
+    int n_threads;                // <= 0: omp_get_max_threads()
+};
+
+// What step found wrong before writing anything (the caller explains it); codes 1 and 2 are
+// paged_attention's (paged_attention.h).
+enum StepStatus : int { kStepOk = 0, kStepBadBlockTable = 1, kStepBadNodeBounds = 2, kStepBadToken = 3 };
+
+class Decoder {
+   public:
+    // embed [vocab, dim], final_norm [dim]; lm_head.w == nullptr if the lm_head is not quantised.
+    Decoder(const Dims& dims, const float* embed, std::vector<LayerWeights> layers, const float* final_norm,
+            const QLinear& lm_head);
+
+    // One token through every layer (see the file comment). Steps of one Decoder run one at a time
+    // (the scratch is the object's; a mutex serialises callers on other threads).
+    int step(const StepArgs& a);
+
+    int64_t n_layers() const { return static_cast<int64_t>(layers_.size()); }
+    bool has_lm_head() const { return lm_head_.w != nullptr; }
+
+    // Wall time spent in each part of the steps since the last reset, in seconds (a profile of the
+    // step at ~40 clock reads per layer): kTimeParts names them.
+    static constexpr int kTimeParts = 8;
+    static constexpr const char* kTimeNames[kTimeParts] = {"wqkv", "rope", "attention", "wo",
+                                                           "w13",  "w2",   "norms+silu", "lm_head"};
+    std::array<double, kTimeParts> times() const { return times_; }
+    void reset_times() { times_.fill(0.0); }
+
+   private:
+    Dims d_;
+    const float* embed_;
+    std::vector<LayerWeights> layers_;
+    const float* final_norm_;
+    QLinear lm_head_;
+    std::vector<float> x_, h_, qkv_, attn_, delta_, gu_, act_;
+    std::array<double, kTimeParts> times_{};
+    std::mutex mutex_;
+};
+
+}  // namespace nodekv::decode

@@ -1,0 +1,261 @@
+"""The fused one-token decode step (cpu_ops.Decoder, csrc/fused_decode.cpp) on tiny GGUF models: the same logits,
+K/V and node mass as the op-by-op forward (bit for bit; asserted to 1e-5 relative), HF's logits to 1e-4, for
+q8_0 / q4_1 / q4_0 weights, GQA / MQA / MHA, tied and untied heads and qkv biases (qwen2); when it applies and when
+the op-by-op path runs instead."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import new_cache, tiny_engine, tiny_hf_model, write_tiny_gguf
+from nodekv import _C
+from nodekv.engine.loader import load_checkpoint
+from nodekv.engine.model import Llama
+from nodekv.kernels import cpu_ops, reference
+
+
+def _gguf(tmp_path, qtype="q8_0", kind="llama", tied=False, n_kv_heads=2, seed=0):
+    hf = tiny_hf_model(kind, tied=tied, n_kv_heads=n_kv_heads, seed=seed)
+    path = tmp_path / f"tiny-{kind}-{qtype}-{n_kv_heads}-{int(tied)}.gguf"
+    write_tiny_gguf(hf, path, qtype, arch=kind)  # also rounds hf's weights to the quantised values
+    return hf, path
+
+
+def _model(path, backend="auto") -> Llama:
+    ckpt = load_checkpoint(path)
+    return Llama(ckpt.config, ckpt.tensors, backend=backend)
+
+
+def _decode(model, ids, n_prompt, fused, page_size=8):
+    """Prefill ids[:n_prompt] in one forward, then one token per step; the steps' logits [n, vocab] and the cache."""
+    model.fused_decode = fused
+    cache = new_cache(model, page_size=page_size)
+    model.forward(ids[:n_prompt], cache, logits="last")
+    steps = torch.cat([model.forward(ids[i:i + 1], cache, logits="last") for i in range(n_prompt, len(ids))])
+    return steps, cache
+
+
+def _close(got, want, rel):
+    assert (got - want).abs().max() <= rel * want.abs().max(), (got - want).abs().max()
+
+
+def _kv(cache):
+    """The cache's K and V in position order: [layers, positions, kv_heads, hd] each."""
+    pool, P = cache.pool, cache.pool.page_size
+    pages = torch.tensor(cache.pages)
+    k = pool.k[:, pages].permute(0, 1, 3, 2, 4).flatten(1, 2)[:, : cache.length]
+    v = pool.v[:, pages].permute(0, 1, 3, 2, 4).flatten(1, 2)[:, : cache.length]
+    return k, v
+
+
+CASES = [  # (qtype, kind, tied, n_kv_heads)
+    ("q8_0", "llama", False, 2),  # GQA 4:2
+    ("q4_1", "llama", True, 2),  # tied quantised lm_head
+    ("q4_0", "llama", False, 1),  # MQA
+    ("q4_1", "llama", False, 4),  # MHA
+    ("q8_0", "qwen2", False, 2),  # qkv bias
+    ("q4_0", "qwen2", True, 1),
+]
+
+
+@pytest.mark.parametrize("qtype,kind,tied,n_kv_heads", CASES)
+def test_fused_steps_match_op_by_op_and_hf(qtype, kind, tied, n_kv_heads, tmp_path):
+    hf, path = _gguf(tmp_path, qtype, kind, tied, n_kv_heads)
+    model = _model(path)
+    assert model.config.qkv_bias == (kind == "qwen2")
+    ids = torch.randint(0, 101, (40,), generator=torch.Generator().manual_seed(1))
+    fused, fused_cache = _decode(model, ids, 5, True)
+    assert isinstance(model._decoder, cpu_ops.Decoder)  # it did run fused
+    assert model._decoder.has_lm_head  # the GGUF lm_head is quantised too
+    plain, plain_cache = _decode(model, ids, 5, False)
+    _close(fused, plain, 1e-5)
+    assert torch.equal(fused, plain)  # the same kernels in the same order: bit for bit
+    for a, b in zip(_kv(fused_cache), _kv(plain_cache)):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, 5:]
+    _close(fused, ref, 1e-4)
+
+
+def test_dense_lm_head_runs_in_python(tmp_path):
+    """An lm_head that is not quantised (here: replaced by its dense weights) is applied to the fused step's
+    hidden state by the op-by-op Linear."""
+    hf, path = _gguf(tmp_path, "q8_0", tied=False)
+    model = _model(path)
+    model.lm_head.quant = None
+    ids = torch.randint(0, 101, (20,), generator=torch.Generator().manual_seed(2))
+    fused, _ = _decode(model, ids, 3, True)
+    assert isinstance(model._decoder, cpu_ops.Decoder) and not model._decoder.has_lm_head
+    plain, _ = _decode(model, ids, 3, False)
+    _close(fused, plain, 1e-5)
+    with torch.no_grad():
+        _close(fused, hf(ids[None]).logits[0, 3:], 1e-4)
+
+
+@pytest.mark.parametrize("collect", [False, True])
+def test_steps_without_logits_store_kv(collect, tmp_path):
+    """logits=None: the last layer only stores its K/V (attending when collecting mass); later steps see it."""
+    _, path = _gguf(tmp_path, "q4_1")
+    model = _model(path)
+    ids = torch.randint(0, 101, (30,), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for fused in (True, False):
+        model.fused_decode = fused
+        cache = new_cache(model)
+        model.forward(ids[:4], cache, logits=None)
+        masses, logits = [], []
+        for i in range(4, len(ids)):
+            if collect:
+                masses.append(torch.zeros(1, 2))
+                cache.collect(torch.tensor([0, 4, i + 1], dtype=torch.int32), masses[-1])
+            got = model.forward(ids[i:i + 1], cache, logits="last" if i % 3 == 0 else None)
+            assert (got is None) == (i % 3 != 0)
+            if got is not None:
+                logits.append(got)
+            cache.collect(None, None)
+        out[fused] = (torch.cat(logits), _kv(cache), torch.cat(masses) if collect else None)
+    (a, kv_a, m_a), (b, kv_b, m_b) = out[True], out[False]
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(kv_a, kv_b))
+    if collect:
+        assert torch.equal(m_a, m_b)
+        # every layer and head attends from the new token, also the last layer: rows sum to layers * heads
+        c = model.config
+        torch.testing.assert_close(m_a.sum(1), torch.full((m_a.shape[0],), float(c.n_layers * c.n_heads)))
+
+
+@pytest.mark.parametrize("qtype,kind,n_kv_heads", [("q4_1", "llama", 2), ("q8_0", "qwen2", 1)])
+def test_decode_time_node_mass_matches_op_by_op_and_hf(qtype, kind, n_kv_heads, tmp_path):
+    hf, path = _gguf(tmp_path, qtype, kind, n_kv_heads=n_kv_heads)
+    results = {}
+    for fused in (True, False):
+        eng = tiny_engine(path, page_size=8)
+        eng.model.fused_decode = fused
+        s = eng.session()
+        s.append(list(range(40, 52)), node_id="a")
+        s.append(list(range(60, 69)), node_id="b", collect=True)
+        text = s.generate(12, node_id="gen", collect=True)
+        assert (eng.model._decoder not in (None, False)) == fused
+        results[fused] = (text, list(s.tokens), s.token_mass("gen"), s.token_mass("b"), s._last_logits())
+    (text, toks, mass, mass_b, logits), plain = results[True], results[False]
+    assert text == plain[0] and toks == plain[1]
+    _close(mass, plain[2], 1e-5)
+    assert torch.equal(mass, plain[2]) and torch.equal(mass_b, plain[3]) and torch.equal(logits, plain[4])
+    n = len(toks) - 21
+    assert n > 0
+    # against HF's eager attention, averaged over layers and heads
+    hf.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            att = hf(torch.tensor([toks]), output_attentions=True).attentions
+    finally:
+        hf.config._attn_implementation = "sdpa"
+    att = torch.stack([x[0].double() for x in att]).mean((0, 1))[21:]
+    bounds = [0, 12, 21, 21 + n]
+    want = torch.stack([att[:, a:b].sum(1) for a, b in zip(bounds, bounds[1:])], 1)
+    torch.testing.assert_close(mass.double(), want, atol=1e-5, rtol=0)
+
+
+def test_scalar_kernels_and_one_thread_give_the_same_steps(tmp_path):
+    """The fused step takes whatever path the kernels take (forced scalar here) and does not depend on threads."""
+    _, path = _gguf(tmp_path, "q4_1", n_kv_heads=1)
+    model = _model(path)
+    ids = torch.randint(0, 101, (150,), generator=torch.Generator().manual_seed(4))  # > 128 keys: several chunks
+    base, _ = _decode(model, ids, 100, True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = _decode(model, ids, 100, True)
+        torch.set_num_threads(threads)
+        _C.quant_force_scalar(True)
+        _C.cpu_ops_force_scalar(True)
+        scalar, _ = _decode(model, ids, 100, True)
+        scalar_plain, _ = _decode(model, ids, 100, False)
+    finally:
+        torch.set_num_threads(threads)
+        _C.quant_force_scalar(False)
+        _C.cpu_ops_force_scalar(False)
+    assert torch.equal(one, base)
+    assert torch.equal(scalar, scalar_plain)
+    _close(scalar, base, 1e-5)
+
+
+def test_op_by_op_path_where_fusion_does_not_apply(tmp_path):
+    ids = torch.randint(0, 101, (12,), generator=torch.Generator().manual_seed(5))
+    # unquantised weights
+    _, f32 = _gguf(tmp_path, "f32")
+    model = _model(f32)
+    _decode(model, ids, 4, True)
+    assert model._decoder is False
+    # the torch backend
+    _, q8 = _gguf(tmp_path, "q8_0")
+    model = _model(q8, backend="torch")
+    got, _ = _decode(model, ids, 4, True)
+    assert model._decoder is False
+    cpu = _model(q8)
+    want, _ = _decode(cpu, ids, 4, True)
+    assert isinstance(cpu._decoder, cpu_ops.Decoder)
+    _close(got, want, 1e-4)
+    # a cache attending through another backend than the model's
+    cache = new_cache(cpu)
+    cache.ops = reference
+    cpu.forward(ids[:4], cache)
+    got = torch.cat([cpu.forward(ids[i:i + 1], cache) for i in range(4, len(ids))])
+    _close(got, want, 1e-4)
+    # more than one token
+    cache = new_cache(cpu)
+    cpu.forward(ids[:4], cache)
+    got = cpu.forward(ids[4:6], cache, logits="all")
+    _close(got, want[:2], 1e-4)
+
+
+def test_bad_inputs_raise_as_op_by_op(tmp_path):
+    _, path = _gguf(tmp_path, "q8_0")
+    model = _model(path)
+    cache = new_cache(model, tokens=64)
+    model.forward(torch.tensor([1, 2, 3]), cache)
+    with pytest.raises(IndexError):  # outside the vocabulary: the op-by-op path's embedding lookup raises
+        model.forward(torch.tensor([101]), cache)
+    cache.truncate(3)
+    # a corrupt block table: nothing is written, the error names the entry (as paged_attention's)
+    cache.begin(1)
+    table = cache._table.clone()
+    cache._table[0] = 10_000
+    with pytest.raises(ValueError, match=r"block_table\[0\] = 10000 is not a page"):
+        model.forward(torch.tensor([4]), cache)
+    cache._table.copy_(table)
+    cache.truncate(3)
+    # bad node bounds
+    cache.collect(torch.tensor([0, 2, 2, 4], dtype=torch.int32), torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="node_bounds must rise strictly"):
+        model.forward(torch.tensor([4]), cache)
+    cache.collect(None, None)
+    cache.truncate(3)
+    dec = model._decoder
+    cache.begin(1)
+    with pytest.raises(ValueError, match="Decoder.step: invalid arguments"):
+        dec.step(4, torch.zeros(3), torch.zeros(3), cache.pool.k, cache.pool.v, cache._table, 4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        cos, sin = model.rope(3, 1)
+        dec.step(101, cos, sin, cache.pool.k, cache.pool.v, cache._table, 4)
+    cache.truncate(3)
+    # still usable: the next step matches a fresh run
+    got = model.forward(torch.tensor([4]), cache)
+    model.fused_decode = False
+    fresh = new_cache(model)
+    model.forward(torch.tensor([1, 2, 3]), fresh)
+    want = model.forward(torch.tensor([4]), fresh)
+    assert torch.equal(got, want)
+
+
+def test_profile_counters(tmp_path):
+    _, path = _gguf(tmp_path, "q4_1")
+    model = _model(path)
+    _decode(model, torch.arange(10), 2, True)
+    times = model._decoder.times()
+    assert set(times) == {"wqkv", "rope", "attention", "wo", "w13", "w2", "norms+silu", "lm_head"}
+    assert all(t >= 0 for t in times.values()) and sum(times.values()) > 0
+    model._decoder.reset_times()
+    assert sum(model._decoder.times().values()) == 0
