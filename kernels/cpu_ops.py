@@ -177,6 +177,17 @@ def _explain_silu(gate_up, out):
     raise _unexplained(fn)
 
 
+def _mass_args(node_bounds, mass, n: int) -> tuple[bool, int, int, int]:
+    """(arguments fine, N, bounds pointer, mass pointer) of an optional node-mass output for n query rows."""
+    if mass is None:
+        return True, 0, 0, 0
+    n_nodes = node_bounds.shape[0] - 1
+    ok = (node_bounds.dtype is _I32 and node_bounds.is_cpu and node_bounds.dim() == 1
+          and node_bounds.is_contiguous() and n_nodes >= 1 and mass.dtype is _F32 and mass.is_cpu
+          and mass.shape == (n, n_nodes) and mass.is_contiguous())
+    return ok, n_nodes, node_bounds.data_ptr(), mass.data_ptr()
+
+
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int,
                     block_table: torch.Tensor, end: int, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, node_bounds: torch.Tensor | None = None,
@@ -220,14 +231,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
             ok = (ok and n <= t <= end and k_new.dtype is _F32 and k_new.is_cpu and k_new.shape == (t, kv, hd)
                   and ksd == 1 and v_new.dtype is _F32 and v_new.is_cpu and v_new.shape == (t, kv, hd) and vsd == 1)
             kp, vp = k_new.data_ptr(), v_new.data_ptr()
-        if mass is None:
-            n_nodes = bp = mp = 0
-        else:
-            n_nodes = node_bounds.shape[0] - 1
-            ok = (ok and node_bounds.dtype is _I32 and node_bounds.is_cpu and node_bounds.dim() == 1
-                  and node_bounds.is_contiguous() and n_nodes >= 1 and mass.dtype is _F32 and mass.is_cpu
-                  and mass.shape == (n, n_nodes) and mass.is_contiguous())
-            bp, mp = node_bounds.data_ptr(), mass.data_ptr()
+        mass_ok, n_nodes, bp, mp = _mass_args(node_bounds, mass, n)
+        ok = ok and mass_ok
     except _BAD:
         ok = False
     if not ok:
@@ -401,14 +406,8 @@ class Decoder:
                   and sin_signed.dtype is _F32 and sin_signed.is_cpu and sin_signed.numel() == hd
                   and sin_signed.is_contiguous()
                   and (logits is None or (self.has_lm_head and want_out and _out_ok(logits, (1, self.vocab)))))
-            if mass is None:
-                n_nodes = bp = mp = 0
-            else:
-                n_nodes = node_bounds.shape[0] - 1
-                ok = (ok and node_bounds.dtype is _I32 and node_bounds.is_cpu and node_bounds.dim() == 1
-                      and node_bounds.is_contiguous() and n_nodes >= 1 and mass.dtype is _F32 and mass.is_cpu
-                      and mass.shape == (1, n_nodes) and mass.is_contiguous())
-                bp, mp = node_bounds.data_ptr(), mass.data_ptr()
+            mass_ok, n_nodes, bp, mp = _mass_args(node_bounds, mass, 1)
+            ok = ok and mass_ok
         except _BAD:
             ok = False
         if not ok:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import new_cache, tiny_engine, tiny_hf_model, write_tiny_gguf
+from numerics import hf_attention
 from nodekv import _C
 from nodekv.engine.loader import load_checkpoint
 from nodekv.engine.model import Llama
@@ -146,13 +147,7 @@ def test_decode_time_node_mass_matches_op_by_op_and_hf(qtype, kind, n_kv_heads, 
     n = len(toks) - 21
     assert n > 0
     # against HF's eager attention, averaged over layers and heads
-    hf.config._attn_implementation = "eager"
-    try:
-        with torch.no_grad():
-            att = hf(torch.tensor([toks]), output_attentions=True).attentions
-    finally:
-        hf.config._attn_implementation = "sdpa"
-    att = torch.stack([x[0].double() for x in att]).mean((0, 1))[21:]
+    att = hf_attention(hf, toks)[21:]
     bounds = [0, 12, 21, 21 + n]
     want = torch.stack([att[:, a:b].sum(1) for a, b in zip(bounds, bounds[1:])], 1)
     torch.testing.assert_close(mass.double(), want, atol=1e-5, rtol=0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_engine, tiny_hf_model
+from numerics import hf_attention
 from nodekv.engine.errors import ContextOverflowError, PoolExhaustedError, SessionReleasedError
 from nodekv.engine.flops import forward_flops
 
@@ -26,17 +27,6 @@ def hf_tiny(tmp_path_factory):
 def hf_logits(hf, ids):
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
-
-
-def hf_attention(hf, ids) -> torch.Tensor:
-    """Softmax matrices of every layer and head from HF's eager attention, averaged: [T, T] float64."""
-    hf.config._attn_implementation = "eager"
-    try:
-        with torch.no_grad():
-            att = hf(torch.tensor([ids]), output_attentions=True).attentions
-    finally:
-        hf.config._attn_implementation = "sdpa"
-    return torch.stack([a[0].double() for a in att]).mean((0, 1))
 
 
 def per_node(att_rows: torch.Tensor, bounds: list[int]) -> torch.Tensor:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import SHARED_DATA
+from numerics import hf_attention
 
 pytestmark = pytest.mark.model
 
@@ -105,16 +106,7 @@ def test_node_mass_matches_hf_eager_attentions(engine, hf_model):
         s.append(ids[bounds[j]:bounds[j + 1]], node_id=j, collect=True)
     s.generate(6, node_id="gen", collect=True)
     full = s.tokens
-    hf_model.config._attn_implementation = "eager"
-    try:
-        with torch.no_grad():
-            att = hf_model(torch.tensor([full]), output_attentions=True).attentions
-    finally:
-        hf_model.config._attn_implementation = "sdpa"
-    mean = torch.zeros(len(full), len(full), dtype=torch.float64)
-    for a in att:
-        mean += a[0].double().sum(0)
-    mean /= len(att) * att[0].shape[1]
+    mean = hf_attention(hf_model, full)
     bounds.append(len(full))
     for j, node in enumerate([*range(8), "gen"]):
         want = torch.stack([mean[bounds[j]:bounds[j + 1], a:b].sum(1) for a, b in zip(bounds, bounds[1:j + 2])], 1)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from nodekv import _C
 from nodekv.kernels import cpu_ops as co
+from numerics import assert_close, gen
 
 TS = [1, 3, 8]
 
@@ -25,19 +26,6 @@ def isa(request):
     yield request.param
     _C.cpu_ops_force_scalar(False)
 
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def assert_close(got: torch.Tensor, ref: torch.Tensor, torch_f32: torch.Tensor, factor: float = 4.0) -> None:
-    """max |got - ref| within `factor` x max |torch_f32 - ref| (ref in float64), or a 1-ulp floor where torch is
-    exact."""
-    assert got.shape == ref.shape and got.dtype == torch.float32
-    torch_err = (torch_f32.double() - ref).abs().max().item()
-    floor = 2.0 ** -24 * ref.abs().max().item()
-    err = (got.double() - ref).abs().max().item()
-    assert err <= factor * max(torch_err, floor), f"max |err| {err:.3g} vs torch fp32 {torch_err:.3g}"
 
 
 # ---------------------------------------------------------------- rms_norm
