@@ -20,7 +20,8 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	mkdir -p build
-	$(VENV)/bin/nodekv index examples/lost_in_translation.txt -o build/demo.pecan --html build/demo.html
+	# batches of 1.5K tokens, not the paper's 8K: on 7K-token summary prompts the 135M model degenerates into repetition
+	$(VENV)/bin/nodekv index examples/lost_in_translation.txt -o build/demo.pecan --html build/demo.html --batch-tokens 1500
 	$(VENV)/bin/nodekv ask build/demo.pecan "Who is Korvin, and where is he held?" --trace
 
 test: $(STAMP)

@@ -134,7 +134,9 @@ class Pecan:
             generated = s.tokens[s.nodes[-1].start:] if s.nodes[-1].node_id == "summary" else []
             mass = s.token_mass("summary")[:, 1:1 + len(batch)] if generated else None
         if cfg.ip_graph:
-            ips, how = parse_ips(text)
+            ips, how, dropped = parse_ips(text)
+            if dropped:
+                log.append(f"{where}: {dropped} repeated or too-short points dropped, {len(ips)} kept")
         else:
             ips, how = ([text.strip()], "whole summary") if text.strip() else ([], "empty")
         if how in ("lines", "sentences"):

@@ -71,10 +71,11 @@ _BULLET = re.compile(r"^\s*(?:[-*•·‣▪–—]|\d{1,3}[.)]|\(\d{1,3}\)|[a-z
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'])")
 
 
-def parse_ips(text: str, min_chars: int = 8) -> tuple[list[str], str]:
+def parse_ips(text: str, min_chars: int = 8) -> tuple[list[str], str, int]:
     """Information points from a summary: its bullet or numbered lines; failing that, its non-empty lines if more
     than one; failing that, its sentences. Repeats (case- and space-insensitive) and fragments shorter than
-    `min_chars` are dropped. Returns (IPs, how they were found: "bullets", "lines", "sentences" or "empty")."""
+    `min_chars` are dropped. Returns (IPs, how they were found: "bullets", "lines", "sentences" or "empty", how
+    many candidates were dropped)."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
     found = [m.group(1) for m in map(_BULLET.match, lines) if m]
     how = "bullets"
@@ -87,7 +88,7 @@ def parse_ips(text: str, min_chars: int = 8) -> tuple[list[str], str]:
         if len(ip.strip()) >= min_chars and key not in keys:
             keys.add(key)
             ips.append(ip.strip())
-    return ips, how if ips else "empty"
+    return ips, how if ips else "empty", len(found) - len(ips)
 
 
 def next_node(graph: Graph, visited: list[int], relevance: dict[int, float], similarity: dict[int, float],

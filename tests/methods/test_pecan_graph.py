@@ -56,4 +56,9 @@ def test_positional_relevance():
     ("- ok\n- no", [], "empty"),
 ])
 def test_parse_ips(text, ips, how):
-    assert parse_ips(text) == (ips, how)
+    assert parse_ips(text)[:2] == (ips, how)
+
+
+def test_parse_ips_counts_repeats_it_drops():
+    assert parse_ips("* Ships sink.\n* ships   SINK.\n* Crew lives on.\n* ok") == (
+        ["Ships sink.", "Crew lives on."], "bullets", 2)
