@@ -4,8 +4,9 @@ Each line holds the record's id, question, prediction, references, metrics, the 
 query-dependent and indexing FLOPs measured on the model (and projected to the llama-3.1-8b preset for the same
 token counts), wall time, and the document's hash (so a report counts each document's index once). A document
 is indexed once however many questions it has; methods that can save indexes (PECAN) keep them under
-<out>/indexes, keyed by document, method, model and config, so a rerun or a resumed run reuses them. Killing a run and starting it again skips the records
-already written (a torn last line is dropped), so the final file is the same as an uninterrupted run's.
+<out>/indexes, keyed by document, method, model and the options the index depends on, so a rerun, a resumed run
+or a run that changes only search options (PECAN's search ablations) reuses them. Killing a run and starting it
+again skips the records already written (a torn last line is dropped), so the final file is the same as an uninterrupted run's.
 """
 from __future__ import annotations
 
@@ -39,17 +40,19 @@ class RunConfig:
     out: str = "runs"
     options: dict = field(default_factory=dict)  # method config, e.g. {"k": 3}
     match: str | None = None  # a reference run file: pick k so that query FLOPs match its mean (Top-X)
+    name: str | None = None   # the run's label; by default the method and its options (e.g. bm25-top3)
 
     @property
     def label(self) -> str:
+        if self.name:
+            return self.name
         if self.match is not None:
             return f"{self.method}-topx"
-        return self.method if "k" not in self.options else f"{self.method}-top{self.options['k']}"
+        parts = [f"top{v}" if k == "k" else f"{k}={v}" for k, v in sorted(self.options.items())]
+        return "-".join([self.method, *parts])
 
     @property
     def path(self) -> Path:
-        if self.match is not None:
-            return Path(self.out) / f"{self.method}-topx-{self.dataset}.jsonl"
         return Path(self.out) / f"{self.label}-{self.dataset}.jsonl"
 
 
@@ -106,7 +109,10 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     matched = {}
     if cfg.match is not None:
         cfg.options["k"], matched = match_k(engine, cfg, Path(cfg.match))
-    method = get(cfg.method)(engine, prompt=prompt_for(cfg.dataset), **cfg.options)
+    try:
+        method = get(cfg.method)(engine, prompt=prompt_for(cfg.dataset), **cfg.options)
+    except TypeError as e:  # an option the method does not take
+        raise ValueError(f"method {cfg.method!r} does not take options {cfg.options}: {e}") from None
     engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_done(cfg.path)}
@@ -115,7 +121,9 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     for rid, why in loaded.problems:
         print(f"skipped record {rid}: {why}", file=sys.stderr)
-    store = IndexStore(cfg.path.parent / "indexes", f"{cfg.method}-{_config_hash(engine, cfg)}", engine)
+    index_config = getattr(method, "index_config", cfg.options)
+    store = IndexStore(cfg.path.parent / "indexes", f"{cfg.method}-{_config_hash(engine, cfg.method, index_config)}",
+                       engine)
     indexes: dict[str, tuple[object, int, int, float]] = {}  # doc hash -> (index, flops, flops 8B, seconds)
     todo = [r for r in loaded.records if r.id not in done]
     bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
@@ -149,8 +157,8 @@ class IndexStore:
             (self.root / f"{self.key}-{doc}.json").write_text(json.dumps(cost))
 
 
-def _config_hash(engine: Engine, cfg: RunConfig) -> str:
-    ident = json.dumps([str(engine.path), str(engine.model.dtype), cfg.method, cfg.options], sort_keys=True)
+def _config_hash(engine: Engine, method: str, index_config: dict) -> str:
+    ident = json.dumps([str(engine.path), str(engine.model.dtype), method, index_config], sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 

@@ -13,7 +13,8 @@ embedding similarity to the query; the second-turn prompt then decodes the answe
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Iterator
 
 import torch
 
@@ -54,6 +55,9 @@ class PecanConfig:
     ip_graph: bool = True          # False: w/o IP graph (each batch summarised into one node, RAPTOR-like)
 
 
+INDEX_OPTIONS = ("chunk_tokens", "batch_tokens", "summary_tokens", "max_levels", "ip_graph")
+
+
 @dataclass
 class PecanIndex:
     """A document's graph, its nodes' embeddings and the log of how it was built."""
@@ -72,6 +76,10 @@ class Pecan:
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, search_engine: Engine | None = None,
                  embedder=None, **config):
+        known = [f.name for f in fields(PecanConfig)]
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise ValueError(f"unknown PECAN option(s) {', '.join(unknown)}; known: {', '.join(known)}")
         self.engine, self.search_engine = engine, search_engine or engine
         self.config = PecanConfig(**config)
         self.prompt = prompt
@@ -84,6 +92,12 @@ class Pecan:
 
             self._embedder = Embedder()
         return self._embedder
+
+    @property
+    def index_config(self) -> dict:
+        """The options a graph depends on (the others only steer the search), so that ablations of the search
+        share one index."""
+        return {k: v for k, v in asdict(self.config).items() if k in INDEX_OPTIONS}
 
     # ---------------------------------------------------------------- construction
     def index(self, document: str) -> PecanIndex:
@@ -167,53 +181,67 @@ class Pecan:
 
     # ---------------------------------------------------------------- search
     def answer(self, index: PecanIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
+        eng, cfg = self.search_engine, self.config
+        trace, yes_count = [], 0
+        before = eng.flops.scopes["query"]
+        with eng.flops.scope("query"), eng.session() as s:
+            for step in self.search(s, index, question, options, probe=cfg.dynamic):
+                trace.append(step)
+                yes_count += step.get("p_yes", 0.0) > cfg.t_p
+                if yes_count >= cfg.t_n:
+                    trace.append({"stop": "yes"})
+                    break
+            text, generated = self.respond(s)
+            prompt_tokens = len(s) - generated
+        visited = [step["node"] for step in trace if "node" in step]
+        return Answer(text, visited, trace, eng.flops.scopes["query"] - before, prompt_tokens, generated)
+
+    def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
+               probe: bool = True) -> Iterator[dict]:
+        """Prefill the first turn and the query into the empty session `s`, then append nodes one at a time, top
+        level first, then by z + similarity; yield a step after each append: {"node", "level", "z", "r"}, plus
+        "p_yes" from a rolled-back probe once the whole top level is in (when `probe`). Ends with a step
+        {"stop": "budget" | "graph exhausted"} unless the caller stops first."""
         eng, cfg, graph = self.search_engine, self.config, index.graph
         tok = eng.tokenizer
         if options:
             question = question + "\n" + "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))
         head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
+        probe_ids = tok.encode(probe_tail, parse_special=True)
+        sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
+        s.append(tok.encode(head, parse_special=True), node_id="head")
+        q_len = len(s.append(tok.encode(question), node_id="query"))
+        s.append(tok.encode(info), node_id="info")
+        visited, query_mass = [], []
+        pending, n_top = list(graph.top_level), len(graph.top_level)
+        while True:
+            if pending:
+                node, z = pending.pop(0), None
+            else:
+                picked = next_node(graph, visited, dict(zip(visited, positional_relevance(query_mass))), sim,
+                                   cfg.attention, cfg.embedding)
+                if picked is None or len(visited) - n_top >= self._limit():
+                    yield {"stop": "graph exhausted" if picked is None else "budget"}
+                    return
+                node, z = picked
+            s.append(tok.encode("* " + graph.nodes[node].text.strip() + "\n"), node_id=node, collect=True)
+            visited.append(node)
+            query_mass.append(float(s.token_mass(node)[:, 1].mean()) / q_len)  # node -> query, token-to-node mean
+            step = {"node": node, "level": graph.nodes[node].level, "z": z, "r": query_mass[-1]}
+            if probe and not pending:  # probes start once the whole top level is in
+                step["p_yes"] = s.probe(["Yes", "No"], tokens=probe_ids)["Yes"]
+            yield step
+
+    def respond(self, s) -> tuple[str, int]:
+        """Append the second turn (Table A2) to a searched session and decode the answer: (text, tokens)."""
+        eng, tok = self.search_engine, self.search_engine.tokenizer
         answer_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant",
                                         "content": "Yes"}, {"role": "user", "content": SECOND_TURN}])[-1]
-        sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
-        visited, query_mass, trace = [], [], []
-        yes_count, stop = 0, "budget"
-        before = eng.flops.scopes["query"]
-        with eng.flops.scope("query"), eng.session() as s:
-            s.append(tok.encode(head, parse_special=True), node_id="head")
-            q_len = len(s.append(tok.encode(question), node_id="query"))
-            s.append(tok.encode(info), node_id="info")
-            pending, n_top = list(graph.top_level), len(graph.top_level)
-            while True:
-                if pending:
-                    node, z = pending.pop(0), None
-                else:
-                    picked = next_node(graph, visited, dict(zip(visited, positional_relevance(query_mass))), sim,
-                                       cfg.attention, cfg.embedding)
-                    if picked is None or len(visited) - n_top >= self._limit():
-                        stop = "graph exhausted" if picked is None else "budget"
-                        break
-                    node, z = picked
-                s.append(tok.encode("* " + graph.nodes[node].text.strip() + "\n"), node_id=node, collect=True)
-                visited.append(node)
-                query_mass.append(float(s.token_mass(node)[:, 1].mean()) / q_len)  # node -> query, token-to-node mean
-                step = {"node": node, "level": graph.nodes[node].level, "z": z, "r": query_mass[-1]}
-                if pending or not cfg.dynamic:  # probes start once the whole top level is in
-                    trace.append(step)
-                    continue
-                p_yes = s.probe(["Yes", "No"], tokens=tok.encode(probe_tail, parse_special=True))["Yes"]
-                trace.append({**step, "p_yes": p_yes})
-                yes_count += p_yes > cfg.t_p
-                if yes_count >= cfg.t_n:
-                    stop = "yes"
-                    break
-            s.append(tok.encode(answer_tail, parse_special=True), node_id="second turn")
-            budget = cfg.answer_tokens if self.prompt is None else self.prompt.max_new_tokens
-            stops = None if self.prompt is None else list(self.prompt.stop) or None
-            text = s.generate(budget, stop=stops, node_id="answer")
-            generated = len(s.nodes[-1]) if s.nodes[-1].node_id == "answer" else 0
-            prompt_tokens = len(s) - generated
-        trace.append({"stop": stop})
-        return Answer(text.strip(), visited, trace, eng.flops.scopes["query"] - before, prompt_tokens, generated)
+        s.append(tok.encode(answer_tail, parse_special=True), node_id="second turn")
+        budget = self.config.answer_tokens if self.prompt is None else self.prompt.max_new_tokens
+        stops = None if self.prompt is None else list(self.prompt.stop) or None
+        text = s.generate(budget, stop=stops, node_id="answer")
+        return text.strip(), len(s.nodes[-1]) if s.nodes[-1].node_id == "answer" else 0
 
     def save_index(self, index: PecanIndex, path) -> None:
         from .pecan_store import save

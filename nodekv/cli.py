@@ -3,6 +3,7 @@ report) and `flops` (exact and paper-style counts)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -143,8 +144,10 @@ def _eval(args: argparse.Namespace) -> int:
     from nodekv.methods.data import DataNotFoundError
     from nodekv.methods.evaluate import RunConfig, run
 
-    options = {"k": args.k} if args.k is not None else {}
-    cfg = RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options, args.match)
+    options = dict(args.option)
+    if args.k is not None:
+        options["k"] = args.k
+    cfg = RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options, args.match, args.label)
     try:
         path = run(load_engine(args.model, threads=args.threads), cfg)
     except (DataNotFoundError, ValueError) as e:
@@ -152,6 +155,17 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {path}")
     return 0
+
+
+def _option(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE read as JSON where it parses (true, 3, 0.4), else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,12 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="evaluate a method on a dataset (resumable), or `eval report RUN...`")
     ev.add_argument("runs", nargs="*", help="`report` followed by run files or directories")
-    ev.add_argument("--method", help="full, bm25, dense")
+    ev.add_argument("--method", help="pecan, full, bm25, dense")
     ev.add_argument("--dataset", help="a file stem under the data directory, e.g. hotpotqa")
     ev.add_argument("--limit", type=int, default=None, help="first N good records")
     ev.add_argument("--k", type=int, default=None, help="chunks retrieved by bm25/dense")
     ev.add_argument("--match", default=None, help="bm25/dense Top-X: pick k to match this run file's mean "
                                                    "query FLOPs (output <method>-topx-<dataset>.jsonl)")
+    ev.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                    help="a method option, repeatable, e.g. --option attention=false (PECAN's ablations)")
+    ev.add_argument("--label", default=None, help="the run's name (default: the method and its options)")
     ev.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")
