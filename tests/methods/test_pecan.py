@@ -76,3 +76,79 @@ def test_empty_document_is_refused(built):
     for doc in ("", "  \n\t "):
         with pytest.raises(ValueError, match="empty"):
             method.index(doc)
+
+
+TOWN = ("The town of Hollin lies on a wide bend of the river Aske. Its market opens every Saturday, and farmers bring "
+        "apples, cheese and wool from the hills.")
+FIELDS = ("Wheat and barley grow in the fields north of the town. In a dry year the harvest is small, and the old mill "
+          "on the river grinds much less flour.")
+BELL = ("The Hollin bell tower has a bronze bell named Old Meg. Old Meg was cast in 1764 and weighs nine hundred pounds, "
+        "and it rings at noon.")
+CHOIR = ("The Hollin choir sings in the chapel on Sunday mornings. It has forty members and a small organ that was "
+         "bought from a church in the city of York.")
+
+
+def test_the_ip_stating_a_planted_fact_points_to_its_chunk(built):
+    """Acceptance 2: the bell is mentioned in one chunk only; the IP that states it must weigh that chunk most.
+    SmolLM2's attention gives every chunk a baseline share that depends on its position (here the first chunk
+    gets ~0.27 from every IP, the planted third ~0.1), so the planted chunk's weight is checked against both the
+    other chunks and the weight the other IPs give it."""
+    from nodekv.methods.pecan import Pecan
+
+    eng = built[0]
+    index = Pecan(eng, chunk_tokens=40, batch_tokens=2000, summary_tokens=200).index(
+        "\n\n".join([TOWN, FIELDS, BELL, CHOIR]) + "\n")
+    chunks = sorted(i for i, n in index.graph.nodes.items() if n.level == 1)
+    planted = next(i for i in chunks if "Old Meg" in index.graph.nodes[i].text)
+    assert len(chunks) == 4 and sum("Old Meg" in index.graph.nodes[i].text for i in chunks) == 1
+    ips = [i for i, n in index.graph.nodes.items() if n.level == 2]
+    stating = [i for i in ips if "Old Meg" in index.graph.nodes[i].text]
+    assert len(stating) == 1, [index.graph.nodes[i].text for i in ips]
+    edges = index.graph.edges[stating[0]]
+    others = [edges.get(j, 0.0) for j in chunks if j != planted]
+    assert edges[planted] > max(others) + 0.01
+    from_other_ips = [index.graph.edges[i].get(planted, 0.0) for i in ips if i != stating[0]]
+    assert edges[planted] > 2 * max(from_other_ips)
+
+
+def test_search_flops_are_one_prefill_plus_probes_and_answer(built):
+    """Acceptance 3: rebuild the final prompt from its pieces (independently of the search code) and check that
+    the account charged each of its tokens exactly once, after exactly the tokens before it, plus one probe
+    after each probed node and one forward per answer token: no recomputation."""
+    from nodekv.engine.flops import forward_flops
+    from nodekv.methods.base import chat_pieces
+    from nodekv.methods.pecan import FIRST_TURN, SECOND_TURN
+
+    eng, method, index = built
+    question = "Who kept the lamps burning?"
+    answer = method.answer(index, question)
+    tok, c = eng.tokenizer, eng.config
+    head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
+    second = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
+                               {"role": "user", "content": SECOND_TURN}])[-1]
+    probe_len = len(tok.encode(probe_tail, parse_special=True))
+    pieces = [(len(tok.encode(head, parse_special=True)), False), (len(tok.encode(question)), False),
+              (len(tok.encode(info)), False)]
+    expected, end, probes = 0, 0, 0
+    steps = [s for s in answer.trace if "node" in s]
+    assert [s["node"] for s in steps] == answer.nodes
+    for step in steps:
+        pieces.append((len(tok.encode("* " + index.graph.nodes[step["node"]].text.strip() + "\n")), True))
+    pieces.append((len(tok.encode(second, parse_special=True)), False))
+    probed = {3 + k for k, s in enumerate(steps) if "p_yes" in s}
+    for k, (n, collected) in enumerate(pieces):
+        expected += forward_flops(c, n, end, 1, collected)
+        end += n
+        if k in probed:
+            expected += forward_flops(c, probe_len, end)
+            probes += 1
+    assert end == answer.prompt_tokens and probes >= 1
+    expected += sum(forward_flops(c, 1, end + i) for i in range(answer.generated_tokens))
+    assert answer.flops == expected
+
+    # Against one prefill of the final prompt (last layer pruned to its last row), the prompt's share costs only
+    # the logits at each other piece's end and, for collected pieces, the last layer's other rows.
+    prompt_share = sum(forward_flops(c, n, sum(m for m, _ in pieces[:k]), 1, col) for k, (n, col) in enumerate(pieces))
+    collected = sum(n for n, col in pieces if col)
+    extras = (len(pieces) - 1) * 2 * c.dim * c.vocab_size + collected * forward_flops(c, 1, end) / c.n_layers
+    assert 0 < prompt_share - forward_flops(c, end) <= extras

@@ -1,0 +1,125 @@
+"""What PECAN's KV-cached search saves: the same search run on one cached session (each node appended once, probes
+rolled back) and naively, re-prefilling the whole prompt from scratch before every probe and before the answer.
+
+The naive run replays the cached run's visit order, so both do the same search; it prefills each prompt as one
+collected node, as a search without a cache would to read the new node's attention to the query. The predicted
+factor is the closed-form ratio of the two FLOP counts (engine.flops.forward_flops) for that visit order; the
+measured one comes from the engine's account, and the wall times are measured side by side in one process.
+
+    python -m nodekv.bench.pecan_search [--index X.pecan] [--question Q] [--budget 12] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STORY = ROOT / "examples" / "lost_in_translation.txt"
+QUESTION = "Who is Korvin, and where is he held?"
+
+
+def naive_search(method, index, question: str, visited: list[int], probed: list[bool]) -> tuple[dict, str]:
+    """Re-prefill [first turn, query, nodes so far] from an empty cache before each probe, and the whole final
+    prompt before the answer. Returns ({step: p_yes}, answer text)."""
+    from nodekv.methods.base import chat_pieces
+    from nodekv.methods.pecan import FIRST_TURN, SECOND_TURN
+
+    eng = method.search_engine
+    tok = eng.tokenizer
+    head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
+    second = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
+                               {"role": "user", "content": SECOND_TURN}])[-1]
+    prefix = tok.encode(head, parse_special=True) + tok.encode(question) + tok.encode(info)
+    nodes = [tok.encode("* " + index.graph.nodes[i].text.strip() + "\n") for i in visited]
+    p_yes = {}
+    for k, probe in enumerate(probed):
+        if probe:
+            with eng.session() as s:
+                s.append(prefix + sum(nodes[:k + 1], []), collect=True)
+                p_yes[k] = s.probe(["Yes", "No"], tokens=tok.encode(probe_tail, parse_special=True))["Yes"]
+    with eng.session() as s:
+        s.append(prefix + sum(nodes, []) + tok.encode(second, parse_special=True))
+        text = s.generate(method.config.answer_tokens)
+    return p_yes, text.strip()
+
+
+def predicted_ratio(c, prefix: list[int], nodes: list[int], probed: list[bool], probe: int, second: int, gen: int) -> float:
+    from nodekv.engine.flops import forward_flops
+
+    def decode(n: int) -> int:
+        return sum(forward_flops(c, 1, n + i) for i in range(gen))
+
+    cached, end, naive = 0, 0, 0
+    for n in prefix:  # the cached run appends the first turn as three nodes: head, query, info
+        cached += forward_flops(c, n, end)
+        end += n
+    for k, n in enumerate(nodes):
+        cached += forward_flops(c, n, end, 1, True)
+        end += n
+        if probed[k]:
+            cached += forward_flops(c, probe, end)
+            naive += forward_flops(c, end, 0, 1, True) + forward_flops(c, probe, end)
+    cached += forward_flops(c, second, end) + decode(end + second)
+    naive += forward_flops(c, end + second) + decode(end + second)
+    return naive / cached
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--index", default=str(ROOT / "build" / "bench-story.pecan"),
+                    help="a PECAN index (built from the bundled story with 1.5K-token batches if missing)")
+    ap.add_argument("--question", default=QUESTION)
+    ap.add_argument("--budget", type=int, default=12, help="nodes beyond the top level")
+    ap.add_argument("--t-p", type=float, default=0.5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    from nodekv import load_engine
+    from nodekv.methods.base import chat_pieces
+    from nodekv.methods.pecan import FIRST_TURN, SECOND_TURN, Pecan
+    from nodekv.methods.pecan_store import load, save
+
+    eng = load_engine(threads=args.threads)
+    method = Pecan(eng, batch_tokens=1500, node_budget=args.budget, t_p=args.t_p)
+    path = Path(args.index)
+    if not path.exists():
+        print(f"building {path} from {STORY.name} ...")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save(method.index(STORY.read_text()), path, eng)
+    index = load(path, eng)
+
+    method.answer(index, args.question)  # warm-up
+    t = time.perf_counter()
+    answer = method.answer(index, args.question)
+    cached_s = time.perf_counter() - t
+    steps = [s for s in answer.trace if "node" in s]
+    visited, probed = [s["node"] for s in steps], ["p_yes" in s for s in steps]
+
+    before = eng.flops.total
+    t = time.perf_counter()
+    p_yes, naive_text = naive_search(method, index, args.question, visited, probed)
+    naive_s, naive_flops = time.perf_counter() - t, eng.flops.total - before
+
+    tok = eng.tokenizer
+    head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
+    second = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
+                               {"role": "user", "content": SECOND_TURN}])[-1]
+    prefix = [len(tok.encode(head, parse_special=True)), len(tok.encode(args.question)), len(tok.encode(info))]
+    node_lens = [len(tok.encode("* " + index.graph.nodes[i].text.strip() + "\n")) for i in visited]
+    ratio = predicted_ratio(eng.config, prefix, node_lens, probed, len(tok.encode(probe_tail, parse_special=True)),
+                            len(tok.encode(second, parse_special=True)), answer.generated_tokens)
+    drift = max(abs(p_yes[k] - s["p_yes"]) for k, s in enumerate(steps) if "p_yes" in s)
+
+    print(f"{len(visited)} nodes visited ({sum(probed)} probes), final prompt {answer.prompt_tokens} tokens, "
+          f"{answer.generated_tokens} answer tokens, stop: {answer.trace[-1]['stop']}")
+    print("| search | query TFLOPs | wall s |\n|---|---|---|")
+    print(f"| cached session | {answer.flops / 1e12:.4f} | {cached_s:.2f} |")
+    print(f"| naive re-prefill per step | {naive_flops / 1e12:.4f} | {naive_s:.2f} |")
+    print(f"FLOPs ratio naive/cached: measured {naive_flops / answer.flops:.3f}, predicted {ratio:.3f}; "
+          f"wall ratio {naive_s / cached_s:.2f}")
+    print(f"same answer: {naive_text == answer.text}; largest p_yes difference {drift:.2e}")
+
+
+if __name__ == "__main__":
+    main()
