@@ -121,9 +121,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     for rid, why in loaded.problems:
         print(f"skipped record {rid}: {why}", file=sys.stderr)
-    index_config = getattr(method, "index_config", cfg.options)
-    store = IndexStore(cfg.path.parent / "indexes", f"{cfg.method}-{_config_hash(engine, cfg.method, index_config)}",
-                       engine)
+    store = IndexStore.for_method(cfg.path.parent / "indexes", engine, cfg.method, method, cfg.options)
     indexes: dict[str, tuple[object, int, int, float]] = {}  # doc hash -> (index, flops, flops 8B, seconds)
     todo = [r for r in loaded.records if r.id not in done]
     bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
@@ -144,6 +142,29 @@ class IndexStore:
     def __init__(self, root: Path, key: str, engine: Engine):
         self.root, self.key, self.engine = root, key, engine
 
+    @classmethod
+    def for_method(cls, root: Path, engine: Engine, name: str, method, options: dict) -> "IndexStore":
+        """The store of method `name`'s indexes; only the options its index depends on (`method.index_config`,
+        else all of them) enter the key."""
+        index_config = getattr(method, "index_config", options)
+        ident = json.dumps([str(engine.path), str(engine.model.dtype), name, index_config], sort_keys=True)
+        return cls(root, f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}", engine)
+
+    def build_or_load(self, method, document: str) -> tuple:
+        """(index, FLOPs, FLOPs projected to PROJECT_TO, seconds) of `document`'s index, built (and saved) unless
+        this store has it; construction is charged to the engine's "index" scope."""
+        doc = hashlib.sha256(document.encode()).hexdigest()[:16]
+        found = self.get(method, doc)
+        if found is not None:
+            return found
+        acc = self.engine.flops
+        before, before_8b, t = acc.total, acc.projected.get(PROJECT_TO, 0), time.perf_counter()
+        with acc.scope("index"):
+            built = method.index(document)
+        cost = (acc.total - before, acc.projected.get(PROJECT_TO, 0) - before_8b, time.perf_counter() - t)
+        self.put(method, doc, built, cost)
+        return (built, *cost)
+
     def get(self, method, doc: str):
         meta = self.root / f"{self.key}-{doc}.json"
         if not hasattr(method, "load_index") or not meta.exists():
@@ -157,11 +178,6 @@ class IndexStore:
             (self.root / f"{self.key}-{doc}.json").write_text(json.dumps(cost))
 
 
-def _config_hash(engine: Engine, method: str, index_config: dict) -> str:
-    ident = json.dumps([str(engine.path), str(engine.model.dtype), method, index_config], sort_keys=True)
-    return hashlib.sha256(ident.encode()).hexdigest()[:12]
-
-
 def _evaluate(engine: Engine, method, record, indexes: dict, store: IndexStore) -> dict:
     doc = hashlib.sha256(record.document.encode()).hexdigest()[:16]
     line = {"id": record.id, "question": record.question, "references": list(record.references), "document": doc}
@@ -169,14 +185,7 @@ def _evaluate(engine: Engine, method, record, indexes: dict, store: IndexStore) 
     try:
         if doc not in indexes:
             indexes.clear()  # records come grouped by document: keep one index alive
-            indexes[doc] = store.get(method, doc)
-            if indexes[doc] is None:
-                before, before_8b, t = acc.total, acc.projected[PROJECT_TO], time.perf_counter()
-                with acc.scope("index"):
-                    built = method.index(record.document)
-                cost = (acc.total - before, acc.projected[PROJECT_TO] - before_8b, time.perf_counter() - t)
-                store.put(method, doc, built, cost)
-                indexes[doc] = (built, *cost)
+            indexes[doc] = store.build_or_load(method, record.document)
         built, index_flops, index_flops_8b, index_s = indexes[doc]
         before, before_8b, t = acc.total, acc.projected[PROJECT_TO], time.perf_counter()
         with acc.scope("query"):

@@ -1,5 +1,6 @@
-"""`nodekv` command line: `ask` (answer a question about a text file), `eval` (methods on datasets, and their
-report) and `flops` (exact and paper-style counts)."""
+"""`nodekv` command line: `index` (a PECAN graph of a text file), `ask` (answer a question about a text file or a
+PECAN index), `eval` (methods on datasets, and their report), `calibrate` (PECAN's t_p on dev records) and `flops`
+(exact and paper-style counts)."""
 from __future__ import annotations
 
 import argparse
@@ -157,6 +158,30 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from nodekv import load_engine
+    from nodekv.methods.data import DataNotFoundError
+    from nodekv.methods.pecan_calibrate import calibrate, check_objective
+
+    try:
+        check_objective(args.objective, args.target_nodes)
+        result = calibrate(load_engine(args.model, threads=args.threads), args.dataset, (args.dev_start, args.dev),
+                           args.objective, args.target_nodes, args.out, args.data_dir, dict(args.option))
+    except (DataNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("| t_p | nodes | F1 | query TFLOPs |\n|---|---|---|---|")
+    rows = result["table"]  # shown at tenths of t_p and at the choice; the file has every distinct threshold
+    shown = {id(max((r for r in rows if r["t_p"] <= g / 10), key=lambda r: r["t_p"])) for g in range(11)}
+    for r in rows:
+        if id(r) in shown or r == result["chosen"]:
+            mark = " chosen" if r == result["chosen"] else ""
+            print(f"| {r['t_p']:.4f} | {r['nodes']:.2f} | {r['f1']:.1f} | {r['query_tflops']:.4f} |{mark}")
+    print(f"\nt_p = {result['t_p']} for {args.dataset} ({args.objective}) -> {result['path']}")
+    print(f"use: nodekv eval --method pecan --dataset {args.dataset} --option t_p={result['t_p']}")
+    return 0
+
+
 def _option(text: str) -> tuple[str, object]:
     """KEY=VALUE with VALUE read as JSON where it parses (true, 3, 0.4), else kept as a string."""
     key, sep, value = text.partition("=")
@@ -213,6 +238,20 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--reference", default=None, help="report: method the TFLOPs ratio is taken against")
     ev.add_argument("--threads", type=int, default=None)
     ev.set_defaults(func=_eval)
+
+    ca = sub.add_parser("calibrate", help="pick PECAN's threshold t_p for a dataset on dev records")
+    ca.add_argument("--dataset", required=True)
+    ca.add_argument("--dev-start", type=int, default=30, help="first dev record (default: after eval's first 30)")
+    ca.add_argument("--dev", type=int, default=10, help="number of dev records")
+    ca.add_argument("--objective", default="f1-per-tflop", choices=["nodes", "f1", "f1-per-tflop"])
+    ca.add_argument("--target-nodes", type=float, default=None, help="the 'nodes' objective's mean node count")
+    ca.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                    help="a PECAN option the calibration holds for (repeatable)")
+    ca.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    ca.add_argument("--data-dir", default=None)
+    ca.add_argument("--out", default="runs", help="where the calibration file and the indexes go")
+    ca.add_argument("--threads", type=int, default=None)
+    ca.set_defaults(func=_calibrate)
 
     fl = sub.add_parser("flops", help="exact prefill FLOPs and the papers' conventions for a model")
     fl.add_argument("--model", required=True, help="a preset (llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, "
