@@ -109,19 +109,21 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     matched = {}
     if cfg.match is not None:
         cfg.options["k"], matched = match_k(engine, cfg, Path(cfg.match))
+    constructor = get(cfg.method)
+    options = {**getattr(constructor, "dataset_defaults", lambda _: {})(cfg.dataset), **cfg.options}
     try:
-        method = get(cfg.method)(engine, prompt=prompt_for(cfg.dataset), **cfg.options)
+        method = constructor(engine, prompt=prompt_for(cfg.dataset), **options)
     except TypeError as e:  # an option the method does not take
-        raise ValueError(f"method {cfg.method!r} does not take options {cfg.options}: {e}") from None
+        raise ValueError(f"method {cfg.method!r} does not take options {options}: {e}") from None
     engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_done(cfg.path)}
-    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": cfg.options, **matched,
+    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": options, **matched,
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
     cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     for rid, why in loaded.problems:
         print(f"skipped record {rid}: {why}", file=sys.stderr)
-    store = IndexStore.for_method(cfg.path.parent / "indexes", engine, cfg.method, method, cfg.options)
+    store = IndexStore.for_method(cfg.path.parent / "indexes", engine, cfg.method, method, options)
     indexes: dict[str, tuple[object, int, int, float]] = {}  # doc hash -> (index, flops, flops 8B, seconds)
     todo = [r for r in loaded.records if r.id not in done]
     bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",

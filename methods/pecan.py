@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 from ..engine.engine import Engine
 from .base import Answer, chat_pieces
@@ -55,6 +56,8 @@ class PecanConfig:
     ip_graph: bool = True          # False: w/o IP graph (each batch summarised into one node, RAPTOR-like)
 
 
+# App. E: the confidence threshold t_p the paper used per dataset with Llama-3.1-8B (t_n = 1 throughout).
+PAPER_T_P = {"narrativeqa": 0.5, "qasper": 0.98, "hotpotqa": 0.5, "musique": 0.55}
 INDEX_OPTIONS = ("chunk_tokens", "batch_tokens", "summary_tokens", "max_levels", "ip_graph")
 
 
@@ -70,19 +73,20 @@ class PecanIndex:
 
 class Pecan:
     """index(document) builds the graph; answer(index, question) searches it and answers from the same cache.
-    `search_engine` may be a different model than the one that built the graph (Table 2)."""
+    `search_engine` may be a different model than the one that built the graph (Table 2); `progress` shows a bar
+    per level while the graph is built."""
 
     name = "pecan"
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, search_engine: Engine | None = None,
-                 embedder=None, **config):
+                 embedder=None, progress: bool = False, **config):
         known = [f.name for f in fields(PecanConfig)]
         unknown = sorted(set(config) - set(known))
         if unknown:
             raise ValueError(f"unknown PECAN option(s) {', '.join(unknown)}; known: {', '.join(known)}")
         self.engine, self.search_engine = engine, search_engine or engine
         self.config = PecanConfig(**config)
-        self.prompt = prompt
+        self.prompt, self.progress = prompt, progress
         self._embedder = embedder
 
     @property
@@ -92,6 +96,11 @@ class Pecan:
 
             self._embedder = Embedder()
         return self._embedder
+
+    @staticmethod
+    def dataset_defaults(dataset: str) -> dict:
+        """Options the paper set per dataset (App. E's t_p), for the datasets it evaluated; explicit options win."""
+        return {"t_p": PAPER_T_P[dataset]} if dataset in PAPER_T_P else {}
 
     @property
     def index_config(self) -> dict:
@@ -111,7 +120,8 @@ class Pecan:
         budget = min(cfg.batch_tokens, self.engine.config.max_seq_len - overhead - cfg.summary_tokens)
         for depth in range(2, cfg.max_levels + 1):
             batches = self._batches(graph, level, budget)
-            upper = [ip for batch in batches for ip in self._summarise(graph, batch, depth, log)]
+            bar = tqdm(batches, desc=f"level {depth}", unit="batch", disable=not self.progress)
+            upper = [ip for batch in bar for ip in self._summarise(graph, batch, depth, log)]
             log.append(f"level {depth}: {len(upper)} nodes from {len(level)} in {len(batches)} batches")
             if len(batches) == 1 or not upper or len(upper) >= len(level):
                 break

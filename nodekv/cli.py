@@ -28,7 +28,7 @@ def _index(args: argparse.Namespace) -> int:
     eng = load_engine(args.model, threads=args.threads)
     t = time.perf_counter()
     with eng.flops.scope("index"):
-        index = Pecan(eng, chunk_tokens=args.chunk_tokens, batch_tokens=args.batch_tokens).index(text)
+        index = Pecan(eng, chunk_tokens=args.chunk_tokens, batch_tokens=args.batch_tokens, progress=True).index(text)
     out = Path(args.output or f"{doc}.pecan")
     save(index, out, eng)
     levels = sorted({n.level for n in index.graph.nodes.values()})
@@ -56,7 +56,7 @@ def _ask_index(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t = time.perf_counter()
-    answer = Pecan(eng, answer_tokens=args.max_new_tokens).answer(index, args.question)
+    answer = Pecan(eng, answer_tokens=args.max_new_tokens, **dict(args.option)).answer(index, args.question)
     print(f"Q: {args.question}\nA: {answer.text}\n")
     print(f"nodes      {len(answer.nodes)} visited; prompt {answer.prompt_tokens:,} tokens, "
           f"generated {answer.generated_tokens}")
@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask = sub.add_parser("ask", help="answer a question about a text file (full document in context) or, given "
                                      "a .pecan index, by PECAN's graph search")
     ask.add_argument("--trace", action="store_true", help="PECAN: print the visited nodes, scores and p(Yes)")
+    ask.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                     help="PECAN: a search option, repeatable, e.g. --option t_p=0.4 --option node_budget=6")
     ask.add_argument("document")
     ask.add_argument("question")
     ask.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
