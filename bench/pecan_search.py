@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from itertools import accumulate
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,14 +33,15 @@ def naive_search(method, index, question: str, visited: list[int], probed: list[
                                {"role": "user", "content": SECOND_TURN}])[-1]
     prefix = tok.encode(head, parse_special=True) + tok.encode(question) + tok.encode(info)
     nodes = [tok.encode("* " + index.graph.nodes[i].text.strip() + "\n") for i in visited]
+    flat, ends = [t for ids in nodes for t in ids], list(accumulate(len(ids) for ids in nodes))
     p_yes = {}
     for k, probe in enumerate(probed):
         if probe:
             with eng.session() as s:
-                s.append(prefix + sum(nodes[:k + 1], []), collect=True)
+                s.append(prefix + flat[:ends[k]], collect=True)
                 p_yes[k] = s.probe(["Yes", "No"], tokens=tok.encode(probe_tail, parse_special=True))["Yes"]
     with eng.session() as s:
-        s.append(prefix + sum(nodes, []) + tok.encode(second, parse_special=True))
+        s.append(prefix + flat + tok.encode(second, parse_special=True))
         text = s.generate(method.config.answer_tokens)
     return p_yes, text.strip()
 

@@ -1,0 +1,127 @@
+"""PECAN's attention graph construction (pecan.txt §3.1, Table A1).
+
+Level-1 nodes are chunks of ~300 tokens; nodes are batched in order while the batch fits in s tokens (capped by the
+window); each batch is summarised into bullet-point information points (IPs), generated with decode-time attention
+collection, and each IP becomes a node one level up with edges to the batch's nodes (token-to-node mean attention
+over the IP's tokens, normalised). Stopping rule: levels repeat until a level fits in one batch (its summary is the
+top level), or a level does not shrink, or `max_levels` is reached.
+"""
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from ..engine.engine import Engine
+from .base import chat_pieces
+from .pecan_graph import Graph, edge_weights, parse_ips
+from .retrieval import text_chunk_spans
+
+SUMMARY_PROMPT = (
+    "Summary the following information. Each segment is separated by a new line symbol.\n\n{}\nSplit your summary "
+    "into different summary points according to the semantic information in these information points. It is not "
+    "necessary to generate each summary point for each information point. Gather and organize information into "
+    "summary points. In each summary point, try to avoid using pronouns like he/she/they and instead use full names. "
+    "Generate in the format of:\n* summary point\n* summary point\n* summary point\n\nDo not provide any explanation "
+    "and start the summary directly.")
+
+
+class GraphBuilder:
+    """Builds a document's graph with `engine` under a PecanConfig (chunk_tokens, batch_tokens, summary_tokens,
+    max_levels, ip_graph); `progress` shows a bar per level."""
+
+    def __init__(self, engine: Engine, config, progress: bool = False):
+        self.engine, self.config, self.progress = engine, config, progress
+
+    def build(self, document: str) -> tuple[Graph, list[str]]:
+        """The graph of `document` and its build log (level sizes and every fallback taken)."""
+        if not isinstance(document, str) or not document.strip():
+            raise ValueError("the document is empty: nothing to index")
+        tok, cfg = self.engine.tokenizer, self.config
+        ids = tok.encode(document)
+        graph, log = Graph(), []
+        level = [graph.add(1, tok.decode(ids[a:b])).id for a, b in text_chunk_spans(ids, tok, cfg.chunk_tokens)]
+        overhead = sum(len(tok.encode(p, parse_special=True)) for p in self._summary_pieces())
+        budget = min(cfg.batch_tokens, self.engine.config.max_seq_len - overhead - cfg.summary_tokens)
+        for depth in range(2, cfg.max_levels + 1):
+            batches = self._batches(graph, level, budget)
+            bar = tqdm(batches, desc=f"level {depth}", unit="batch", disable=not self.progress)
+            upper = [ip for batch in bar for ip in self._summarise(graph, batch, depth, log)]
+            log.append(f"level {depth}: {len(upper)} nodes from {len(level)} in {len(batches)} batches")
+            if len(batches) == 1 or not upper or len(upper) >= len(level):
+                break
+            level = upper
+        return graph, log
+
+    def _summary_pieces(self) -> list[str]:
+        return chat_pieces(self.engine, [{"role": "user", "content": SUMMARY_PROMPT}])
+
+    def _batches(self, graph: Graph, level: list[int], budget: int) -> list[list[int]]:
+        tok, batches, size = self.engine.tokenizer, [[]], 0
+        for i in level:
+            n = len(tok.encode(graph.nodes[i].text + "\n"))
+            if batches[-1] and size + n > budget:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += n
+        return batches
+
+    def _summarise(self, graph: Graph, batch: list[int], depth: int, log: list[str]) -> list[int]:
+        """One batch -> IP nodes one level up, with attention edges to the batch's nodes."""
+        eng, tok, cfg = self.engine, self.engine.tokenizer, self.config
+        head, tail = self._summary_pieces()
+        lengths = []
+        where = f"level {depth} batch of nodes {batch[0]}..{batch[-1]}"
+        with eng.session() as s:
+            s.append(tok.encode(head, parse_special=True), node_id="head")
+            for i in batch:
+                lengths.append(len(s.append(tok.encode(graph.nodes[i].text + "\n"), node_id=i)))
+            s.append(tok.encode(tail, parse_special=True), node_id="tail")
+            text = s.generate(cfg.summary_tokens, node_id="summary", collect=True)
+            generated = s.tokens[s.nodes[-1].start:] if s.nodes[-1].node_id == "summary" else []
+            mass = s.token_mass("summary")[:, 1:1 + len(batch)] if generated else None
+        if cfg.ip_graph:
+            ips, how, dropped = parse_ips(text)
+            if dropped:
+                log.append(f"{where}: {dropped} repeated or too-short points dropped, {len(ips)} kept")
+        else:
+            ips, how = ([text.strip()], "whole summary") if text.strip() else ([], "empty")
+        if how in ("lines", "sentences"):
+            log.append(f"{where}: no bullet list, IPs taken as {how}")
+        if s.finish_reason == "length" and len(ips) > 1 and text.rstrip().endswith(ips[-1]):
+            log.append(f"{where}: summary hit {cfg.summary_tokens} tokens, its cut-off last point dropped")
+            ips = ips[:-1]
+        if not ips:  # empty or unusable output: carry the inputs up unchanged, each with an edge to itself
+            log.append(f"{where}: empty summary, inputs carried up")
+            return [self._carry(graph, i, depth) for i in batch]
+        per_token = mass / torch.tensor(lengths, dtype=torch.float32)  # token-to-node mean
+        out = []
+        for ip, rows in zip(ips, _ip_token_rows(tok, generated, text, ips)):
+            node = graph.add(depth, ip)
+            if rows:
+                weights = edge_weights(per_token[rows].mean(0, keepdim=True))[0]
+            else:  # the IP could not be located in the output (cannot happen for parsed text; kept exact anyway)
+                weights = torch.full((len(batch),), 1.0 / len(batch))
+                log.append(f"{where}: IP {node.id} not found in the output, uniform edges")
+            graph.edges[node.id] = {i: float(w) for i, w in zip(batch, weights) if w > 0}
+            out.append(node.id)
+        return out
+
+    def _carry(self, graph: Graph, i: int, depth: int) -> int:
+        node = graph.add(depth, graph.nodes[i].text)
+        graph.edges[node.id] = {i: 1.0}
+        return node.id
+
+
+def _ip_token_rows(tok, generated: list[int], text: str, ips: list[str]) -> list[list[int]]:
+    """For each IP (a substring of the generated text, in order), the indices of the generated tokens it spans."""
+    ends = [len(tok.decode(generated[:k + 1])) for k in range(len(generated))]  # where each token's text ends
+    rows, cursor = [], 0
+    for ip in ips:
+        start = text.find(ip, cursor)
+        if start < 0:
+            rows.append([])
+            continue
+        end = cursor = start + len(ip)
+        rows.append([k for k in range(len(ends)) if ends[k] > start and (ends[k - 1] if k else 0) < end])
+    return rows
