@@ -42,6 +42,19 @@ class PecanConfig:
     fixed_nodes: int = 4
     ip_graph: bool = True          # False: w/o IP graph (each batch summarised into one node, RAPTOR-like)
 
+    def __post_init__(self):
+        for f in fields(self):
+            value, kind = getattr(self, f.name), {"int": int, "float": (int, float), "bool": bool}[f.type]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"PECAN option {f.name} must be {f.type}, got {value!r}")
+        least = {"chunk_tokens": 1, "batch_tokens": 1, "summary_tokens": 1, "max_levels": 2, "t_n": 1,
+                 "node_budget": 0, "answer_tokens": 1, "fixed_nodes": 0}
+        for name, low in least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"PECAN option {name} must be >= {low}, got {getattr(self, name)}")
+        if not 0.0 <= self.t_p <= 1.0:
+            raise ValueError(f"PECAN option t_p must be in [0, 1], got {self.t_p}")
+
 
 # App. E: the confidence threshold t_p the paper used per dataset with Llama-3.1-8B (t_n = 1 throughout).
 PAPER_T_P = {"narrativeqa": 0.5, "qasper": 0.98, "hotpotqa": 0.5, "musique": 0.55}

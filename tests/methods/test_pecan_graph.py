@@ -62,3 +62,13 @@ def test_parse_ips(text, ips, how):
 def test_parse_ips_counts_repeats_it_drops():
     assert parse_ips("* Ships sink.\n* ships   SINK.\n* Crew lives on.\n* ok") == (
         ["Ships sink.", "Crew lives on."], "bullets", 2)
+
+
+def test_bad_pecan_options_are_refused_by_name():
+    from nodekv.methods.pecan import Pecan
+
+    for options, message in [({"tp": 0.4}, "unknown PECAN option"), ({"t_p": 1.5}, "t_p must be in"),
+                             ({"attention": "no"}, "attention must be bool"), ({"t_n": 0}, "t_n must be >= 1"),
+                             ({"node_budget": 2.5}, "node_budget must be int")]:
+        with pytest.raises(ValueError, match=message):
+            Pecan(None, **options)
