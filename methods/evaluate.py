@@ -6,7 +6,8 @@ token counts), wall time, and the document's hash (so a report counts each docum
 is indexed once however many questions it has; methods that can save indexes (PECAN) keep them under
 <out>/indexes, keyed by document, method, model and the options the index depends on, so a rerun, a resumed run
 or a run that changes only search options (PECAN's search ablations) reuses them. Killing a run and starting it
-again skips the records already written (a torn last line is dropped), so the final file is the same as an uninterrupted run's.
+again skips the records already written (a torn last line is dropped), so the final file is the same as an
+uninterrupted run's.
 """
 from __future__ import annotations
 

@@ -161,10 +161,9 @@ def _eval(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods.data import DataNotFoundError
-    from nodekv.methods.pecan_calibrate import calibrate, check_objective
+    from nodekv.methods.pecan_calibrate import calibrate
 
     try:
-        check_objective(args.objective, args.target_nodes)
         result = calibrate(load_engine(args.model, threads=args.threads), args.dataset, (args.dev_start, args.dev),
                            args.objective, args.target_nodes, args.out, args.data_dir, dict(args.option))
     except (DataNotFoundError, ValueError) as e:
