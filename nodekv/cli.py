@@ -143,12 +143,9 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     from nodekv import load_engine
     from nodekv.methods.data import DataNotFoundError
-    from nodekv.methods.evaluate import RunConfig, run
+    from nodekv.methods.evaluate import run
 
-    options = dict(args.option)
-    if args.k is not None:
-        options["k"] = args.k
-    cfg = RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options, args.match, args.label)
+    cfg = run_config(args)
     try:
         path = run(load_engine(args.model, threads=args.threads), cfg)
     except (DataNotFoundError, ValueError) as e:
@@ -156,6 +153,16 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {path}")
     return 0
+
+
+def run_config(args: argparse.Namespace):
+    """The RunConfig that `nodekv eval` arguments describe: --option pairs, then --k."""
+    from nodekv.methods.evaluate import RunConfig
+
+    options = dict(args.option)
+    if args.k is not None:
+        options["k"] = args.k
+    return RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options, args.match, args.label)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -64,6 +64,19 @@ def test_run_resume_and_report(tmp_path, capsys):
     assert (tmp_path / "rep" / "report.png").stat().st_size > 1000  # matplotlib comes with the bench extra
 
 
+@pytest.mark.parametrize("argv, label, options", [
+    (["--method", "bm25", "--k", "3"], "bm25-top3", {"k": 3}),
+    (["--method", "pecan", "--option", "attention=false"], "pecan-attention=False", {"attention": False}),
+    (["--method", "pecan", "--option", "t_p=0.4", "--option", "mode=fast", "--label", "p4"], "p4",
+     {"t_p": 0.4, "mode": "fast"}),
+])
+def test_options_and_labels(argv, label, options):
+    from nodekv.cli import build_parser, run_config
+
+    cfg = run_config(build_parser().parse_args(["eval", "--dataset", "hotpotqa", *argv]))
+    assert (cfg.label, cfg.options, cfg.path.name) == (label, options, f"{label}-hotpotqa.jsonl")
+
+
 def test_missing_data_dir_exits_nonzero(tmp_path, capsys):
     assert _eval(tmp_path / "nowhere", tmp_path / "out") == 2
     assert "nowhere" in capsys.readouterr().err
