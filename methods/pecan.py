@@ -15,7 +15,7 @@ import torch
 
 from ..engine.engine import Engine
 from .base import Answer, chat_pieces
-from .pecan_build import GraphBuilder
+from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Graph, next_node, positional_relevance
 from .prompts import PromptSpec
 
@@ -106,7 +106,7 @@ class Pecan:
     def index_config(self) -> dict:
         """The options a graph depends on (the others only steer the search), so that ablations of the search
         share one index."""
-        return {k: v for k, v in asdict(self.config).items() if k in INDEX_OPTIONS}
+        return {"build_version": BUILD_VERSION, **{k: v for k, v in asdict(self.config).items() if k in INDEX_OPTIONS}}
 
     # ---------------------------------------------------------------- construction
     def index(self, document: str) -> PecanIndex:
@@ -136,13 +136,15 @@ class Pecan:
         """Prefill the first turn and the query into the empty session `s`, then append nodes one at a time, top
         level first, then by z + similarity; yield a step after each append: {"node", "level", "z", "r"}, plus
         "p_yes" from a rolled-back probe once the whole top level is in (when `probe`). Ends with a step
-        {"stop": "budget" | "graph exhausted"} unless the caller stops first."""
+        {"stop": "budget" | "graph exhausted" | "context full"} unless the caller stops first; "context full" when
+        the next node would leave no room in the window for the probe, the second turn and the answer."""
         eng, cfg, graph = self.search_engine, self.config, index.graph
         tok = eng.tokenizer
         if options:
             question = question + "\n" + "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))
         head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
         probe_ids = tok.encode(probe_tail, parse_special=True)
+        room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids()) + self._answer_budget())
         sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
         s.append(tok.encode(head, parse_special=True), node_id="head")
         q_len = len(s.append(tok.encode(question), node_id="query"))
@@ -159,7 +161,11 @@ class Pecan:
                     yield {"stop": "graph exhausted" if picked is None else "budget"}
                     return
                 node, z = picked
-            s.append(tok.encode("* " + graph.nodes[node].text.strip() + "\n"), node_id=node, collect=True)
+            ids = tok.encode("* " + graph.nodes[node].text.strip() + "\n")
+            if len(s) + len(ids) > room:
+                yield {"stop": "context full"}
+                return
+            s.append(ids, node_id=node, collect=True)
             visited.append(node)
             query_mass.append(float(s.token_mass(node)[:, 1].mean()) / q_len)  # node -> query, token-to-node mean
             step = {"node": node, "level": graph.nodes[node].level, "z": z, "r": query_mass[-1]}
@@ -169,14 +175,19 @@ class Pecan:
 
     def respond(self, s) -> tuple[str, int]:
         """Append the second turn (Table A2) to a searched session and decode the answer: (text, tokens)."""
-        eng, tok = self.search_engine, self.search_engine.tokenizer
-        answer_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant",
-                                        "content": "Yes"}, {"role": "user", "content": SECOND_TURN}])[-1]
-        s.append(tok.encode(answer_tail, parse_special=True), node_id="second turn")
-        budget = self.config.answer_tokens if self.prompt is None else self.prompt.max_new_tokens
+        s.append(self._second_turn_ids(), node_id="second turn")
         stops = None if self.prompt is None else list(self.prompt.stop) or None
-        text = s.generate(budget, stop=stops, node_id="answer")
+        text = s.generate(self._answer_budget(), stop=stops, node_id="answer")
         return text.strip(), len(s.nodes[-1]) if s.nodes[-1].node_id == "answer" else 0
+
+    def _second_turn_ids(self) -> list[int]:
+        eng = self.search_engine
+        tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
+                                 {"role": "user", "content": SECOND_TURN}])[-1]
+        return eng.tokenizer.encode(tail, parse_special=True)
+
+    def _answer_budget(self) -> int:
+        return self.config.answer_tokens if self.prompt is None else self.prompt.max_new_tokens
 
     def save_index(self, index: PecanIndex, path) -> None:
         from .pecan_store import save

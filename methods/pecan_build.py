@@ -4,7 +4,9 @@ Level-1 nodes are chunks of ~300 tokens; nodes are batched in order while the ba
 window); each batch is summarised into bullet-point information points (IPs), generated with decode-time attention
 collection, and each IP becomes a node one level up with edges to the batch's nodes (token-to-node mean attention
 over the IP's tokens, normalised). Stopping rule: levels repeat until a level fits in one batch (its summary is the
-top level), or a level does not shrink, or `max_levels` is reached.
+top level), or a level does not shrink, or `max_levels` is reached. A batch whose summary yields no usable point
+(empty, or only repeats and loops) has its nodes carried up unchanged; when no batch of a level yields one, the
+level below is the top.
 """
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ from tqdm import tqdm
 
 from ..engine.engine import Engine
 from .base import chat_pieces
-from .pecan_graph import Graph, edge_weights, parse_ips
+from .pecan_graph import Graph, edge_weights, looping, parse_ips
 from .retrieval import text_chunk_spans
+
+# Part of every index's key: bump it when a change here changes the graphs built from the same options.
+BUILD_VERSION = 2
 
 SUMMARY_PROMPT = (
     "Summary the following information. Each segment is separated by a new line symbol.\n\n{}\nSplit your summary "
@@ -45,7 +50,15 @@ class GraphBuilder:
         for depth in range(2, cfg.max_levels + 1):
             batches = self._batches(graph, level, budget)
             bar = tqdm(batches, desc=f"level {depth}", unit="batch", disable=not self.progress)
-            upper = [ip for batch in bar for ip in self._summarise(graph, batch, depth, log)]
+            summaries = [self._summarise(graph, batch, depth, log) for batch in bar]
+            if not any(summaries):
+                log.append(f"level {depth}: no usable summary in {len(batches)} batches, level {depth - 1} is the top")
+                break
+            upper = []
+            for batch, ips in zip(batches, summaries):
+                if not ips:  # the level must still cover this batch: its nodes go up unchanged
+                    log.append(f"level {depth} batch of nodes {batch[0]}..{batch[-1]}: inputs carried up")
+                upper += ips or [self._carry(graph, i, depth) for i in batch]
             log.append(f"level {depth}: {len(upper)} nodes from {len(level)} in {len(batches)} batches")
             if len(batches) == 1 or not upper or len(upper) >= len(level):
                 break
@@ -83,17 +96,17 @@ class GraphBuilder:
         if cfg.ip_graph:
             ips, how, dropped = parse_ips(text)
             if dropped:
-                log.append(f"{where}: {dropped} repeated or too-short points dropped, {len(ips)} kept")
+                log.append(f"{where}: {dropped} repeated, looping or too-short points dropped, {len(ips)} kept")
         else:
-            ips, how = ([text.strip()], "whole summary") if text.strip() else ([], "empty")
+            ips, how = ([text.strip()], "whole summary") if text.strip() and not looping(text) else ([], "empty")
         if how in ("lines", "sentences"):
             log.append(f"{where}: no bullet list, IPs taken as {how}")
         if s.finish_reason == "length" and len(ips) > 1 and text.rstrip().endswith(ips[-1]):
             log.append(f"{where}: summary hit {cfg.summary_tokens} tokens, its cut-off last point dropped")
             ips = ips[:-1]
-        if not ips:  # empty or unusable output: carry the inputs up unchanged, each with an edge to itself
-            log.append(f"{where}: empty summary, inputs carried up")
-            return [self._carry(graph, i, depth) for i in batch]
+        if not ips:
+            log.append(f"{where}: no usable summary")
+            return []
         per_token = mass / torch.tensor(lengths, dtype=torch.float32)  # token-to-node mean
         out = []
         for ip, rows in zip(ips, _ip_token_rows(tok, generated, text, ips)):
@@ -108,6 +121,7 @@ class GraphBuilder:
         return out
 
     def _carry(self, graph: Graph, i: int, depth: int) -> int:
+        """A copy of node i one level up, with an edge to i alone."""
         node = graph.add(depth, graph.nodes[i].text)
         graph.edges[node.id] = {i: 1.0}
         return node.id

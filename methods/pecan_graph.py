@@ -71,11 +71,19 @@ _BULLET = re.compile(r"^\s*(?:[-*•·‣▪–—]|\d{1,3}[.)]|\(\d{1,3}\)|[a-z
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'])")
 
 
+def looping(text: str, n: int = 3, min_words: int = 12) -> bool:
+    """Whether `text` is a phrase repeated over and over (a greedy decoding loop): fewer than half of its word
+    n-grams are distinct. Texts shorter than `min_words` words are never judged looping."""
+    words = text.lower().split()
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return len(words) >= min_words and len(set(grams)) < len(grams) / 2
+
+
 def parse_ips(text: str, min_chars: int = 8) -> tuple[list[str], str, int]:
     """Information points from a summary: its bullet or numbered lines; failing that, its non-empty lines if more
-    than one; failing that, its sentences. Repeats (case- and space-insensitive) and fragments shorter than
-    `min_chars` are dropped. Returns (IPs, how they were found: "bullets", "lines", "sentences" or "empty", how
-    many candidates were dropped)."""
+    than one; failing that, its sentences. Repeats (case- and space-insensitive), looping points (`looping`) and
+    fragments shorter than `min_chars` are dropped. Returns (IPs, how they were found: "bullets", "lines",
+    "sentences" or "empty", how many candidates were dropped)."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
     found = [m.group(1) for m in map(_BULLET.match, lines) if m]
     how = "bullets"
@@ -85,7 +93,7 @@ def parse_ips(text: str, min_chars: int = 8) -> tuple[list[str], str, int]:
     ips, keys = [], set()
     for ip in found:
         key = " ".join(ip.lower().split())
-        if len(ip.strip()) >= min_chars and key not in keys:
+        if len(ip.strip()) >= min_chars and key not in keys and not looping(ip):
             keys.add(key)
             ips.append(ip.strip())
     return ips, how if ips else "empty", len(found) - len(ips)

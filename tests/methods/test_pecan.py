@@ -2,6 +2,7 @@
 files are refused with a clear error, empty documents are refused, and the graph exports."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -152,3 +153,19 @@ def test_search_flops_are_one_prefill_plus_probes_and_answer(built):
     collected = sum(n for n, col in pieces if col)
     extras = (len(pieces) - 1) * 2 * c.dim * c.vocab_size + collected * forward_flops(c, 1, end) / c.n_layers
     assert 0 < prompt_share - forward_flops(c, end) <= extras
+
+
+def test_search_stops_before_the_window_is_full(built, monkeypatch):
+    eng, method, index = built
+    free = method.answer(index, "Who kept the lamps burning?")
+    steps = [s for s in free.trace if "node" in s]
+    assert len(steps) >= 2
+    # a window that holds the answer's prompt only up to the first visited node
+    first = len(eng.tokenizer.encode("* " + index.graph.nodes[steps[0]["node"]].text.strip() + "\n"))
+    head = free.prompt_tokens - sum(len(eng.tokenizer.encode("* " + index.graph.nodes[s["node"]].text.strip() + "\n"))
+                                    for s in steps)
+    window = head + first + method.config.answer_tokens + 1
+    monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, max_seq_len=window))
+    cut = method.answer(index, "Who kept the lamps burning?")
+    assert cut.trace[-1] == {"stop": "context full"} and cut.nodes == free.nodes[:1]
+    assert cut.prompt_tokens + cut.generated_tokens <= eng.config.max_seq_len

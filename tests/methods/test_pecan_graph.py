@@ -64,6 +64,14 @@ def test_parse_ips_counts_repeats_it_drops():
         ["Ships sink.", "Crew lives on."], "bullets", 2)
 
 
+def test_a_looping_point_is_dropped():
+    loop = "The first summary point is: " * 20
+    song = "Row, row, row your boat, gently down the stream; merrily, merrily, merrily, merrily, life is but a dream."
+    assert parse_ips(f"1. {loop}\n2. The team's colors are black and white.\n3. {song}") == (
+        ["The team's colors are black and white.", song], "bullets", 1)
+    assert parse_ips(loop.strip()) == ([], "empty", 1)  # one looping sentence-less line: nothing left
+
+
 def test_bad_pecan_options_are_refused_by_name():
     from nodekv.methods.pecan import Pecan
 
