@@ -110,6 +110,7 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
     holds for, the dev record ids and the whole table. Indexes are shared with `nodekv eval` (<out>/indexes)."""
     from .evaluate import IndexStore
 
+    check_objective(objective, target_nodes)
     first, count = dev
     if first < 0 or count < 1:
         raise ValueError(f"dev records must be a start >= 0 and a count >= 1, got {dev}")
@@ -118,7 +119,6 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
         raise ValueError(f"{dataset} has no records from index {first} on to calibrate with")
     options = dict(options or {})
     method = Pecan(engine, prompt=prompt_for(dataset), **options)
-    check_objective(objective, target_nodes)  # before any work
     store = IndexStore.for_method(Path(out) / "indexes", engine, "pecan", method, options)
     sweeps = []
     for record in tqdm(records, unit="rec", desc=f"calibrate {dataset}", disable=not progress):
