@@ -1,5 +1,5 @@
-"""Pick PECAN's confidence threshold t_p for a dataset from dev records (small models answer the Yes/No probe
-poorly: SmolLM2's p(Yes) rarely passes 0.5, or passes it at once).
+"""Pick PECAN's confidence threshold t_p for a dataset from dev records (small models are poorly calibrated on the
+Yes/No probe: on HotpotQA, SmolLM2's p(Yes) stays between about 0.2 and 0.75 whatever the prompt holds).
 
 The visit order does not depend on t_p (the next node is chosen from attention and similarity only), so one search
 per dev record, run to the node budget with a probe after every node, shows what any threshold would do: at each
