@@ -20,9 +20,9 @@ STORY = ROOT / "examples" / "lost_in_translation.txt"
 QUESTION = "Who is Korvin, and where is he held?"
 
 
-def naive_search(method, index, question: str, visited: list[int], probed: list[bool]) -> tuple[dict, str]:
-    """Re-prefill [first turn, query, nodes so far] from an empty cache before each probe, and the whole final
-    prompt before the answer. Returns ({step: p_yes}, answer text)."""
+def prompt_pieces(method, index, question: str, visited: list[int]) -> dict[str, list]:
+    """The token ids of the search prompt's pieces: the first turn ("prefix": head, query, info), the visited
+    nodes, the probe and the second turn."""
     from nodekv.methods.base import chat_pieces
     from nodekv.methods.pecan import FIRST_TURN, SECOND_TURN
 
@@ -31,22 +31,32 @@ def naive_search(method, index, question: str, visited: list[int], probed: list[
     head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
     second = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
                                {"role": "user", "content": SECOND_TURN}])[-1]
-    prefix = tok.encode(head, parse_special=True) + tok.encode(question) + tok.encode(info)
-    nodes = [tok.encode("* " + index.graph.nodes[i].text.strip() + "\n") for i in visited]
-    flat, ends = [t for ids in nodes for t in ids], list(accumulate(len(ids) for ids in nodes))
+    return {"prefix": [tok.encode(head, parse_special=True), tok.encode(question), tok.encode(info)],
+            "nodes": [tok.encode("* " + index.graph.nodes[i].text.strip() + "\n") for i in visited],
+            "probe": tok.encode(probe_tail, parse_special=True), "second": tok.encode(second, parse_special=True)}
+
+
+def naive_search(method, pieces: dict[str, list], probed: list[bool]) -> tuple[dict, str]:
+    """Re-prefill [first turn, query, nodes so far] from an empty cache before each probe, and the whole final
+    prompt before the answer. Returns ({step: p_yes}, answer text)."""
+    eng = method.search_engine
+    prefix = [t for ids in pieces["prefix"] for t in ids]
+    flat = [t for ids in pieces["nodes"] for t in ids]
+    ends = list(accumulate(len(ids) for ids in pieces["nodes"]))
     p_yes = {}
     for k, probe in enumerate(probed):
         if probe:
             with eng.session() as s:
                 s.append(prefix + flat[:ends[k]], collect=True)
-                p_yes[k] = s.probe(["Yes", "No"], tokens=tok.encode(probe_tail, parse_special=True))["Yes"]
+                p_yes[k] = s.probe(["Yes", "No"], tokens=pieces["probe"])["Yes"]
     with eng.session() as s:
-        s.append(prefix + flat + tok.encode(second, parse_special=True))
+        s.append(prefix + flat + pieces["second"])
         text = s.generate(method.config.answer_tokens)
     return p_yes, text.strip()
 
 
-def predicted_ratio(c, prefix: list[int], nodes: list[int], probed: list[bool], probe: int, second: int, gen: int) -> float:
+def predicted_ratio(c, prefix: list[int], nodes: list[int], probed: list[bool], probe: int, second: int,
+                    gen: int) -> float:
     from nodekv.engine.flops import forward_flops
 
     def decode(n: int) -> int:
@@ -78,8 +88,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from nodekv import load_engine
-    from nodekv.methods.base import chat_pieces
-    from nodekv.methods.pecan import FIRST_TURN, SECOND_TURN, Pecan
+    from nodekv.methods.pecan import Pecan
     from nodekv.methods.pecan_store import load, save
 
     eng = load_engine(threads=args.threads)
@@ -100,17 +109,13 @@ def main() -> None:
 
     before = eng.flops.total
     t = time.perf_counter()
-    p_yes, naive_text = naive_search(method, index, args.question, visited, probed)
+    pieces = prompt_pieces(method, index, args.question, visited)
+    p_yes, naive_text = naive_search(method, pieces, probed)
     naive_s, naive_flops = time.perf_counter() - t, eng.flops.total - before
 
-    tok = eng.tokenizer
-    head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
-    second = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
-                               {"role": "user", "content": SECOND_TURN}])[-1]
-    prefix = [len(tok.encode(head, parse_special=True)), len(tok.encode(args.question)), len(tok.encode(info))]
-    node_lens = [len(tok.encode("* " + index.graph.nodes[i].text.strip() + "\n")) for i in visited]
-    ratio = predicted_ratio(eng.config, prefix, node_lens, probed, len(tok.encode(probe_tail, parse_special=True)),
-                            len(tok.encode(second, parse_special=True)), answer.generated_tokens)
+    lengths = {k: [len(ids) for ids in pieces[k]] for k in ("prefix", "nodes")}
+    ratio = predicted_ratio(eng.config, lengths["prefix"], lengths["nodes"], probed, len(pieces["probe"]),
+                            len(pieces["second"]), answer.generated_tokens)
     drift = max(abs(p_yes[k] - s["p_yes"]) for k, s in enumerate(steps) if "p_yes" in s)
 
     print(f"{len(visited)} nodes visited ({sum(probed)} probes), final prompt {answer.prompt_tokens} tokens, "

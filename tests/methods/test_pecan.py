@@ -83,8 +83,8 @@ TOWN = ("The town of Hollin lies on a wide bend of the river Aske. Its market op
         "apples, cheese and wool from the hills.")
 FIELDS = ("Wheat and barley grow in the fields north of the town. In a dry year the harvest is small, and the old mill "
           "on the river grinds much less flour.")
-BELL = ("The Hollin bell tower has a bronze bell named Old Meg. Old Meg was cast in 1764 and weighs nine hundred pounds, "
-        "and it rings at noon.")
+BELL = ("The Hollin bell tower has a bronze bell named Old Meg. Old Meg was cast in 1764 and weighs nine hundred "
+        "pounds, and it rings at noon.")
 CHOIR = ("The Hollin choir sings in the chapel on Sunday mornings. It has forty members and a small organ that was "
          "bought from a church in the city of York.")
 
