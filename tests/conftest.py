@@ -87,8 +87,8 @@ def save_hf(tmp_path):
 
 def write_tiny_gguf(hf_model, path: Path, qtype: str = "q8_0", arch: str = "llama") -> None:
     """Write an HF model as a GGUF file the way llama.cpp's converter does (Q/K rows permuted for interleaved
-    RoPE, linear weights quantised to `qtype`), and set the HF model's weights to the quantise-dequantise round
-    trip so both sides hold the same numbers."""
+    RoPE in llama/mistral files, not in qwen2 ones; linear weights quantised to `qtype`), and set the HF model's
+    weights to the quantise-dequantise round trip so both sides hold the same numbers."""
     import gguf
     import numpy as np
 
@@ -115,6 +115,7 @@ def write_tiny_gguf(hf_model, path: Path, qtype: str = "q8_0", arch: str = "llam
                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                    "mlp.down_proj": "ffn_down"}
+    permuted = arch in ("llama", "mistral")  # the converter's Qwen2Model keeps HF's row order (NeoX RoPE)
     state = hf_model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -131,9 +132,9 @@ def write_tiny_gguf(hf_model, path: Path, qtype: str = "q8_0", arch: str = "llam
             with torch.no_grad():
                 tensor.copy_(torch.from_numpy(gguf.quants.dequantize(packed, qt)))
             x = packed
-        if ".attn_q." in name:
+        if permuted and ".attn_q." in name:
             x = permute(x, cfg.num_attention_heads)
-        elif ".attn_k." in name:
+        elif permuted and ".attn_k." in name:
             x = permute(x, cfg.num_key_value_heads)
         w.add_tensor(name, x, raw_dtype=qt if x.dtype == np.uint8 else None)
     w.write_header_to_file()
