@@ -120,7 +120,7 @@ def decode_steps(n: int, prompt_len: int, rounds: int, threads: int) -> None:
     """Greedy decode of n tokens after prompt_len, fused and op by op alternately; tok/s and the fused breakdown."""
     import nodekv
 
-    eng = nodekv.load_engine(threads=threads)
+    eng = nodekv.load_engine("smollm2-135m", threads=threads)
     text = (Path(__file__).resolve().parents[1] / "examples" / "lost_in_translation.txt").read_text()
     ids = eng.tokenizer.encode(text)
     while len(ids) < prompt_len:

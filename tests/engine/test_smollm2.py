@@ -25,7 +25,7 @@ RAW_PROMPT = "Once upon a time, in a small village by the mountains, there lived
 def engine():
     import nodekv
 
-    return nodekv.load_engine()
+    return nodekv.load_engine("smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_bf16_top1_agreement_with_fp32(engine):
     story = json.loads(path.open().readline())["input"]
     ids = engine.tokenizer.encode(story)[:2000]
     fp32 = engine.forward_logits(ids).argmax(-1)
-    bf16 = nodekv.load_engine(dtype="bfloat16").forward_logits(ids).argmax(-1)
+    bf16 = nodekv.load_engine("smollm2-135m", dtype="bfloat16").forward_logits(ids).argmax(-1)
     agreement = (fp32 == bf16).float().mean().item()
     assert agreement >= 0.9795, agreement
 
@@ -85,7 +85,7 @@ def test_cli_ask(tmp_path, capsys):
 
     doc = tmp_path / "doc.txt"
     doc.write_text("The lighthouse keeper of Port Ellen was named Agnes Morrow. She kept the light for forty years.")
-    assert main(["ask", str(doc), "Who kept the lighthouse?", "--max-new-tokens", "12"]) == 0
+    assert main(["ask", str(doc), "Who kept the lighthouse?", "--max-new-tokens", "12", "--model", "smollm2-135m"]) == 0
     out = capsys.readouterr().out
     assert "A: " in out and "FLOPs" in out and "tok/s" in out
     (tmp_path / "blank.txt").write_text("  \n")

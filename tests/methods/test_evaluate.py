@@ -29,7 +29,7 @@ def _write_data(root):
 
 def _eval(data, out, *extra):
     return cli_main(["eval", "--method", "bm25", "--k", "2", "--dataset", "hotpotqa", "--data-dir", str(data),
-                     "--out", str(out), *extra])
+                     "--out", str(out), "--model", "smollm2-135m", *extra])
 
 
 def test_run_resume_and_report(tmp_path, capsys):
@@ -88,7 +88,7 @@ def test_top_x_matches_a_reference_runs_flops(tmp_path):
 
     data = tmp_path / "data"
     _write_data(data)
-    eng = nodekv.load_engine()
+    eng = nodekv.load_engine("smollm2-135m")
     ref = run(eng, RunConfig("bm25", "hotpotqa", data_dir=str(data), out=str(tmp_path),
                              options={"k": 3, "chunk_tokens": 16}), progress=False)
     cfg = RunConfig("dense", "hotpotqa", data_dir=str(data), out=str(tmp_path), options={"chunk_tokens": 16},

@@ -21,7 +21,7 @@ def built():
     import nodekv
     from nodekv.methods.pecan import Pecan
 
-    eng = nodekv.load_engine()
+    eng = nodekv.load_engine("smollm2-135m")
     method = Pecan(eng, chunk_tokens=40, batch_tokens=120, summary_tokens=80, answer_tokens=24, node_budget=3)
     return eng, method, method.index(DOC)
 

@@ -43,7 +43,7 @@ def test_sweep_points_are_what_a_search_with_that_threshold_does():
     from nodekv.methods.pecan import Pecan
     from nodekv.methods.pecan_calibrate import sweep
 
-    eng = nodekv.load_engine()
+    eng = nodekv.load_engine("smollm2-135m")
     method = Pecan(eng, chunk_tokens=40, batch_tokens=120, summary_tokens=80, answer_tokens=16, node_budget=3)
     doc = ("The lighthouse keeper of Varn Island was Ida Brecht. Every evening she climbed the 112 steps to light "
            "the lamp.\n\nIn the winter of 1893 a storm broke the lamp's great lens. The new lens arrived from "
