@@ -10,11 +10,13 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 SOURCES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").glob("*.cpp"))
+HEADERS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").glob("*.h"))  # a header edit rebuilds
 
 ext = Pybind11Extension(
     "nodekv._C",
     SOURCES,
     include_dirs=["csrc"],
+    depends=HEADERS,
     cxx_std=17,
     extra_compile_args=["-O3", "-fopenmp"],
     extra_link_args=["-fopenmp"],

@@ -1,8 +1,13 @@
-"""Time one SmolLM2-135M decode token's worth of GEMVs: C++ quantised blocks vs dense fp32 vs torch int4pack.
+"""Time one decode token's worth of GEMVs on quantised blocks, per projection and type, against dense fp32.
 
-Per token: 30 layers x (fused qkv [960x576], o [576x576], fused gate/up [3072x576], down [576x1536]) in Q4_1,
-plus the tied lm_head [49152x576] in Q8_0. Every layer gets its own random weights, so the bytes come from DRAM
-as in a real forward, not from the last-level cache. Run: python -m nodekv.bench.quant_gemv [--threads N]
+Models (their GGUFs' shapes and types):
+  smollm2-135m   30 layers: fused qkv [960x576], o [576x576], fused gate/up [3072x576], down [576x1536], all Q4_1;
+                 tied lm_head [49152x576] Q8_0. Also torch's int4pack kernel on the same Q4_1 layers.
+  qwen2.5-0.5b   24 layers: fused qkv [1152x896] = Q5_0 (q|k, 1024 rows) | Q8_0 (v, 128 rows), o [896x896] Q5_0,
+                 gate/up [9728x896] Q5_0, down [896x4864] Q6_K or Q4_K (as in the Q4_K_M file); lm_head
+                 [151936x896] Q8_0.
+Every layer gets its own random weights, so the bytes come from DRAM as in a real forward, not from the last-level
+cache. Run: python -m nodekv.bench.quant_gemv [--model qwen2.5-0.5b] [--threads N]
 """
 from __future__ import annotations
 
@@ -13,21 +18,51 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nodekv.kernels.quant import BLOCK_BYTES, QuantWeight, quant_linear
+from nodekv.kernels.quant import BLOCK_BYTES, BLOCK_ELEMS, QuantLinearWeight, QuantStack, QuantWeight, quant_linear
 
-DIM, HIDDEN, VOCAB, LAYERS, KV_DIM = 576, 1536, 49152, 30, 192
-LAYER_SHAPES = [(DIM + 2 * KV_DIM, DIM), (DIM, DIM), (2 * HIDDEN, DIM), (DIM, HIDDEN)]  # (out, in)
+Parts = list[tuple[int, str]]  # (rows, qtype) of the row segments of a projection
+
+
+def smollm2_layer(i: int) -> list[tuple[str, Parts, int]]:
+    return [("qkv", [(960, "q4_1")], 576), ("o", [(576, "q4_1")], 576), ("gate/up", [(3072, "q4_1")], 576),
+            ("down", [(576, "q4_1")], 1536)]
+
+
+QWEN_Q6K_DOWN = {0, 1, 3, 6, 7, 8, 9, 10, 13, 16, 19, 21}  # the layers whose ffn_down is Q6_K (else Q4_K)
+
+
+def qwen_layer(i: int) -> list[tuple[str, Parts, int]]:
+    return [("qkv", [(1024, "q5_0"), (128, "q8_0")], 896), ("o", [(896, "q5_0")], 896),
+            ("gate/up", [(9728, "q5_0")], 896), ("down", [(896, "q6_k" if i in QWEN_Q6K_DOWN else "q4_k")], 4864)]
+
+
+MODELS = {  # name: (layers, per-layer projections (name, parts, in_features), lm_head (rows, qtype, in_features))
+    "smollm2-135m": (30, smollm2_layer, (49152, "q8_0", 576)),
+    "qwen2.5-0.5b": (24, qwen_layer, (151936, "q8_0", 896)),
+}
 
 
 def random_quant(out_features: int, in_features: int, qtype: str, gen: torch.Generator) -> QuantWeight:
-    """Random blocks with sane fp16 scales (d > 0, and m < 0 for q4_1) and random quants."""
-    nb, bb = in_features // 32, BLOCK_BYTES[qtype]
+    """Random blocks with sane fp16 scales (d > 0, and a negative min for q4_1, a small dmin for q4_k) and random
+    quants."""
+    nb, bb = in_features // BLOCK_ELEMS[qtype], BLOCK_BYTES[qtype]
     raw = torch.randint(0, 256, (out_features, nb, bb), dtype=torch.uint8, generator=gen)
-    d = (torch.rand(out_features, nb, 1, generator=gen) * 0.01 + 1e-3).half().view(torch.uint8)
-    raw[..., 0:2] = d
-    if qtype == "q4_1":
-        raw[..., 2:4] = (-torch.rand(out_features, nb, 1, generator=gen) * 0.08).half().view(torch.uint8)
+    d_at = 208 if qtype == "q6_k" else 0
+    raw[..., d_at:d_at + 2] = (torch.rand(out_features, nb, 1, generator=gen) * 0.01 + 1e-3).half().view(torch.uint8)
+    if qtype in ("q4_1", "q4_k"):
+        m = -torch.rand(out_features, nb, 1, generator=gen) * 0.08 if qtype == "q4_1" else \
+            torch.rand(out_features, nb, 1, generator=gen) * 3e-4
+        raw[..., 2:4] = m.half().view(torch.uint8)
     return QuantWeight(raw.reshape(out_features, nb * bb), qtype, in_features)
+
+
+def stacked(parts: Parts, in_features: int, gen: torch.Generator) -> QuantLinearWeight:
+    ws = [random_quant(n, in_features, q, gen) for n, q in parts]
+    return ws[0] if len(ws) == 1 else QuantStack(ws)
+
+
+def nbytes(w: QuantLinearWeight) -> int:
+    return sum(p.data.numel() for p in (w.parts if isinstance(w, QuantStack) else [w]))
 
 
 def int4pack(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,71 +78,90 @@ def int4pack(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_zeros
 
 
-def time_token(fn, reps: int) -> tuple[float, float]:
-    """(median, min) ms of fn() over reps runs, after two warm-up runs."""
+def time_fn(fn, reps: int) -> tuple[float, float, float]:
+    """(median, min) wall ms and min process CPU ms of fn() over reps runs, after two warm-up runs. On one thread
+    the CPU time is the kernel's own, however busy the machine: on a shared one it is the number to compare."""
     fn(), fn()
-    times = []
+    wall, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), min(times)
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return statistics.median(wall), min(wall), min(cpu)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=1, help="rows of x per GEMV (1 = decode)")
+    ap.add_argument("--no-dense", action="store_true", help="skip the dense fp32 comparison (it needs 4 B/weight)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
 
-    layers = [[random_quant(o, i, "q4_1", gen) for o, i in LAYER_SHAPES] for _ in range(LAYERS)]
-    head = random_quant(VOCAB, DIM, "q8_0", gen)
-    xs = {k: torch.randn(args.tokens, k, generator=gen) for k in (DIM, HIDDEN)}
-    quant_bytes = sum(w.data.numel() for ws in layers for w in ws) + head.data.numel()
+    n_layers, layer_shapes, (vocab, head_type, dim) = MODELS[args.model]
+    layers = [[(name, stacked(parts, k, gen)) for name, parts, k in layer_shapes(i)] for i in range(n_layers)]
+    head = random_quant(vocab, dim, head_type, gen)
+    xs: dict[int, torch.Tensor] = {}
+    for ws in layers:
+        for _, w in ws:
+            xs.setdefault(w.in_features, torch.randn(args.tokens, w.in_features, generator=gen))
+    xs.setdefault(dim, torch.randn(args.tokens, dim, generator=gen))
 
-    def run_quant():
-        for ws in layers:
-            for w in ws:
-                quant_linear(xs[w.in_features], w)
-        quant_linear(xs[DIM], head)
+    # per projection and type: every layer's weights of that kind, then the lm_head
+    groups: dict[str, list[QuantLinearWeight]] = {}
+    for ws in layers:
+        for name, w in ws:
+            types = "|".join(p.qtype for p in (w.parts if isinstance(w, QuantStack) else [w]))
+            groups.setdefault(f"{name} {types}", []).append(w)
+    groups[f"lm_head {head_type}"] = [head]
 
-    rows = [("C++ quantised (Q4_1 + Q8_0 blocks)", quant_bytes, time_token(run_quant, args.reps))]
+    def run(ws):
+        for w in ws:
+            quant_linear(xs[w.in_features], w)
 
-    dense = [[w.dequantize() for w in ws] for ws in layers]
-    dense_head = head.dequantize()
+    all_quant = [w for ws in groups.values() for w in ws]
+    rows = [(f"{name} (x{len(ws)})", sum(map(nbytes, ws)), time_fn(lambda ws=ws: run(ws), args.reps))
+            for name, ws in groups.items()]
+    rows.append(("token total, quantised blocks", sum(map(nbytes, all_quant)), time_fn(lambda: run(all_quant),
+                                                                                        args.reps)))
 
-    def run_dense():
-        for ws in dense:
-            for w in ws:
+    if not args.no_dense:
+        dense = [w.dequantize() for w in all_quant]
+
+        def run_dense():
+            for w in dense:
                 F.linear(xs[w.shape[1]], w)
-        F.linear(xs[DIM], dense_head)
 
-    dense_bytes = 4 * (sum(w.numel() for ws in dense for w in ws) + dense_head.numel())
-    rows.append(("torch F.linear, dense fp32", dense_bytes, time_token(run_dense, args.reps)))
-    del dense
+        rows.append(("token total, torch F.linear dense fp32", 4 * sum(w.numel() for w in dense),
+                     time_fn(run_dense, args.reps)))
+        del dense
 
-    try:
-        packed = [[int4pack(w) for w in ws] for ws in layers]
+    if args.model == "smollm2-135m":
+        try:
+            packed = [(w.in_features, int4pack(w)) for ws in layers for _, w in ws]
+            dense_head = head.dequantize()
 
-        def run_int4():
-            for ws, ps in zip(layers, packed):
-                for w, (p, sz) in zip(ws, ps):
-                    torch._weight_int4pack_mm_for_cpu(xs[w.in_features], p, 32, sz)
-            F.linear(xs[DIM], dense_head)
+            def run_int4():
+                for k, (p, sz) in packed:
+                    torch._weight_int4pack_mm_for_cpu(xs[k], p, 32, sz)
+                F.linear(xs[dim], dense_head)
 
-        int4_bytes = sum(p.numel() + 4 * sz.numel() for ps in packed for p, sz in ps) + 4 * dense_head.numel()
-        rows.append(("torch int4pack (layers) + fp32 lm_head", int4_bytes, time_token(run_int4, args.reps)))
-    except (RuntimeError, AttributeError) as e:  # op missing or unsupported on this build / CPU
-        print(f"(torch int4pack skipped: {e})")
+            int4_bytes = sum(p.numel() + 4 * sz.numel() for _, (p, sz) in packed) + 4 * dense_head.numel()
+            rows.append(("torch int4pack (layers) + fp32 lm_head", int4_bytes, time_fn(run_int4, args.reps)))
+        except (RuntimeError, AttributeError) as e:  # op missing or unsupported on this build / CPU
+            print(f"(torch int4pack skipped: {e})")
 
-    print(f"one SmolLM2-135M token of GEMVs, T={args.tokens}, {args.threads} threads, {args.reps} runs")
-    print(f"{'kernel':<42}{'weights MB':>11}{'median ms':>10}{'min ms':>8}{'GB/s':>7}")
-    for name, nbytes, (med, best) in rows:
-        print(f"{name:<42}{nbytes / 1e6:>11.1f}{med:>10.2f}{best:>8.2f}{nbytes / med / 1e6:>7.1f}")
-    print("(GB/s: weight bytes per median time; a shared or busy machine shows up as median >> min)")
+    print(f"one {args.model} token of GEMVs, T={args.tokens}, {args.threads} threads, {args.reps} runs")
+    print(f"{'kernel':<42}{'weights MB':>11}{'median ms':>10}{'min ms':>8}{'GB/s':>7}{'CPU ms':>8}{'GB/CPU-s':>9}")
+    for name, n, (med, best, cpu) in rows:
+        print(f"{name:<42}{n / 1e6:>11.1f}{med:>10.2f}{best:>8.2f}{n / med / 1e6:>7.1f}{cpu:>8.2f}"
+              f"{n / max(cpu, 1e-3) / 1e6:>9.1f}")
+    print("(GB/s: weight bytes per median wall time, a shared or busy machine shows up as median >> min; GB/CPU-s:\n"
+          " per CPU second, all threads' time summed (spin-waits included): per core at --threads 1)")
 
 
 if __name__ == "__main__":

@@ -14,27 +14,35 @@ namespace nodekv::decode {
 namespace {
 
 void check_linear(const QLinear& l, int64_t N, int64_t K, const char* what, int64_t layer) {
-    if (!l.w || l.N != N || l.K != K)
+    int64_t rows = 0;
+    for (const quant::Segment& s : l.segs) {
+        if (!s.w) throw std::invalid_argument(std::string("Decoder: ") + what + " has a segment without data");
+        quant::row_bytes(s.qt, K);  // throws unless K is a multiple of the type's block
+        rows += s.rows;
+    }
+    if (l.segs.empty() || l.N != N || l.K != K || rows != N)
         throw std::invalid_argument(std::string("Decoder: ") + what + " of layer " + std::to_string(layer) +
                                     " must be a quantised [" + std::to_string(N) + ", " + std::to_string(K) +
-                                    "] weight, got [" + std::to_string(l.N) + ", " + std::to_string(l.K) + "]" +
-                                    (l.w ? "" : " (no data)"));
+                                    "] weight, got [" + std::to_string(l.N) + ", " + std::to_string(l.K) + "] of " +
+                                    std::to_string(rows) + " rows in " + std::to_string(l.segs.size()) + " segments");
 }
 
 inline void gemv(const QLinear& l, const float* x, float* y, int n_threads) {
-    quant::matmul(x, 1, l.K, l.w, l.N, l.qt, l.bias, y, n_threads);
+    quant::matmul(x, 1, l.K, l.segs.data(), static_cast<int>(l.segs.size()), l.bias, y, n_threads);
 }
 
 }  // namespace
 
-Decoder::Decoder(const Dims& dims, const float* embed, std::vector<LayerWeights> layers, const float* final_norm,
-                 const QLinear& lm_head)
-    : d_(dims), embed_(embed), layers_(std::move(layers)), final_norm_(final_norm), lm_head_(lm_head) {
+Decoder::Decoder(const Dims& dims, const Embedding& embed, std::vector<LayerWeights> layers, const float* final_norm,
+                 QLinear lm_head)
+    : d_(dims), embed_(embed), layers_(std::move(layers)), final_norm_(final_norm), lm_head_(std::move(lm_head)) {
     const int64_t dim = d_.dim, H = d_.n_heads, KV = d_.n_kv_heads, hd = d_.head_dim, I = d_.inter;
     if (dim <= 0 || H <= 0 || KV <= 0 || H % KV || hd <= 0 || hd % 2 || I <= 0 || d_.vocab <= 0)
         throw std::invalid_argument("Decoder: bad model dimensions");
     if (layers_.empty()) throw std::invalid_argument("Decoder: no layers");
-    if (!embed_ || !final_norm_) throw std::invalid_argument("Decoder: missing embedding or final norm");
+    if (!(embed_.dense || embed_.w) || !final_norm_)
+        throw std::invalid_argument("Decoder: missing embedding or final norm");
+    if (!embed_.dense) quant::row_bytes(embed_.qt, dim);  // throws unless dim is a multiple of the type's block
     for (size_t i = 0; i < layers_.size(); ++i) {
         const LayerWeights& l = layers_[i];
         const auto li = static_cast<int64_t>(i);
@@ -44,7 +52,7 @@ Decoder::Decoder(const Dims& dims, const float* embed, std::vector<LayerWeights>
         check_linear(l.w13, 2 * I, dim, "w13", li);
         check_linear(l.w2, dim, I, "w2", li);
     }
-    if (lm_head_.w) check_linear(lm_head_, d_.vocab, dim, "lm_head", -1);
+    if (has_lm_head()) check_linear(lm_head_, d_.vocab, dim, "lm_head", -1);
     x_.resize(static_cast<size_t>(dim));
     h_.resize(static_cast<size_t>(dim));
     qkv_.resize(static_cast<size_t>((H + 2 * KV) * hd));
@@ -85,7 +93,10 @@ int Decoder::step(const StepArgs& a) {
     float *x = x_.data(), *h = h_.data(), *qkv = qkv_.data(), *attn = attn_.data(), *delta = delta_.data();
 
     Laps lap(times_);
-    std::memcpy(x, embed_ + a.token * dim, sizeof(float) * dim);
+    if (embed_.dense)
+        std::memcpy(x, embed_.dense + a.token * dim, sizeof(float) * dim);
+    else
+        quant::dequantize(embed_.w + a.token * quant::row_bytes(embed_.qt, dim), 1, dim, embed_.qt, x, 1);
     ops::rms_norm(x, 1, dim, layers_[0].attn_norm, d_.eps, h);
     lap(kOther);
     for (int64_t i = 0; i < L; ++i) {
@@ -121,7 +132,7 @@ int Decoder::step(const StepArgs& a) {
                           d_.eps, last ? a.h_out : h);
         lap(kOther);
     }
-    if (a.want_out && a.logits && lm_head_.w) {
+    if (a.want_out && a.logits && has_lm_head()) {
         gemv(lm_head_, a.h_out, a.logits, a.n_threads);
         lap(kLmHead);
     }

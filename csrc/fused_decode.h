@@ -7,7 +7,7 @@
 // preallocated scratch, in the same order and with the same arguments, so the results are
 // bit-identical to the op-by-op path (engine/model.py Llama.forward with the cpu backend):
 //
-//   x = embed[token];  h = rms_norm(x, attn_norm[0])
+//   x = embed[token] (decoded from its blocks when quantised);  h = rms_norm(x, attn_norm[0])
 //   per layer i:  qkv = h @ Wqkv^T (+ b);  RoPE on q, k;  store k, v at position end - 1 and attend
 //                 (with node mass when collecting);  h = add_rms_norm(x += attn @ Wo^T, ffn_norm)
 //                 x += silu_mul(h @ W13^T) @ W2^T;  h = rms_norm(x, attn_norm[i + 1] or the final norm)
@@ -27,12 +27,20 @@
 
 namespace nodekv::decode {
 
-// y[N] = x[K] @ dequant(w)[N, K]^T (+ bias).
+// y[N] = x[K] @ dequant(W)[N, K]^T (+ bias), W the segments' rows stacked (quant_matmul.h): one segment for
+// a weight of one type, several for a fused one whose parts differ in type.
 struct QLinear {
-    const uint8_t* w = nullptr;  // nullptr: absent (only the lm_head may be)
-    quant::QType qt = quant::QType::Q8_0;
+    std::vector<quant::Segment> segs;  // empty: absent (only the lm_head may be)
     int64_t N = 0, K = 0;
     const float* bias = nullptr;
+};
+
+// The token embedding [vocab, dim]: dense fp32 rows, or (when dense is nullptr) quantised rows of one type
+// decoded as they are looked up.
+struct Embedding {
+    const float* dense = nullptr;
+    const uint8_t* w = nullptr;
+    quant::QType qt = quant::QType::Q8_0;
 };
 
 struct LayerWeights {
@@ -75,16 +83,16 @@ enum StepStatus : int { kStepOk = 0, kStepBadBlockTable = 1, kStepBadNodeBounds 
 
 class Decoder {
    public:
-    // embed [vocab, dim], final_norm [dim]; lm_head.w == nullptr if the lm_head is not quantised.
-    Decoder(const Dims& dims, const float* embed, std::vector<LayerWeights> layers, const float* final_norm,
-            const QLinear& lm_head);
+    // final_norm [dim]; lm_head.segs empty if the lm_head is not quantised.
+    Decoder(const Dims& dims, const Embedding& embed, std::vector<LayerWeights> layers, const float* final_norm,
+            QLinear lm_head);
 
     // One token through every layer (see the file comment). Steps of one Decoder run one at a time
     // (the scratch is the object's; a mutex serialises callers on other threads).
     int step(const StepArgs& a);
 
     int64_t n_layers() const { return static_cast<int64_t>(layers_.size()); }
-    bool has_lm_head() const { return lm_head_.w != nullptr; }
+    bool has_lm_head() const { return !lm_head_.segs.empty(); }
 
     // Wall time spent in each part of the steps since the last reset, in seconds (a profile of the
     // step at ~40 clock reads per layer): kTimeParts names them.
@@ -96,7 +104,7 @@ class Decoder {
 
    private:
     Dims d_;
-    const float* embed_;
+    Embedding embed_;
     std::vector<LayerWeights> layers_;
     const float* final_norm_;
     QLinear lm_head_;

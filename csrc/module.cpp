@@ -23,11 +23,28 @@ T* ptr(std::uintptr_t addr) {
     return reinterpret_cast<T*>(addr);
 }
 
-// A quantised linear from [w, qtype, N, K, bias] (addresses; bias 0 = none), for Decoder.
-nodekv::decode::QLinear qlinear(const std::vector<std::uintptr_t>& v, size_t at) {
-    if (v.size() < at + 5) throw std::invalid_argument("Decoder: a linear takes [w, qtype, N, K, bias]");
-    return {ptr<const uint8_t>(v[at]), nodekv::quant::qtype_from_id(static_cast<int>(v[at + 1])),
-            static_cast<int64_t>(v[at + 2]), static_cast<int64_t>(v[at + 3]), ptr<const float>(v[at + 4])};
+namespace q = nodekv::quant;
+
+// Segments from a table of n (address, ggml type id, rows) triples of integers.
+template <class Int>
+std::vector<q::Segment> segments(const Int* table, size_t n) {
+    std::vector<q::Segment> segs;
+    for (size_t i = 0; i < n; ++i)
+        segs.push_back({ptr<const uint8_t>(static_cast<std::uintptr_t>(table[3 * i])),
+                        q::qtype_from_id(static_cast<int>(table[3 * i + 1])), static_cast<int64_t>(table[3 * i + 2])});
+    return segs;
+}
+
+// A quantised linear for Decoder from [K, bias, then (w, qtype, rows) per segment] (addresses; bias 0 = none).
+nodekv::decode::QLinear qlinear(const std::vector<std::uintptr_t>& v) {
+    if (v.size() < 5 || (v.size() - 2) % 3)
+        throw std::invalid_argument("Decoder: a linear takes [K, bias] + [w, qtype, rows] per segment");
+    nodekv::decode::QLinear l;
+    l.K = static_cast<int64_t>(v[0]);
+    l.bias = ptr<const float>(v[1]);
+    l.segs = segments(v.data() + 2, (v.size() - 2) / 3);
+    for (const q::Segment& s : l.segs) l.N += s.rows;
+    return l;
 }
 
 }  // namespace
@@ -35,19 +52,19 @@ nodekv::decode::QLinear qlinear(const std::vector<std::uintptr_t>& v, size_t at)
 PYBIND11_MODULE(_C, m) {
     m.doc() = "nodekv C++ kernels";
 
-    namespace q = nodekv::quant;
     m.def(
         "quant_matmul",
-        [](std::uintptr_t x, int64_t T, int64_t K, std::uintptr_t w, int64_t N, int qtype,
-           std::uintptr_t bias, std::uintptr_t y, int n_threads) {
-            const q::QType qt = q::qtype_from_id(qtype);
+        [](std::uintptr_t x, int64_t T, int64_t K, std::uintptr_t segs, int64_t n_segs, std::uintptr_t bias,
+           std::uintptr_t y, int n_threads) {
+            const std::vector<q::Segment> s = segments(ptr<const int64_t>(segs), static_cast<size_t>(n_segs));
             py::gil_scoped_release nogil;
-            q::matmul(ptr<const float>(x), T, K, ptr<const uint8_t>(w), N, qt, ptr<const float>(bias),
+            q::matmul(ptr<const float>(x), T, K, s.data(), static_cast<int>(s.size()), ptr<const float>(bias),
                       ptr<float>(y), n_threads);
         },
-        py::arg("x"), py::arg("T"), py::arg("K"), py::arg("w"), py::arg("N"), py::arg("qtype"),
-        py::arg("bias"), py::arg("y"), py::arg("n_threads"),
-        "y[T,N] = x[T,K] @ dequant(w)[N,K]^T (+ bias[N]); addresses of contiguous buffers, bias 0 = none.");
+        py::arg("x"), py::arg("T"), py::arg("K"), py::arg("segs"), py::arg("n_segs"), py::arg("bias"), py::arg("y"),
+        py::arg("n_threads"),
+        "y[T,N] = x[T,K] @ dequant(W)[N,K]^T (+ bias[N]), W the rows of n_segs segments stacked: segs is the address "
+        "of an int64 [n_segs, 3] table of (weight address, ggml type id, rows); contiguous buffers, bias 0 = none.");
     m.def(
         "quant_dequantize",
         [](std::uintptr_t w, int64_t N, int64_t K, int qtype, std::uintptr_t out, int n_threads) {
@@ -58,8 +75,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("w"), py::arg("N"), py::arg("K"), py::arg("qtype"), py::arg("out"), py::arg("n_threads"),
         "out[N,K] (fp32) = dequant(w); addresses of contiguous buffers.");
     m.def(
-        "quant_block_bytes", [](int qtype) { return q::block_bytes(q::qtype_from_id(qtype)); },
-        py::arg("qtype"), "Bytes per 32-element block of a ggml type id.");
+        "quant_block_size",
+        [](int qtype) {
+            const q::QType qt = q::qtype_from_id(qtype);
+            return py::make_tuple(q::block_elems(qt), q::block_bytes(qt));
+        },
+        py::arg("qtype"), "(elements, bytes) per block of a ggml type id with a native kernel.");
     m.def("quant_isa", &q::active_isa, "'avx2' or 'scalar': the path the quant kernels take now.");
     m.def("quant_force_scalar", &q::set_force_scalar, py::arg("on"),
           "Testing hook: force the scalar quant kernels even where AVX2 is available.");
@@ -133,25 +154,34 @@ PYBIND11_MODULE(_C, m) {
                            "One-token decode through every layer in one call (csrc/fused_decode.h); built over "
                            "weight addresses, which must outlive it.")
         .def(py::init([](int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t inter,
-                         int64_t vocab, float eps, std::uintptr_t embed,
-                         const std::vector<std::vector<std::uintptr_t>>& layers, std::uintptr_t final_norm,
-                         const std::vector<std::uintptr_t>& lm_head) {
+                         int64_t vocab, float eps, const std::vector<std::uintptr_t>& embed,
+                         const std::vector<std::vector<std::vector<std::uintptr_t>>>& layers,
+                         std::uintptr_t final_norm, const std::vector<std::uintptr_t>& lm_head) {
+                 if (embed.size() != 2) throw std::invalid_argument("Decoder: embed takes [address, qtype]");
+                 d::Embedding emb;
+                 if (embed[1] == 0) {
+                     emb.dense = ptr<const float>(embed[0]);
+                 } else {
+                     emb.w = ptr<const uint8_t>(embed[0]);
+                     emb.qt = q::qtype_from_id(static_cast<int>(embed[1]));
+                 }
                  std::vector<d::LayerWeights> ls;
                  for (const auto& v : layers) {
-                     if (v.size() != 22)
-                         throw std::invalid_argument("Decoder: a layer takes [attn_norm, ffn_norm] + 4 linears");
-                     ls.push_back({ptr<const float>(v[0]), qlinear(v, 2), qlinear(v, 7), ptr<const float>(v[1]),
-                                   qlinear(v, 12), qlinear(v, 17)});
+                     if (v.size() != 5 || v[0].size() != 2)
+                         throw std::invalid_argument("Decoder: a layer takes [[attn_norm, ffn_norm]] + 4 linears");
+                     ls.push_back({ptr<const float>(v[0][0]), qlinear(v[1]), qlinear(v[2]), ptr<const float>(v[0][1]),
+                                   qlinear(v[3]), qlinear(v[4])});
                  }
-                 const d::QLinear head = lm_head.empty() ? d::QLinear{} : qlinear(lm_head, 0);
-                 return new d::Decoder({dim, n_heads, n_kv_heads, head_dim, inter, vocab, eps},
-                                       ptr<const float>(embed), std::move(ls), ptr<const float>(final_norm), head);
+                 return new d::Decoder({dim, n_heads, n_kv_heads, head_dim, inter, vocab, eps}, emb, std::move(ls),
+                                       ptr<const float>(final_norm),
+                                       lm_head.empty() ? d::QLinear{} : qlinear(lm_head));
              }),
              py::arg("dim"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("inter"),
              py::arg("vocab"), py::arg("eps"), py::arg("embed"), py::arg("layers"), py::arg("final_norm"),
              py::arg("lm_head"),
-             "layers: per layer [attn_norm, ffn_norm] + [w, qtype, N, K, bias] for wqkv, wo, w13, w2 (addresses); "
-             "lm_head: [w, qtype, N, K, bias] or [] (not quantised: the caller runs it).")
+             "embed: [address, ggml type id] (0 = dense fp32 rows); layers: per layer [[attn_norm, ffn_norm], wqkv, "
+             "wo, w13, w2], each linear [K, bias] + [w, qtype, rows] per segment (addresses); lm_head: such a linear "
+             "or [] (not quantised: the caller runs it).")
         .def(
             "step",
             [](d::Decoder& self, int64_t token, std::uintptr_t cos, std::uintptr_t sin_signed, std::uintptr_t k_pages,

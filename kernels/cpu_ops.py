@@ -12,9 +12,14 @@ the scalar one (a testing hook).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nodekv import _C
+
+if TYPE_CHECKING:
+    from .quant import QuantWeight
 
 _F32 = torch.float32
 _I32 = torch.int32
@@ -335,30 +340,37 @@ class Decoder:
     modify them in place with other shapes); `step` runs one token.
     """
 
-    def __init__(self, embed: torch.Tensor, layers, final_norm: torch.Tensor, lm_head, *, n_heads: int,
-                 n_kv_heads: int, head_dim: int, eps: float):
-        """embed float32 [vocab, dim]; layers: per layer (attn_norm, wqkv, wo, ffn_norm, w13, w2), the norms
-        float32 [dim] and each projection a (QuantWeight, float32 bias or None) pair (wqkv rows q | k | v, w13 rows
-        gate | up); final_norm [dim]; lm_head: (QuantWeight [vocab, dim], bias) or None (then the caller applies it
-        to `step`'s hidden state). All contiguous."""
-        from .quant import QuantWeight
+    def __init__(self, embed: torch.Tensor | QuantWeight, layers, final_norm: torch.Tensor, lm_head, *,
+                 n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+        """embed: float32 [vocab, dim] or a QuantWeight [vocab, dim] (rows decoded as they are looked up, as
+        `QuantWeight.rows`); layers: per layer (attn_norm, wqkv, wo, ffn_norm, w13, w2), the norms float32 [dim] and
+        each projection a (QuantWeight or QuantStack, float32 bias or None) pair (wqkv rows q | k | v, w13 rows
+        gate | up); final_norm [dim]; lm_head: (QuantWeight or QuantStack [vocab, dim], bias) or None (then the caller
+        applies it to `step`'s hidden state). All contiguous."""
+        from .quant import QuantStack, QuantWeight
 
         fn = "Decoder"
         vocab, dim = embed.shape
-        _dense("embed", embed, (vocab, dim), fn)
+        if isinstance(embed, QuantWeight):
+            embed_arg = [embed.data.data_ptr(), embed._qid]
+            keep = [embed.data]
+        else:
+            _dense("embed", embed, (vocab, dim), fn)
+            embed_arg = [embed.data_ptr(), 0]  # ggml's F32: dense rows
+            keep = [embed]
         _dense("final_norm", final_norm, (dim,), fn)
         inter = layers[0][4][0].out_features // 2 if layers else 0
-        keep = [embed, final_norm]  # everything whose address the C++ side holds
+        keep.append(final_norm)  # everything whose address the C++ side holds
 
         def linear(name, wb, n, k):
             w, b = wb
-            if not isinstance(w, QuantWeight) or w.shape != (n, k):
-                got = list(w.shape) if isinstance(w, QuantWeight) else type(w).__name__
-                raise ValueError(f"{fn}: {name} must be a QuantWeight of shape [{n}, {k}], got {got}")
+            if not isinstance(w, (QuantWeight, QuantStack)) or w.shape != (n, k):
+                got = list(w.shape) if isinstance(w, (QuantWeight, QuantStack)) else type(w).__name__
+                raise ValueError(f"{fn}: {name} must be a QuantWeight or QuantStack of shape [{n}, {k}], got {got}")
             if b is not None:
                 _dense(f"{name} bias", b, (n,), fn)
-            keep.extend([w.data, b])
-            return [w.data.data_ptr(), w._qid, n, k, 0 if b is None else b.data_ptr()]
+            keep.extend([w, b])
+            return [k, 0 if b is None else b.data_ptr()] + w._segs.flatten().tolist()
 
         qkv = (n_heads + 2 * n_kv_heads) * head_dim
         packed = []
@@ -366,13 +378,13 @@ class Decoder:
             _dense(f"layers[{i}] attn_norm", attn_norm, (dim,), fn)
             _dense(f"layers[{i}] ffn_norm", ffn_norm, (dim,), fn)
             keep.extend([attn_norm, ffn_norm])
-            packed.append([attn_norm.data_ptr(), ffn_norm.data_ptr()]
-                          + linear(f"layers[{i}] wqkv", wqkv, qkv, dim)
-                          + linear(f"layers[{i}] wo", wo, dim, n_heads * head_dim)
-                          + linear(f"layers[{i}] w13", w13, 2 * inter, dim)
-                          + linear(f"layers[{i}] w2", w2, dim, inter))
+            packed.append([[attn_norm.data_ptr(), ffn_norm.data_ptr()],
+                           linear(f"layers[{i}] wqkv", wqkv, qkv, dim),
+                           linear(f"layers[{i}] wo", wo, dim, n_heads * head_dim),
+                           linear(f"layers[{i}] w13", w13, 2 * inter, dim),
+                           linear(f"layers[{i}] w2", w2, dim, inter)])
         head = [] if lm_head is None else linear("lm_head", lm_head, vocab, dim)
-        self._c = _C.Decoder(dim, n_heads, n_kv_heads, head_dim, inter, vocab, float(eps), embed.data_ptr(), packed,
+        self._c = _C.Decoder(dim, n_heads, n_kv_heads, head_dim, inter, vocab, float(eps), embed_arg, packed,
                              final_norm.data_ptr(), head)
         self._keep = keep
         self.n_layers, self.vocab, self.dim = len(layers), vocab, dim

@@ -1,28 +1,37 @@
-"""Linear layers on GGUF block-quantised weights with fp32 activations (C++ kernels in csrc/quant_matmul.cpp).
+"""Linear layers on GGUF block-quantised weights with fp32 activations (C++ kernels in csrc/quant_matmul.cpp, one
+traits struct per format in csrc/quant_formats.h).
 
-A weight [out_features, in_features] stays in its ggml block format, one row of blocks per output feature;
-each block covers 32 consecutive inputs:
+A weight [out_features, in_features] stays in its ggml block format, one row of blocks per output feature. The
+formats with native kernels (block sizes and type ids from gguf's tables):
 
-    q4_0  18 B: fp16 d, 16 B of nibbles        w = d * (q - 8)
-    q4_1  20 B: fp16 d, fp16 m, 16 B nibbles   w = d * q + m
-    q8_0  34 B: fp16 d, 32 x int8              w = d * q
+    q4_0, q4_1, q5_0, q8_0   blocks of 32 inputs, one fp16 scale (and min) each
+    q4_k, q6_k               super-blocks of 256 inputs with 8 / 16 sub-block scales
 
-In the nibble formats byte j of a block holds element j (low nibble) and element j + 16 (high nibble).
-Activations are never quantised: `quant_linear(x, w)` equals `x @ w.dequantize().T` up to fp32 rounding, while
-reading only the quantised bytes (about 1/6 of fp32 for q4_1); dense fp32 decode is bound by those bytes.
+so in_features must be a multiple of the type's block (32 or 256). A fused projection whose parts differ in type
+(Qwen2.5's q|k|v = q5_0|q5_0|q8_0) is a `QuantStack`: row segments of one type each, run by the same kernels in one
+call. Activations are never quantised: `quant_linear(x, w)` equals `x @ w.dequantize().T` up to fp32 rounding,
+while reading only the quantised bytes (about 1/6 of fp32 for q4_1); dense fp32 decode is bound by those bytes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence, Union
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from nodekv import _C
 
-# ggml type ids (gguf.GGMLQuantizationType values)
-QTYPES: dict[str, int] = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
-BLOCK_SIZE = 32
-BLOCK_BYTES: dict[str, int] = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+_NATIVE = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+           GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+QTYPES: dict[str, int] = {t.name.lower(): int(t) for t in _NATIVE}  # name -> ggml type id
+BLOCK_ELEMS: dict[str, int] = {t.name.lower(): GGML_QUANT_SIZES[t][0] for t in _NATIVE}
+BLOCK_BYTES: dict[str, int] = {t.name.lower(): GGML_QUANT_SIZES[t][1] for t in _NATIVE}
+
+
+def _segment_table(segments: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The kernels' description of a weight: int64 [n, 3] rows of (data address, ggml type id, rows)."""
+    return torch.tensor(segments, dtype=torch.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,9 +39,9 @@ class QuantWeight:
     """A linear weight [out_features, in_features] kept in its GGUF block format (raw bytes, one row per output
     feature).
 
-    `data` is uint8 [out_features, in_features / 32 * block_bytes(qtype)], made contiguous on construction;
-    in_features must be a positive multiple of 32. Frozen, because the kernels trust the checks made here.
-    Inference only: no autograd.
+    `data` is uint8 [out_features, in_features / block_elems * block_bytes], made contiguous on construction;
+    in_features must be a positive multiple of the type's block elements (BLOCK_ELEMS). Frozen, because the kernels
+    trust the checks made here. Inference only: no autograd.
     """
 
     data: torch.Tensor
@@ -50,18 +59,22 @@ class QuantWeight:
             raise ValueError(f"QuantWeight: data must be 2-D [out_features, row_bytes], got shape {list(data.shape)}")
         if data.device.type != "cpu":
             raise ValueError(f"QuantWeight: data must be on the CPU, got {data.device}")
-        k = int(self.in_features)
-        if k <= 0 or k % BLOCK_SIZE:
-            raise ValueError(f"QuantWeight: in_features must be a positive multiple of {BLOCK_SIZE}, got {k}")
-        row_bytes = k // BLOCK_SIZE * BLOCK_BYTES[self.qtype]
+        k, elems = int(self.in_features), BLOCK_ELEMS[self.qtype]
+        if k <= 0 or k % elems:
+            raise ValueError(f"QuantWeight: in_features must be a positive multiple of {elems} for {self.qtype}, "
+                             f"got {k}")
+        row_bytes = k // elems * BLOCK_BYTES[self.qtype]
         if data.shape[1] != row_bytes:
             raise ValueError(f"QuantWeight: {self.qtype} rows of {k} inputs take {row_bytes} bytes, "
                              f"but data has {data.shape[1]} bytes per row")
-        object.__setattr__(self, "data", data.contiguous())
+        data = data.contiguous()
+        object.__setattr__(self, "data", data)
         object.__setattr__(self, "in_features", k)
-        # plain attributes for the per-call fast path
+        # plain attributes for the per-call fast path; _segs is the kernels' view: one segment (see QuantStack)
         object.__setattr__(self, "_n", data.shape[0])
         object.__setattr__(self, "_qid", QTYPES[self.qtype])
+        object.__setattr__(self, "_segs", _segment_table([(data.data_ptr(), self._qid, self._n)]))
+        object.__setattr__(self, "_nseg", 1)
 
     @property
     def out_features(self) -> int:
@@ -79,9 +92,15 @@ class QuantWeight:
                             torch.get_num_threads())
         return out
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), in_features]: the rows `ids` (int64, 1-D) decoded, as dequantize()[ids] (an embedding
+        lookup that never decodes the whole table); an id out of range raises IndexError."""
+        return QuantWeight(self.data[ids], self.qtype, self.in_features).dequantize()
+
     @staticmethod
-    def cat(parts: list[QuantWeight]) -> QuantWeight:
-        """Stack along out_features (fuses q/k/v or gate/up into one matmul); same qtype and in_features needed."""
+    def cat(parts: Sequence[QuantWeight]) -> QuantWeight:
+        """Stack along out_features (fuses q/k/v or gate/up into one matmul); same qtype and in_features needed
+        (`QuantStack` stacks parts of different types)."""
         if not parts:
             raise ValueError("QuantWeight.cat: no parts given")
         first = parts[0]
@@ -94,10 +113,57 @@ class QuantWeight:
         return QuantWeight(torch.cat([p.data for p in parts]), first.qtype, first.in_features)
 
 
+@dataclass(frozen=True, eq=False)
+class QuantStack:
+    """QuantWeights of possibly different types stacked along out_features, kept as row segments of one type each
+    (adjacent parts of one type are merged): a fused projection such as q|k|v = q5_0|q5_0|q8_0, run by
+    `quant_linear` in one call in which each segment writes its slice of the output. Frozen, as QuantWeight."""
+
+    parts: tuple[QuantWeight, ...]
+
+    def __post_init__(self) -> None:
+        parts = tuple(self.parts)
+        if not parts:
+            raise ValueError("QuantStack: no parts given")
+        for i, p in enumerate(parts):
+            if not isinstance(p, QuantWeight):
+                raise ValueError(f"QuantStack: part {i} must be a QuantWeight, got {type(p).__name__}")
+            if p.in_features != parts[0].in_features:
+                raise ValueError(f"QuantStack: part {i} has in_features {p.in_features}, "
+                                 f"part 0 has {parts[0].in_features}")
+        runs: list[list[QuantWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].qtype == p.qtype:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        merged = tuple(r[0] if len(r) == 1 else QuantWeight.cat(r) for r in runs)
+        object.__setattr__(self, "parts", merged)
+        object.__setattr__(self, "in_features", parts[0].in_features)
+        object.__setattr__(self, "_n", sum(p.out_features for p in merged))
+        object.__setattr__(self, "_segs", _segment_table([(p.data.data_ptr(), p._qid, p._n) for p in merged]))
+        object.__setattr__(self, "_nseg", len(merged))
+
+    @property
+    def out_features(self) -> int:
+        return self._n
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features), like the dense weight's."""
+        return self._n, self.in_features
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out_features, in_features]: the parts' dequantisations stacked."""
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+QuantLinearWeight = Union[QuantWeight, QuantStack]
+
 _F32 = torch.float32
 
 
-def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: QuantLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: float32 [..., in_features] -> float32 [..., out_features] = x @ dequant(w).T (+ bias).
 
     CPU only, no autograd; runs on torch.get_num_threads() OpenMP threads. Any number of leading dims. One token
@@ -122,6 +188,6 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     t = x.numel() // k
     y = torch.empty(t, n, dtype=_F32)
     if t:
-        _C.quant_matmul(x.data_ptr(), t, k, w.data.data_ptr(), n, w._qid, bias_ptr, y.data_ptr(),
+        _C.quant_matmul(x.data_ptr(), t, k, w._segs.data_ptr(), w._nseg, bias_ptr, y.data_ptr(),
                         torch.get_num_threads())
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

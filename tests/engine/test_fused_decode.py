@@ -1,10 +1,12 @@
 """The fused one-token decode step (cpu_ops.Decoder, csrc/fused_decode.cpp) on tiny GGUF models: the same logits,
 K/V and node mass as the op-by-op forward (bit for bit; asserted to 1e-5 relative), HF's logits to 1e-4, for
-q8_0 / q4_1 / q4_0 weights, GQA / MQA / MHA, tied and untied heads and qkv biases (qwen2); when it applies and when
-the op-by-op path runs instead."""
+q8_0 / q4_1 / q4_0 weights, mixed types within fused projections (as Qwen2.5's GGUFs have), GQA / MQA / MHA, tied and
+untied heads and qkv biases (qwen2); when it applies and when the op-by-op path runs instead; and on the real
+Qwen2.5-0.5B GGUF against its dense path."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +14,10 @@ import torch
 from conftest import new_cache, tiny_engine, tiny_hf_model, write_tiny_gguf
 from numerics import hf_attention
 from nodekv import _C
-from nodekv.engine.loader import load_checkpoint
-from nodekv.engine.model import Llama
+from nodekv.engine.loader import _hf_canonical, load_checkpoint
+from nodekv.engine.model import Linear, Llama
 from nodekv.kernels import cpu_ops, reference
+from nodekv.kernels.quant import QuantStack, QuantWeight
 
 
 def _gguf(tmp_path, qtype="q8_0", kind="llama", tied=False, n_kv_heads=2, seed=0):
@@ -80,12 +83,81 @@ def test_fused_steps_match_op_by_op_and_hf(qtype, kind, tied, n_kv_heads, tmp_pa
     _close(fused, ref, 1e-4)
 
 
+# Types per tensor as Qwen2.5's GGUFs mix them inside fused projections (q|k|v = q5_0|q5_0|q8_0), here gate|up too,
+# with the embedding looked up from q5_0 blocks.
+MIXED = {"wq": "q5_0", "wk": "q5_0", "wv": "q8_0", "wo": "q4_1", "w1": "q4_0", "w3": "q5_0", "w2": "q8_0",
+         "embed": "q5_0", "lm_head": "q8_0"}
+
+
+def _mixed_model(tmp_path, kind: str, tied: bool):
+    """A tiny model with MIXED's type per tensor (gguf's quantisation of the weights) and the HF model holding the
+    same numbers."""
+    import gguf
+
+    hf = tiny_hf_model(kind, tied=tied)
+    path = tmp_path / f"tiny-{kind}-{int(tied)}-f32.gguf"
+    write_tiny_gguf(hf, path, "f32", arch=kind)
+    ckpt = load_checkpoint(path)
+    for name, t in list(ckpt.tensors.items()):
+        qtype = MIXED.get(name.rsplit(".", 1)[-1])
+        if qtype is not None:
+            raw = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType[qtype.upper()])
+            ckpt.tensors[name] = QuantWeight(torch.from_numpy(raw), qtype, t.shape[1])
+    with torch.no_grad():
+        for key, p in hf.named_parameters():
+            w = ckpt.tensors.get(_hf_canonical(key))
+            if isinstance(w, QuantWeight):
+                p.copy_(w.dequantize())
+    return hf, Llama(ckpt.config, ckpt.tensors)
+
+
+@pytest.mark.parametrize("kind,tied", [("qwen2", False), ("llama", True)])
+def test_mixed_type_projections_run_fused(kind, tied, tmp_path):
+    hf, model = _mixed_model(tmp_path, kind, tied)
+    layer = model.layers[0]
+    assert [p.qtype for p in layer.wqkv.quant.parts] == ["q5_0", "q8_0"]  # q|k merged into one segment
+    assert [p.qtype for p in layer.w13.quant.parts] == ["q4_0", "q5_0"]
+    assert isinstance(model.embed, QuantWeight) and model.lm_head.dense is None
+    ids = torch.randint(0, 101, (30,), generator=torch.Generator().manual_seed(6))
+    fused, fused_cache = _decode(model, ids, 5, True)
+    assert isinstance(model._decoder, cpu_ops.Decoder) and model._decoder.has_lm_head
+    plain, plain_cache = _decode(model, ids, 5, False)
+    assert torch.equal(fused, plain)
+    for a, b in zip(_kv(fused_cache), _kv(plain_cache)):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, 5:]
+    _close(fused, ref, 1e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen_gguf() -> Path:
+    """The Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF: q5_0, q8_0, q4_k and q6_k tensors, q|k|v = q5_0|q5_0|q8_0."""
+    path = Path("/tmp/qwen/qwen2.5-0.5b.gguf")
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    return path
+
+
+@pytest.mark.model
+def test_real_qwen_decodes_fused_as_the_dense_path(qwen_gguf):
+    model = _model(qwen_gguf)
+    quants = [lin.quant for l in model.layers for lin in (l.wqkv, l.wo, l.w13, l.w2)]
+    types = {p.qtype for q in quants for p in (q.parts if isinstance(q, QuantStack) else [q])}
+    assert types == {"q5_0", "q8_0", "q4_k", "q6_k"}
+    ids = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(7))
+    fused, _ = _decode(model, ids, 16, True)
+    assert isinstance(model._decoder, cpu_ops.Decoder) and model._decoder.has_lm_head
+    dense = model.forward(ids, new_cache(model), logits="all")[16:]  # 24 tokens: the layers' dense fp32 GEMMs
+    _close(fused, dense, 1e-4)
+
+
 def test_dense_lm_head_runs_in_python(tmp_path):
     """An lm_head that is not quantised (here: replaced by its dense weights) is applied to the fused step's
     hidden state by the op-by-op Linear."""
     hf, path = _gguf(tmp_path, "q8_0", tied=False)
     model = _model(path)
-    model.lm_head.quant = None
+    model.lm_head = Linear(model.lm_head.quant.dequantize())
     ids = torch.randint(0, 101, (20,), generator=torch.Generator().manual_seed(2))
     fused, _ = _decode(model, ids, 3, True)
     assert isinstance(model._decoder, cpu_ops.Decoder) and not model._decoder.has_lm_head

@@ -1,4 +1,6 @@
-"""nodekv.kernels.quant against gguf's own numpy (de)quantisation, on random blocks and on the real SmolLM2 GGUF."""
+"""nodekv.kernels.quant against gguf's own numpy (de)quantisation, on random blocks of every native type and on the
+real SmolLM2 GGUF: products to a small multiple of torch's fp32 error against the float64 product with gguf's
+dequantisation, dequantisation bit for bit; single-type weights and mixed-type row stacks (QuantStack)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,13 +9,19 @@ import torch
 import torch.nn.functional as F
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType  # noqa: E402
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 from nodekv import _C  # noqa: E402
-from nodekv.kernels.quant import BLOCK_BYTES, QTYPES, QuantWeight, quant_linear  # noqa: E402
+from nodekv.kernels.quant import (  # noqa: E402
+    BLOCK_BYTES, BLOCK_ELEMS, QTYPES, QuantStack, QuantWeight, quant_linear)
 
-GG = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+GG = {name: GGMLQuantizationType(qid) for name, qid in QTYPES.items()}
 ISAS = ["native", "scalar"]
+# byte offsets of each block's fp16 fields (scale d, then dmin / m where the type has one)
+FP16_FIELDS = {"q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}
+# (rows, blocks per row): in_features = blocks x the type's block elements (32 or 256); 19 x 256 is Qwen2.5-0.5B's
+# intermediate size, 28 x 32 its dim
+SHAPES = [(1, 1), (7, 2), (33, 28), (61, 19), (130, 3)]
 
 
 @pytest.fixture(params=ISAS)
@@ -24,28 +32,45 @@ def isa(request):
     _C.quant_force_scalar(False)
 
 
+def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator, offset: float = 0.0) -> np.ndarray:
+    """Raw blocks [n, row bytes] of random quants and sane fp16 scales (d in [1e-3, 1.1e-2]; q4_k's dmin such that
+    its weights shift by about +offset), for the types gguf cannot quantise."""
+    nb, bb = k // BLOCK_ELEMS[qtype], BLOCK_BYTES[qtype]
+    raw = rng.integers(0, 256, (n, nb, bb), dtype=np.uint8)
+    d = FP16_FIELDS.get(qtype, (0,))[0]
+    raw[..., d:d + 2] = (rng.random((n, nb, 1)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+    if qtype == "q4_k":  # w = d sc_j q - dmin m_j, with 6-bit m_j averaging about 32
+        raw[..., 2:4] = ((rng.random((n, nb, 1)) * 0.01 - offset) / 32).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, nb * bb)
+
+
 def make_weight(qtype: str, n: int, k: int, seed: int = 0, offset: float = 0.0) -> tuple[QuantWeight, torch.Tensor]:
-    """(QuantWeight, gguf's float32 dequantisation of the same bytes) for a random [n, k] weight."""
+    """(QuantWeight, gguf's float32 dequantisation of the same bytes) for a random [n, k] weight: gguf's quantisation
+    of random normal weights (+ offset) where gguf can quantise the type, else random blocks."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * 0.05 + offset).astype(np.float32)
-    raw = gguf.quants.quantize(w, GG[qtype])
+    try:
+        raw = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05 + offset).astype(np.float32), GG[qtype])
+    except NotImplementedError:
+        raw = random_blocks(qtype, n, k, rng, offset)
     ref = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, GG[qtype]), dtype=np.float32))
     return QuantWeight(torch.from_numpy(np.ascontiguousarray(raw)), qtype, k), ref
 
 
-def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, factor: float = 6.0) -> None:
+def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, factor: float = 6.0,
+                          bias: torch.Tensor | None = None) -> None:
     """max |y - exact| within `factor` x torch's own fp32 F.linear error against the float64 product."""
-    exact = x.double() @ ref.double().T
-    torch_err = (F.linear(x, ref).double() - exact).abs().max().item()
+    exact = x.double() @ ref.double().T + (0 if bias is None else bias.double())
+    torch_err = (F.linear(x, ref, bias).double() - exact).abs().max().item()
     floor = 1e-7 * (x.double().abs() @ ref.double().abs().T).max().item()
     err = (y.double() - exact).abs().max().item()
     assert err <= factor * max(torch_err, floor), f"max |err| {err:.3g} vs torch fp32 {torch_err:.3g}"
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
-@pytest.mark.parametrize("n,k", [(1, 32), (7, 64), (33, 576), (61, 1536), (130, 96)])
+@pytest.mark.parametrize("n,blocks", SHAPES)
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 17])
-def test_matches_reference(isa, qtype, n, k, t):
+def test_matches_reference(isa, qtype, n, blocks, t):
+    k = blocks * BLOCK_ELEMS[qtype]
     w, ref = make_weight(qtype, n, k, seed=n * k + t)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
     y = quant_linear(x, w)
@@ -55,11 +80,13 @@ def test_matches_reference(isa, qtype, n, k, t):
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
 def test_positive_activations_and_offset_weights(isa, qtype):
-    """All-positive x makes d*sum(x q) and m*sum(x) cancel in the one-token kernel; it must still be accurate."""
+    """All-positive x makes the scaled quant sums and the offset (min) terms cancel in the one-token kernels; they
+    must still be accurate."""
+    k = 1536
     for offset in (0.0, 0.3):
-        w, ref = make_weight(qtype, 45, 1536, seed=3, offset=offset)
+        w, ref = make_weight(qtype, 45, k, seed=3, offset=offset)
         for t in (1, 4):
-            x = torch.rand(t, 1536, generator=torch.Generator().manual_seed(7)) + 0.5
+            x = torch.rand(t, k, generator=torch.Generator().manual_seed(7)) + 0.5
             assert_close_to_exact(quant_linear(x, w), x, ref)
 
 
@@ -73,25 +100,19 @@ def test_many_tokens_cross_chunks(isa, qtype):
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
 def test_dequantize_is_exact(isa, qtype):
-    w, ref = make_weight(qtype, 19, 320, seed=5)
+    w, ref = make_weight(qtype, 19, 10 * BLOCK_ELEMS[qtype], seed=5)
     assert torch.equal(w.dequantize(), ref)
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
 def test_every_fp16_scale(isa, qtype):
-    """All 65536 fp16 bit patterns as d (and m): subnormals, +-0, inf and nan decode as numpy's float16 does."""
+    """All 65536 fp16 bit patterns in each fp16 field (the second one reversed): subnormals, +-0, inf and nan decode
+    as numpy's float16 does, also where they meet the other field (inf - inf)."""
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    nb = BLOCK_BYTES[qtype]
-    blocks = np.zeros((bits.size, nb), dtype=np.uint8)
-    blocks[:, 0:2] = bits.view(np.uint8).reshape(-1, 2)
-    if qtype == "q4_1":
-        blocks[:, 2:4] = bits[::-1].copy().view(np.uint8).reshape(-1, 2)
-        blocks[:, 4:] = 0x21  # q = 1 (elements 0..15), 2 (16..31)
-    elif qtype == "q4_0":
-        blocks[:, 2:] = 0xA9  # q - 8 = 1, 2
-    else:
-        blocks[:, 2:] = 1
-    w = QuantWeight(torch.from_numpy(blocks), qtype, 32)
+    blocks = np.full((bits.size, BLOCK_BYTES[qtype]), 0x21, dtype=np.uint8)  # quants 1 and 2, 6-bit scales 33
+    for i, at in enumerate(FP16_FIELDS.get(qtype, (0,))):
+        blocks[:, at:at + 2] = (bits[::-1] if i else bits).copy().view(np.uint8).reshape(-1, 2)
+    w = QuantWeight(torch.from_numpy(blocks), qtype, BLOCK_ELEMS[qtype])
     with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 and inf - inf are part of the point
         ref = gguf.quants.dequantize(blocks, GG[qtype])
     np.testing.assert_array_equal(w.dequantize().numpy(), ref)
@@ -99,8 +120,8 @@ def test_every_fp16_scale(isa, qtype):
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
 def test_threads_do_not_change_results(qtype):
-    w, _ = make_weight(qtype, 3072, 576, seed=2)
-    x = torch.randn(1, 576)
+    w, _ = make_weight(qtype, 3072, 1024, seed=2)
+    x = torch.randn(1, 1024)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -112,6 +133,14 @@ def test_threads_do_not_change_results(qtype):
     assert torch.equal(y1, y2)
 
 
+def test_rows_looks_up_without_decoding_the_table(isa):
+    w, ref = make_weight("q5_0", 50, 96, seed=4)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(w.rows(ids), ref[ids])
+    with pytest.raises(IndexError):
+        w.rows(torch.tensor([50]))
+
+
 def test_bias_leading_dims_and_noncontiguous(isa):
     w, ref = make_weight("q4_1", 33, 128, seed=9)
     bias = torch.randn(33)
@@ -121,6 +150,40 @@ def test_bias_leading_dims_and_noncontiguous(isa):
     want = F.linear(x.double(), ref.double(), bias.double())
     assert (y.double() - want).abs().max().item() < 1e-5
     assert quant_linear(torch.empty(0, 128), w).shape == (0, 33)
+
+
+STACKS = [  # part types of a stacked weight; in_features 512 suits every type
+    ("q5_0", "q5_0", "q8_0"),  # Qwen2.5's q|k|v: runs of one type merge into one segment
+    ("q4_k", "q6_k", "q4_0", "q4_1", "q4_k"),
+    ("q6_k",),
+]
+
+
+@pytest.mark.parametrize("types", STACKS)
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 17])
+def test_stack_of_mixed_types(isa, types, t):
+    """Each segment of a QuantStack writes its rows of the output (and adds its slice of the bias)."""
+    k = 512
+    parts = [make_weight(q, n, k, seed=i) for i, (q, n) in enumerate(zip(types, [64, 16, 37, 5, 8]))]
+    w = QuantStack([p for p, _ in parts])
+    ref = torch.cat([r for _, r in parts])
+    runs = [q for i, q in enumerate(types) if i == 0 or types[i - 1] != q]
+    assert [p.qtype for p in w.parts] == runs
+    assert w.shape == ref.shape and torch.equal(w.dequantize(), ref)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+    bias = torch.randn(ref.shape[0])
+    assert_close_to_exact(quant_linear(x, w), x, ref)
+    assert_close_to_exact(quant_linear(x, w, bias), x, ref, bias=bias)
+
+
+def test_stack_validation():
+    a, _ = make_weight("q8_0", 4, 256)
+    with pytest.raises(ValueError, match="no parts"):
+        QuantStack([])
+    with pytest.raises(ValueError, match="in_features"):
+        QuantStack([a, make_weight("q4_k", 4, 512)[0]])
+    with pytest.raises(ValueError, match="QuantWeight"):
+        QuantStack([a, torch.zeros(4, 256)])
 
 
 def test_cat_stacks_rows():
@@ -147,22 +210,24 @@ def test_validation_errors():
         quant_linear(torch.randn(1, 64), w, torch.randn(5))
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantWeight(torch.zeros(4, 34, dtype=torch.uint8), "q8_0", 48)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantWeight(torch.zeros(4, 144, dtype=torch.uint8), "q4_k", 128)
     with pytest.raises(ValueError, match="bytes per row"):
         QuantWeight(torch.zeros(4, 40, dtype=torch.uint8), "q8_0", 64)
     with pytest.raises(ValueError, match="uint8"):
         QuantWeight(torch.zeros(4, 68, dtype=torch.int8), "q8_0", 64)
     with pytest.raises(ValueError, match="unsupported qtype"):
-        QuantWeight(torch.zeros(4, 68, dtype=torch.uint8), "q5_0", 64)
+        QuantWeight(torch.zeros(4, 48, dtype=torch.uint8), "q5_1", 64)
     with pytest.raises(ValueError, match="2-D"):
         QuantWeight(torch.zeros(68, dtype=torch.uint8), "q8_0", 64)
     with pytest.raises(ValueError, match="type id"):
-        _C.quant_block_bytes(7)
+        _C.quant_block_size(7)
 
 
-def test_qtype_ids_match_ggml():
+def test_qtype_ids_and_sizes_match_ggml():
     for name, qid in QTYPES.items():
-        assert qid == int(GG[name])
-        assert _C.quant_block_bytes(qid) == BLOCK_BYTES[name]
+        assert GG[name].name.lower() == name
+        assert _C.quant_block_size(qid) == GGML_QUANT_SIZES[GG[name]] == (BLOCK_ELEMS[name], BLOCK_BYTES[name])
 
 
 @pytest.mark.model

@@ -1,0 +1,482 @@
+// The ggml block formats, one traits struct each; the matmul drivers (quant_matmul.cpp) are templates
+// over them, and nothing else knows a layout. A format F provides:
+//
+//   kType, kElems, kBytes   its type id, elements per block (32, or 256 for a K-quant super-block), bytes
+//   decode(blk, out)        the block's weights exactly as gguf.quants.dequantize computes them (scalar)
+//   decode_avx2(blk, out)   the same values with AVX2
+//   kPrep, prepare(x, xp)   the one-token kernel's copy of one block's worth of x: kPrep floats, in the
+//                           order dot unpacks the quants, with block sums where dot needs them
+//   dot(blk, xp, acc)       acc plus the block's dot product with x, spread over acc's lanes
+//
+// Every weight is an exact fp32 product of its scales and quants (at most 24 significant bits), so the
+// decoders round only where gguf does (a K-quant's min subtraction) and agree with it bit for bit.
+//
+// Decode (T == 1) is bound by the vector instructions spent per weight (about 3 per 8 weights at best, on
+// top of the byte shuffling), so dot reads each byte once and takes the cheapest route to centred floats
+// q - c: for nibbles, "magic" floats without shifts or conversions (a dword with q in its low bits and 0x4B
+// in its top byte is the float 2^23 + q, and one exact subtraction of 2^23 + c centres it; a nibble masked
+// in place, bits 4..7, gives 16 (q - c), and prepare scales the matching x by 1/16 or dot folds it into a
+// scale, both exact); for bytes, sign extension and conversion. Centring matters for accuracy: with q in
+// 0..15, d * sum(x q) and the offset times sum(x) are two large terms that cancel when sum(x) is large.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cpu_common.h"
+#include "quant_matmul.h"
+
+namespace nodekv::quant::formats {
+
+inline uint16_t load_u16(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// IEEE half -> float, exact for every input (subnormals, inf, nan included).
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        const float v = static_cast<float>(mant) * (1.0f / 16777216.0f);  // mant * 2^-24
+        return sign ? -v : v;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float load_half(const uint8_t* p) { return half_to_float(load_u16(p)); }
+
+// The 6-bit scales and mins of a Q4_K/Q5_K super-block (12 bytes): sub-block j's in byte j of each result.
+//   bytes 0..3: scale j (bits 0..5), scale j + 4 (bits 6..7 -> 4..5)   bytes 8..11: scale j + 4 (bits 0..3)
+//   bytes 4..7: min j   (bits 0..5), min j + 4   (bits 6..7 -> 4..5)                min j + 4   (bits 4..7)
+inline void k_scales_mins(const uint8_t* p, uint64_t* sc, uint64_t* mn) {
+    const uint32_t a = load_u32(p), b = load_u32(p + 4), c = load_u32(p + 8);
+    *sc = (a & 0x3f3f3f3fu) | uint64_t{(c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)} << 32;
+    *mn = (b & 0x3f3f3f3fu) | uint64_t{((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)} << 32;
+}
+
+// ---------------------------------------------------------------- AVX2 building blocks
+
+NKV_AVX2 inline __m256 bcast_half(const uint8_t* p) {
+    return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(p))));
+}
+
+NKV_AVX2 inline __m256 lane(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
+
+// sum over i of v[i] * x[8 i .. 8 i + 7]
+NKV_AVX2 inline __m256 dot4(const __m256 v[4], const float* x) {
+    __m256 a = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
+    a = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), a);
+    a = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), a);
+    return _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), a);
+}
+
+// 16 nibble bytes (byte j: element j low, j + 16 high) in element order: v[0], v[1] = q - c of elements
+// 0..7, 8..15; v[2], v[3] = 16 (q - c) of elements 16..23, 24..31. Both 128-bit lanes hold the 16 bytes;
+// lane 0 reads bytes 0..3 and 8..11, lane 1 bytes 4..7 and 12..15, so 0x4B goes into a dword each lane
+// leaves unread (lane 0's dword 1, lane 1's dword 0).
+NKV_AVX2 inline void nibbles(const uint8_t* qs, float c, __m256 v[4]) {
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i src = _mm256_blend_epi32(raw, _mm256_set1_epi32(0x4b4b4b4b), 0x12);
+    const __m256i a = _mm256_shuffle_epi8(  // bytes 0..7
+        src, _mm256_setr_epi32(0x04808000, 0x04808001, 0x04808002, 0x04808003, 0x00808004, 0x00808005, 0x00808006,
+                               0x00808007));
+    const __m256i b = _mm256_shuffle_epi8(  // bytes 8..15
+        src, _mm256_setr_epi32(0x04808008, 0x04808009, 0x0480800a, 0x0480800b, 0x0080800c, 0x0080800d, 0x0080800e,
+                               0x0080800f));
+    const __m256i lo = _mm256_set1_epi32(static_cast<int>(0xff00000fu));
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xff0000f0u));
+    const __m256 lo_bias = _mm256_set1_ps(8388608.0f + c), hi_bias = _mm256_set1_ps(8388608.0f + 16.0f * c);
+    v[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(a, lo)), lo_bias);
+    v[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(b, lo)), lo_bias);
+    v[2] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(a, hi)), hi_bias);
+    v[3] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(b, hi)), hi_bias);
+}
+
+// 32 quant bytes (lane 0: elements 0..15, lane 1: 16..31) as floats q - c in "split" order: v[g] holds
+// elements 4g..4g+3 in lane 0 and 16+4g..16+4g+3 in lane 1.
+NKV_AVX2 inline void split_bytes(__m256i q, float c, __m256 v[4]) {
+    const __m256i magic = _mm256_set1_epi32(0x4b000000);
+    const __m256 bias = _mm256_set1_ps(8388608.0f + c);
+    const __m256i first = _mm256_setr_epi32(0x80808000, 0x80808001, 0x80808002, 0x80808003, 0x80808000, 0x80808001,
+                                            0x80808002, 0x80808003);
+    for (int g = 0; g < 4; ++g) {
+        const __m256i bytes = _mm256_shuffle_epi8(q, _mm256_add_epi32(first, _mm256_set1_epi32(4 * g)));
+        v[g] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(bytes, magic)), bias);
+    }
+}
+
+// Stores a split-order vector g (see split_bytes) into its 32-element group.
+NKV_AVX2 inline void store_split(float* out, int g, __m256 v) {
+    _mm_storeu_ps(out + 4 * g, _mm256_castps256_ps128(v));
+    _mm_storeu_ps(out + 16 + 4 * g, _mm256_extractf128_ps(v, 1));
+}
+
+// x for split-order dots: per 32 elements, [x 4g..4g+3, x 16+4g..16+4g+3] for g = 0..3.
+NKV_AVX2 inline void prepare_split(const float* x, int64_t n, float* xp) {
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        const __m256 x2 = _mm256_loadu_ps(x + i + 16), x3 = _mm256_loadu_ps(x + i + 24);
+        _mm256_storeu_ps(xp + i, _mm256_permute2f128_ps(x0, x2, 0x20));
+        _mm256_storeu_ps(xp + i + 8, _mm256_permute2f128_ps(x0, x2, 0x31));
+        _mm256_storeu_ps(xp + i + 16, _mm256_permute2f128_ps(x1, x3, 0x20));
+        _mm256_storeu_ps(xp + i + 24, _mm256_permute2f128_ps(x1, x3, 0x31));
+    }
+}
+
+// x for nibble dots: elements 16..31 of each block of 32 scaled by 1/16 (exact).
+NKV_AVX2 inline void prepare_nibbles(const float* x, float* xp) {
+    const __m256 sixteenth = _mm256_set1_ps(0.0625f);
+    _mm256_storeu_ps(xp, _mm256_loadu_ps(x));
+    _mm256_storeu_ps(xp + 8, _mm256_loadu_ps(x + 8));
+    _mm256_storeu_ps(xp + 16, _mm256_mul_ps(_mm256_loadu_ps(x + 16), sixteenth));
+    _mm256_storeu_ps(xp + 24, _mm256_mul_ps(_mm256_loadu_ps(x + 24), sixteenth));
+}
+
+// The 8 bytes of v as floats, byte j in lane j.
+NKV_AVX2 inline __m256 bytes_to_ps(uint64_t v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v))));
+}
+
+NKV_AVX2 inline float sum32(const float* x) {
+    return hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
+                              _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24))));
+}
+
+// ---------------------------------------------------------------- the formats
+
+// 34 B: fp16 d, 32 x int8 q.  w = d q
+struct Q8_0 {
+    static constexpr QType kType = QType::Q8_0;
+    static constexpr int64_t kElems = 32, kBytes = 34, kPrep = 32;
+
+    static void decode(const uint8_t* blk, float* out) {
+        const float d = load_half(blk);
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+        for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]);
+    }
+    NKV_AVX2 static void quants(const uint8_t* blk, __m256 v[4]) {
+        for (int i = 0; i < 4; ++i)
+            v[i] = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i))));
+    }
+    NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
+        __m256 v[4];
+        quants(blk, v);
+        const __m256 d = bcast_half(blk);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(d, v[i]));
+    }
+    NKV_AVX2 static void prepare(const float* x, float* xp) { std::memcpy(xp, x, sizeof(float) * 32); }
+    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+        __m256 v[4];
+        quants(blk, v);
+        return _mm256_fmadd_ps(bcast_half(blk), dot4(v, xp), acc);
+    }
+};
+
+// 18 B: fp16 d, 16 B nibbles (byte j: element j low, j + 16 high).  w = d (q - 8)
+struct Q4_0 {
+    static constexpr QType kType = QType::Q4_0;
+    static constexpr int64_t kElems = 32, kBytes = 18, kPrep = 32;
+
+    static void decode(const uint8_t* blk, float* out) {
+        const float d = load_half(blk);
+        for (int j = 0; j < 16; ++j) {
+            out[j] = d * static_cast<float>((blk[2 + j] & 0x0f) - 8);
+            out[j + 16] = d * static_cast<float>((blk[2 + j] >> 4) - 8);
+        }
+    }
+    NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
+        __m256 v[4];
+        nibbles(blk + 2, 8.0f, v);
+        const __m256 d = bcast_half(blk), d16 = _mm256_mul_ps(d, _mm256_set1_ps(0.0625f));
+        _mm256_storeu_ps(out, _mm256_mul_ps(d, v[0]));
+        _mm256_storeu_ps(out + 8, _mm256_mul_ps(d, v[1]));
+        _mm256_storeu_ps(out + 16, _mm256_mul_ps(d16, v[2]));
+        _mm256_storeu_ps(out + 24, _mm256_mul_ps(d16, v[3]));
+    }
+    NKV_AVX2 static void prepare(const float* x, float* xp) { prepare_nibbles(x, xp); }
+    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+        __m256 v[4];
+        nibbles(blk + 2, 8.0f, v);
+        return _mm256_fmadd_ps(bcast_half(blk), dot4(v, xp), acc);
+    }
+};
+
+// 20 B: fp16 d, fp16 m, 16 B nibbles as Q4_0's.  w = d q + m
+struct Q4_1 {
+    static constexpr QType kType = QType::Q4_1;
+    // prepare appends {0, sum of the block's x, 0, ..., 0}: dot adds (m + 8 d) sum(x) through lane 1
+    static constexpr int64_t kElems = 32, kBytes = 20, kPrep = 40;
+
+    static void decode(const uint8_t* blk, float* out) {
+        const float d = load_half(blk), m = load_half(blk + 2);
+        for (int j = 0; j < 16; ++j) {
+            out[j] = d * static_cast<float>(blk[4 + j] & 0x0f) + m;
+            out[j + 16] = d * static_cast<float>(blk[4 + j] >> 4) + m;
+        }
+    }
+    NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
+        __m256 v[4];
+        nibbles(blk + 4, 0.0f, v);  // uncentred: d q + m rounds as gguf's
+        const __m256 d = bcast_half(blk), d16 = _mm256_mul_ps(d, _mm256_set1_ps(0.0625f));
+        const __m256 m = bcast_half(blk + 2);
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(d, v[0], m));
+        _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(d, v[1], m));
+        _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(d16, v[2], m));
+        _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(d16, v[3], m));
+    }
+    NKV_AVX2 static void prepare(const float* x, float* xp) {
+        prepare_nibbles(x, xp);
+        _mm256_storeu_ps(xp + 32, _mm256_setr_ps(0.0f, sum32(x), 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f));
+    }
+    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+        __m256 v[4];
+        nibbles(blk + 4, 8.0f, v);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(blk))));  // [d, m, 0, 0]
+        const __m256 d = _mm256_broadcastss_ps(dm);
+        acc = _mm256_fmadd_ps(d, dot4(v, xp), acc);
+        // [d, m + 8 d, 0, ...]: m' = m + 8 d formed before it meets the accumulator, where m and 8 d would
+        // otherwise cancel (exact for all but extreme d/m ratios); lane 0 meets x's 0
+        const __m256 eight = _mm256_setr_ps(0.0f, 8.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
+        const __m256 mp = _mm256_fmadd_ps(d, eight, _mm256_zextps128_ps256(dm));
+        return _mm256_fmadd_ps(mp, _mm256_loadu_ps(xp + 32), acc);
+    }
+};
+
+// 22 B: fp16 d, u32 qh (bit j: the fifth bit of element j), 16 B nibbles as Q4_0's.  w = d (q - 16)
+struct Q5_0 {
+    static constexpr QType kType = QType::Q5_0;
+    static constexpr int64_t kElems = 32, kBytes = 22, kPrep = 32;
+
+    static void decode(const uint8_t* blk, float* out) {
+        const float d = load_half(blk);
+        const uint32_t qh = load_u32(blk + 2);
+        for (int j = 0; j < 16; ++j) {
+            const int lo = (blk[6 + j] & 0x0f) | static_cast<int>((qh >> j) & 1u) << 4;
+            const int hi = (blk[6 + j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1u) << 4;
+            out[j] = d * static_cast<float>(lo - 16);
+            out[j + 16] = d * static_cast<float>(hi - 16);
+        }
+    }
+    // The 32 quants as floats q - 16 in element order. Centred as signed bytes (the nibble, with 0xF0 above it
+    // where the fifth bit is clear), then sign-extended: fewer instructions and constants than the magic floats.
+    NKV_AVX2 static void quants(const uint8_t* blk, __m256 v[4]) {
+        const __m256i qs = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)));
+        const __m256i nib =  // lane 0 low nibbles (elements 0..15), lane 1 high nibbles (16..31)
+            _mm256_and_si256(_mm256_srlv_epi64(qs, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+        // byte e gets qh's byte e / 8, of which bit e % 8 is element e's fifth bit
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(static_cast<int>(load_u32(blk + 2))),
+            _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+        const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201u));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        const __m256i q = _mm256_or_si256(nib, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xf0))));
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+        v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+    }
+    NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
+        __m256 v[4];
+        quants(blk, v);
+        const __m256 d = bcast_half(blk);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(d, v[i]));
+    }
+    NKV_AVX2 static void prepare(const float* x, float* xp) { std::memcpy(xp, x, sizeof(float) * 32); }
+    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+        __m256 v[4];
+        quants(blk, v);
+        return _mm256_fmadd_ps(bcast_half(blk), dot4(v, xp), acc);
+    }
+};
+
+// 144 B super-block of 8 sub-blocks of 32: fp16 d, fp16 dmin, 12 B of 6-bit scales and mins
+// (k_scales_mins), 128 B nibbles: bytes 32i..32i+31 hold sub-block 2i (low nibbles) and 2i+1 (high).
+// w = d sc_j q - dmin m_j
+struct Q4_K {
+    static constexpr QType kType = QType::Q4_K;
+    // prepare appends the 8 sub-block sums of x: dot adds (8 d sc_j - dmin m_j) sum_j(x) for the centring
+    static constexpr int64_t kElems = 256, kBytes = 144, kPrep = 264;
+
+    static void decode(const uint8_t* blk, float* out) {
+        const float d = load_half(blk), dmin = load_half(blk + 2);
+        uint64_t sc, mn;
+        k_scales_mins(blk + 4, &sc, &mn);
+        for (int j = 0; j < 8; ++j) {
+            const float dl = d * static_cast<float>((sc >> 8 * j) & 0xff);
+            const float ml = dmin * static_cast<float>((mn >> 8 * j) & 0xff);
+            const uint8_t* q = blk + 16 + 32 * (j / 2);
+            for (int i = 0; i < 32; ++i)
+                out[32 * j + i] = dl * static_cast<float>(j % 2 ? q[i] >> 4 : q[i] & 0x0f) - ml;
+        }
+    }
+    // d sc_j and dmin m_j, lane j for sub-block j
+    NKV_AVX2 static void scales(const uint8_t* blk, __m256* dsc, __m256* dmn) {
+        uint64_t sc, mn;
+        k_scales_mins(blk + 4, &sc, &mn);
+        *dsc = _mm256_mul_ps(bcast_half(blk), bytes_to_ps(sc));
+        *dmn = _mm256_mul_ps(bcast_half(blk + 2), bytes_to_ps(mn));
+    }
+    // Odd sub-blocks come as 16 q (high nibbles in place): their scales take the 1/16.
+    NKV_AVX2 static __m256 nibble_scales(__m256 dsc) {
+        return _mm256_mul_ps(dsc, _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f));
+    }
+    NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
+        __m256 dsc, dmn;
+        scales(blk, &dsc, &dmn);
+        const __m256 s = nibble_scales(dsc);
+        for (int i = 0; i < 4; ++i) {
+            __m256 a[4], b[4];  // uncentred, so that s q - dmin m rounds once, as gguf's
+            nibbles(blk + 16 + 32 * i, 0.0f, a);
+            nibbles(blk + 32 + 32 * i, 0.0f, b);
+            const __m256 s0 = lane(s, 2 * i), m0 = lane(dmn, 2 * i);
+            const __m256 s1 = lane(s, 2 * i + 1), m1 = lane(dmn, 2 * i + 1);
+            float* o = out + 64 * i;
+            _mm256_storeu_ps(o, _mm256_fmsub_ps(s0, a[0], m0));
+            _mm256_storeu_ps(o + 8, _mm256_fmsub_ps(s0, a[1], m0));
+            _mm256_storeu_ps(o + 16, _mm256_fmsub_ps(s0, b[0], m0));
+            _mm256_storeu_ps(o + 24, _mm256_fmsub_ps(s0, b[1], m0));
+            _mm256_storeu_ps(o + 32, _mm256_fmsub_ps(s1, a[2], m1));
+            _mm256_storeu_ps(o + 40, _mm256_fmsub_ps(s1, a[3], m1));
+            _mm256_storeu_ps(o + 48, _mm256_fmsub_ps(s1, b[2], m1));
+            _mm256_storeu_ps(o + 56, _mm256_fmsub_ps(s1, b[3], m1));
+        }
+    }
+    NKV_AVX2 static void prepare(const float* x, float* xp) {
+        std::memcpy(xp, x, sizeof(float) * 256);
+        for (int j = 0; j < 8; ++j) xp[256 + j] = sum32(x + 32 * j);
+    }
+    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+        __m256 dsc, dmn;
+        scales(blk, &dsc, &dmn);
+        const __m256 s = nibble_scales(dsc);
+        for (int i = 0; i < 4; ++i) {
+            __m256 a[4], b[4];  // q - 8
+            nibbles(blk + 16 + 32 * i, 8.0f, a);
+            nibbles(blk + 32 + 32 * i, 8.0f, b);
+            const float* xi = xp + 64 * i;
+            __m256 even = _mm256_mul_ps(a[0], _mm256_loadu_ps(xi));
+            even = _mm256_fmadd_ps(a[1], _mm256_loadu_ps(xi + 8), even);
+            even = _mm256_fmadd_ps(b[0], _mm256_loadu_ps(xi + 16), even);
+            even = _mm256_fmadd_ps(b[1], _mm256_loadu_ps(xi + 24), even);
+            __m256 odd = _mm256_mul_ps(a[2], _mm256_loadu_ps(xi + 32));
+            odd = _mm256_fmadd_ps(a[3], _mm256_loadu_ps(xi + 40), odd);
+            odd = _mm256_fmadd_ps(b[2], _mm256_loadu_ps(xi + 48), odd);
+            odd = _mm256_fmadd_ps(b[3], _mm256_loadu_ps(xi + 56), odd);
+            acc = _mm256_fmadd_ps(lane(s, 2 * i), even, acc);
+            acc = _mm256_fmadd_ps(lane(s, 2 * i + 1), odd, acc);
+        }
+        const __m256 offset = _mm256_fmsub_ps(_mm256_set1_ps(8.0f), dsc, dmn);  // w = d sc (q - 8) + offset
+        return _mm256_fmadd_ps(offset, _mm256_loadu_ps(xp + 256), acc);
+    }
+};
+
+// 210 B super-block of 16 sub-blocks of 16: ql[128] low nibbles, qh[64] high 2 bits, int8 scales[16],
+// fp16 d. Element 128h + 32g + i (h < 2, g < 4, i < 32): low 4 bits from ql[64h + 32(g % 2) + i]
+// (the low nibble for g < 2, else the high), high 2 bits from bits 2g, 2g+1 of qh[32h + i].
+// w = d sc_(e / 16) (q - 32)
+struct Q6_K {
+    static constexpr QType kType = QType::Q6_K;
+    static constexpr int64_t kElems = 256, kBytes = 210, kPrep = 256;
+
+    static void decode(const uint8_t* blk, float* out) {
+        const float d = load_half(blk + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        for (int e = 0; e < 256; ++e) {
+            const int h = e / 128, g = e / 32 % 4, i = e % 32;
+            const int lo = blk[64 * h + 32 * (g % 2) + i] >> (g < 2 ? 0 : 4) & 0x0f;
+            const int hi = blk[128 + 32 * h + i] >> (2 * g) & 0x03;
+            out[e] = d * static_cast<float>(sc[e / 16]) * static_cast<float>((lo | hi << 4) - 32);
+        }
+    }
+    // d sc_j: lane j of s[0] for sub-blocks 0..7, of s[1] for 8..15
+    NKV_AVX2 static void scales(const uint8_t* blk, __m256 s[2]) {
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+        const __m256 d = bcast_half(blk + 208);
+        s[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        s[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))));
+    }
+    // Half h's quants as bytes, q[g] for elements 128h + 32g + 0..31 (split_bytes' input: lane 0 holds
+    // sub-block 8h + 2g, lane 1 sub-block 8h + 2g + 1).
+    NKV_AVX2 static void quants(const uint8_t* blk, int h, __m256i q[4]) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30);
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m2));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
+    }
+    // The scales of a split-order vector of group g: sub-block 2g in lane 0, 2g + 1 in lane 1.
+    NKV_AVX2 static __m256 pair(__m256 s, int g) {
+        return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1,
+                                                             2 * g + 1, 2 * g + 1));
+    }
+    NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
+        __m256 s[2];
+        scales(blk, s);
+        for (int h = 0; h < 2; ++h) {
+            __m256i q[4];
+            quants(blk, h, q);
+            for (int g = 0; g < 4; ++g) {
+                __m256 v[4];
+                split_bytes(q[g], 32.0f, v);
+                const __m256 sg = pair(s[h], g);
+                for (int k = 0; k < 4; ++k) store_split(out + 128 * h + 32 * g, k, _mm256_mul_ps(sg, v[k]));
+            }
+        }
+    }
+    NKV_AVX2 static void prepare(const float* x, float* xp) { prepare_split(x, 256, xp); }
+    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+        __m256 s[2];
+        scales(blk, s);
+        for (int h = 0; h < 2; ++h) {
+            __m256i q[4];
+            quants(blk, h, q);
+            for (int g = 0; g < 4; ++g) {
+                __m256 v[4];
+                split_bytes(q[g], 32.0f, v);
+                acc = _mm256_fmadd_ps(pair(s[h], g), dot4(v, xp + 128 * h + 32 * g), acc);
+            }
+        }
+        return acc;
+    }
+};
+
+// Calls fn(F{}) for the format of `qt` (the one list of formats; throws std::invalid_argument for an id
+// that is not a QType).
+template <class Fn>
+decltype(auto) visit(QType qt, Fn&& fn) {
+    switch (qt) {
+        case QType::Q4_0: return fn(Q4_0{});
+        case QType::Q4_1: return fn(Q4_1{});
+        case QType::Q5_0: return fn(Q5_0{});
+        case QType::Q8_0: return fn(Q8_0{});
+        case QType::Q4_K: return fn(Q4_K{});
+        case QType::Q6_K: return fn(Q6_K{});
+    }
+    throw std::invalid_argument("quant: bad QType " + std::to_string(static_cast<int>(qt)));
+}
+
+}  // namespace nodekv::quant::formats
