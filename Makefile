@@ -30,7 +30,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m nodekv.bench.engine_speed
+	# one process per engine (nodekv, HF transformers, llama.cpp when installed) on qwen2.5-0.5b; BENCH_ARGS=--quick
+	$(PY) -m nodekv.bench.engine_speed $(BENCH_ARGS)
 
 clean:
 	rm -rf build *.egg-info $(VENV)

@@ -1,0 +1,152 @@
+"""The engines `engine_speed` compares, behind one small interface, and the measurement each child process runs.
+
+Every runner does the same work on the same token ids: `reset()` empties its cache, `extend(ids)` runs ids after
+what is cached and returns the greedy next token (argmax of the last position's logits), `decode(token, n)` feeds
+`token` and then n - 1 greedy choices, one token per forward, never stopping at EOS, and returns the n tokens fed,
+so the engines' continuations can be compared.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+WARMUP_TOKENS = 32
+
+
+class NodekvRunner:
+    """nodekv: prefill on the dense fp32 weights, decode on the GGUF's quantised blocks (picked by the engine)."""
+
+    def __init__(self, path: Path, threads: int):
+        import nodekv
+
+        self.engine = nodekv.load_engine(model=path, threads=threads)
+        self.cache = None
+
+    def flops(self) -> int:
+        """FLOPs run so far, from the engine's exact account."""
+        return self.engine.flops.total
+
+    def reset(self) -> None:
+        if self.cache is not None:
+            self.cache.release()
+        self.cache = self.engine.new_cache()
+
+    def extend(self, ids: list[int]) -> int:
+        return int(self.engine.run(ids, self.cache)[-1].argmax())
+
+    def decode(self, token: int, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            out.append(token)
+            token = int(self.engine.run([token], self.cache, decode=True)[-1].argmax())
+        return out
+
+
+class HFRunner:
+    """HF transformers on the same GGUF, dequantised to fp32, SDPA attention, its DynamicCache."""
+
+    def __init__(self, path: Path, threads: int):
+        import transformers
+
+        torch.set_num_threads(threads)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa").eval()
+        self.past = None
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.past = DynamicCache()
+
+    @torch.inference_mode()
+    def extend(self, ids: list[int]) -> int:
+        # logits_to_keep=1: the lm_head only at the last position, as the other engines do
+        out = self.model(torch.tensor([ids]), past_key_values=self.past, use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    def decode(self, token: int, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            out.append(token)
+            token = self.extend([token])
+        return out
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python's low-level eval: it computes on the GGUF's quantised blocks throughout."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int):
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   n_batch=512, verbose=False)
+
+    def reset(self) -> None:
+        self.llm.reset()  # the next eval() drops the cached positions past n_tokens = 0
+
+    def extend(self, ids: list[int]) -> int:
+        import numpy as np
+
+        self.llm.eval(ids)
+        logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
+        return int(logits.argmax())
+
+    def decode(self, token: int, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            out.append(token)
+            token = self.extend([token])
+        return out
+
+
+def load(engine: str, path: Path, threads: int, n_ctx: int):
+    if engine == "nodekv":
+        return NodekvRunner(path, threads)
+    if engine == "hf":
+        return HFRunner(path, threads)
+    return LlamaCppRunner(path, threads, n_ctx)
+
+
+def memory_gib() -> dict[str, float]:
+    """This process's resident memory now and its peak so far, GiB (Linux: /proc/self/status)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    kib = {name: int(fields[key].split()[0]) for name, key in (("rss", "VmRSS"), ("peak", "VmHWM"))}
+    return {name: value / 2**20 for name, value in kib.items()}
+
+
+def _timed(fn, *args):
+    t = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - t
+
+
+def measure(engine: str, path: Path, ids: list[int], rounds: tuple[tuple[int, int], ...], decode_tokens: int,
+            repeats: int, threads: int) -> dict:
+    """Load `engine`, warm it up, then run `repeats` times each round (prefill, context): prefill ids[:prefill] from an
+    empty cache (timed), extend it to ids[:context] (not timed), decode decode_tokens greedy steps (timed).
+    The fastest repeat of each number counts."""
+    n_ctx = max(context for _, context in rounds) + decode_tokens + 16
+    runner = load(engine, path, threads, n_ctx)
+    runner.reset()
+    runner.decode(runner.extend(ids[:WARMUP_TOKENS]), 2)  # one-off setup (kernels, buffers), mmapped weights read
+    result = {"rss_after_load_gib": memory_gib()["rss"], "prefill_s": {}, "decode_s": {}, "prefill_flops": {},
+              "continuation": {}}
+    count_flops = isinstance(runner, NodekvRunner)
+    for _ in range(repeats):
+        for prefill, context in rounds:
+            runner.reset()
+            flops_before = runner.flops() if count_flops else 0
+            token, seconds = _timed(runner.extend, ids[:prefill])
+            result["prefill_s"][prefill] = min(seconds, result["prefill_s"].get(prefill, seconds))
+            if count_flops:
+                result["prefill_flops"][prefill] = runner.flops() - flops_before
+            if context > prefill:
+                token = runner.extend(ids[prefill:context])
+            tokens, seconds = _timed(runner.decode, token, decode_tokens)
+            result["decode_s"][context] = min(seconds, result["decode_s"].get(context, seconds))
+            result["continuation"][context] = tokens
+    result["peak_rss_gib"] = memory_gib()["peak"]
+    return result
