@@ -22,6 +22,12 @@ from .prompts import PromptSpec
 FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
               "Do not provide any explanation.\n\nQuestion:\n{}\n\nInformation:\n{}")
 SECOND_TURN = "Given the above information and question, answer the question as concisely as you can."
+# prompt_style="restate": small models lose the question by the end of a long first turn (they answer "Yes" or
+# repeat a name), so the probe and the answer turn state it again; the cached prompt is the paper's either way
+RESTATED_PROBE = ("\n\nCan the question \"{}\" be answered by the information above? Response \"Yes\" or \"No\" "
+                  "in one word.")
+RESTATED_SECOND_TURN = "Given the above information, answer this question as concisely as you can.\n\nQuestion: {}"
+PROMPT_STYLES = ("paper", "restate")
 
 
 @dataclass
@@ -41,10 +47,11 @@ class PecanConfig:
     dynamic: bool = True           # False: w/o dynamic progress control (no probes, fixed_nodes retrieved)
     fixed_nodes: int = 4
     ip_graph: bool = True          # False: w/o IP graph (each batch summarised into one node, RAPTOR-like)
+    prompt_style: str = "paper"    # "restate": the probe and the answer turn repeat the question (search only)
 
     def __post_init__(self):
         for f in fields(self):
-            value, kind = getattr(self, f.name), {"int": int, "float": (int, float), "bool": bool}[f.type]
+            value, kind = getattr(self, f.name), {"int": int, "float": (int, float), "bool": bool, "str": str}[f.type]
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise ValueError(f"PECAN option {f.name} must be {f.type}, got {value!r}")
         least = {"chunk_tokens": 1, "batch_tokens": 1, "summary_tokens": 1, "max_levels": 2, "t_n": 1,
@@ -54,6 +61,9 @@ class PecanConfig:
                 raise ValueError(f"PECAN option {name} must be >= {low}, got {getattr(self, name)}")
         if not 0.0 <= self.t_p <= 1.0:
             raise ValueError(f"PECAN option t_p must be in [0, 1], got {self.t_p}")
+        if self.prompt_style not in PROMPT_STYLES:
+            raise ValueError(f"PECAN option prompt_style must be one of {', '.join(PROMPT_STYLES)}, "
+                             f"got {self.prompt_style!r}")
 
 
 # App. E: the confidence threshold t_p the paper used per dataset with Llama-3.1-8B (t_n = 1 throughout).
@@ -126,7 +136,7 @@ class Pecan:
                 if yes_count >= cfg.t_n:
                     trace.append({"stop": "yes"})
                     break
-            text, generated = self.respond(s)
+            text, generated = self.respond(s, question, options)
             prompt_tokens = len(s) - generated
         visited = [step["node"] for step in trace if "node" in step]
         return Answer(text, visited, trace, eng.flops.scopes["query"] - before, prompt_tokens, generated)
@@ -140,11 +150,13 @@ class Pecan:
         the next node would leave no room in the window for the probe, the second turn and the answer."""
         eng, cfg, graph = self.search_engine, self.config, index.graph
         tok = eng.tokenizer
-        if options:
-            question = question + "\n" + "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))
+        question = _with_options(question, options)
         head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
         probe_ids = tok.encode(probe_tail, parse_special=True)
-        room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids()) + self._answer_budget())
+        if cfg.prompt_style == "restate":
+            probe_ids = tok.encode(RESTATED_PROBE.format(question)) + probe_ids
+        room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids(question))
+                                            + self._answer_budget())
         sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
         s.append(tok.encode(head, parse_special=True), node_id="head")
         q_len = len(s.append(tok.encode(question), node_id="query"))
@@ -173,17 +185,18 @@ class Pecan:
                 step["p_yes"] = s.probe(["Yes", "No"], tokens=probe_ids)["Yes"]
             yield step
 
-    def respond(self, s) -> tuple[str, int]:
+    def respond(self, s, question: str, options: tuple[str, ...] = ()) -> tuple[str, int]:
         """Append the second turn (Table A2) to a searched session and decode the answer: (text, tokens)."""
-        s.append(self._second_turn_ids(), node_id="second turn")
+        s.append(self._second_turn_ids(_with_options(question, options)), node_id="second turn")
         stops = None if self.prompt is None else list(self.prompt.stop) or None
         text = s.generate(self._answer_budget(), stop=stops, node_id="answer")
         return text.strip(), len(s.nodes[-1]) if s.nodes[-1].node_id == "answer" else 0
 
-    def _second_turn_ids(self) -> list[int]:
+    def _second_turn_ids(self, question: str) -> list[int]:
         eng = self.search_engine
+        turn = SECOND_TURN if self.config.prompt_style == "paper" else RESTATED_SECOND_TURN.replace("{}", question)
         tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
-                                 {"role": "user", "content": SECOND_TURN}])[-1]
+                                 {"role": "user", "content": turn}])[-1]
         return eng.tokenizer.encode(tail, parse_special=True)
 
     def _answer_budget(self) -> int:
@@ -201,3 +214,8 @@ class Pecan:
 
     def _limit(self) -> int:
         return self.config.node_budget if self.config.dynamic else self.config.fixed_nodes
+
+
+def _with_options(question: str, options: tuple[str, ...]) -> str:
+    """The question with its multiple-choice options, (A) ... (D), one per line."""
+    return "\n".join([question, *(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))])

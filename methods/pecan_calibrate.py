@@ -48,7 +48,7 @@ def sweep(method: Pecan, index: PecanIndex, record: Record) -> list[Point]:
             if "p_yes" not in step:
                 continue
             before = account.total
-            text, _ = method.respond(s)
+            text, _ = method.respond(s, record.question, record.options)
             metrics = score(record, text)
             points.append(Point(visited, step["p_yes"], account.total - start - rolled_back,
                                 metrics.get("f1", metrics.get("rougeL", 0.0))))

@@ -112,22 +112,28 @@ def test_the_ip_stating_a_planted_fact_points_to_its_chunk(built):
     assert edges[planted] > 2 * max(from_other_ips)
 
 
-def test_search_flops_are_one_prefill_plus_probes_and_answer(built):
+@pytest.mark.parametrize("style", ["paper", "restate"])
+def test_search_flops_are_one_prefill_plus_probes_and_answer(built, style):
     """Acceptance 3: rebuild the final prompt from its pieces (independently of the search code) and check that
     the account charged each of its tokens exactly once, after exactly the tokens before it, plus one probe
-    after each probed node and one forward per answer token: no recomputation."""
+    after each probed node and one forward per answer token: no recomputation. prompt_style="restate" adds the
+    restated question to every probe and to the answer turn, and nothing else."""
     from nodekv.engine.flops import forward_flops
     from nodekv.methods.base import chat_pieces
-    from nodekv.methods.pecan import FIRST_TURN, SECOND_TURN
+    from nodekv.methods.pecan import FIRST_TURN, RESTATED_PROBE, RESTATED_SECOND_TURN, SECOND_TURN, Pecan
 
     eng, method, index = built
+    method = Pecan(eng, **{**dataclasses.asdict(method.config), "prompt_style": style})
     question = "Who kept the lamps burning?"
     answer = method.answer(index, question)
     tok, c = eng.tokenizer, eng.config
     head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
+    turn = SECOND_TURN if style == "paper" else RESTATED_SECOND_TURN.format(question)
     second = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
-                               {"role": "user", "content": SECOND_TURN}])[-1]
+                               {"role": "user", "content": turn}])[-1]
     probe_len = len(tok.encode(probe_tail, parse_special=True))
+    if style == "restate":
+        probe_len += len(tok.encode(RESTATED_PROBE.format(question)))
     pieces = [(len(tok.encode(head, parse_special=True)), False), (len(tok.encode(question)), False),
               (len(tok.encode(info)), False)]
     expected, end, probes = 0, 0, 0
@@ -169,3 +175,19 @@ def test_search_stops_before_the_window_is_full(built, monkeypatch):
     cut = method.answer(index, "Who kept the lamps burning?")
     assert cut.trace[-1] == {"stop": "context full"} and cut.nodes == free.nodes[:1]
     assert cut.prompt_tokens + cut.generated_tokens <= eng.config.max_seq_len
+
+
+def test_restated_prompts_leave_the_search_order_and_relevance_unchanged(built):
+    """The restate style changes only rolled-back probe tokens and the answer turn: the nodes are visited in the
+    same order with the same r (relevance read from the cached prompt) until one of the searches stops."""
+    from nodekv.methods.pecan import Pecan
+
+    eng, method, index = built
+    config = dataclasses.asdict(method.config)
+    question = "Who kept the lamps burning?"
+    paper = Pecan(eng, **{**config, "t_p": 1.0}).answer(index, question)
+    restate = Pecan(eng, **{**config, "t_p": 1.0, "prompt_style": "restate"}).answer(index, question)
+    steps = [[(st["node"], st["r"]) for st in a.trace if "node" in st] for a in (paper, restate)]
+    assert len(steps[0]) >= 2 and steps[0] == steps[1]
+    with pytest.raises(ValueError, match="prompt_style"):
+        Pecan(eng, prompt_style="terse")
