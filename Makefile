@@ -28,9 +28,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	mkdir -p build
-	# batches of 1.5K tokens, not the paper's 8K: on 7K-token summary prompts the 135M model degenerates into repetition
-	$(VENV)/bin/nodekv index examples/lost_in_translation.txt -o build/demo.pecan --html build/demo.html --batch-tokens 1500
-	$(VENV)/bin/nodekv ask build/demo.pecan "Who is Korvin, and where is he held?" --trace
+	# the whole story in context, then PECAN's graph and search on the same question
+	$(VENV)/bin/nodekv ask examples/lost_in_translation.txt "Who is holding Korvin prisoner?"
+	$(VENV)/bin/nodekv index examples/lost_in_translation.txt -o build/demo.pecan --html build/demo.html
+	# the question is restated in the probe and the answer turn: the 0.5B model loses it after the first turn
+	$(VENV)/bin/nodekv ask build/demo.pecan "Who is holding Korvin prisoner?" --option prompt_style=restate --trace
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
