@@ -29,10 +29,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	mkdir -p build
 	# the whole story in context, then PECAN's graph and search on the same question
-	$(VENV)/bin/nodekv ask examples/lost_in_translation.txt "Who is holding Korvin prisoner?"
+	$(VENV)/bin/nodekv ask examples/lost_in_translation.txt "What race has captured Korvin?"
 	$(VENV)/bin/nodekv index examples/lost_in_translation.txt -o build/demo.pecan --html build/demo.html
-	# the question is restated in the probe and the answer turn: the 0.5B model loses it after the first turn
-	$(VENV)/bin/nodekv ask build/demo.pecan "Who is holding Korvin prisoner?" --option prompt_style=restate --trace
+	$(VENV)/bin/nodekv ask build/demo.pecan "What race has captured Korvin?" --trace
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
