@@ -34,8 +34,24 @@ def _segment_table(segments: list[tuple[int, int, int]]) -> torch.Tensor:
     return torch.tensor(segments, dtype=torch.int64)
 
 
+class _QuantRows:
+    """The dense weight's shape, for the quantised weights below (their constructors set `_n` and in_features)."""
+
+    _n: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self._n
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features), like the dense weight's."""
+        return self._n, self.in_features
+
+
 @dataclass(frozen=True, eq=False)
-class QuantWeight:
+class QuantWeight(_QuantRows):
     """A linear weight [out_features, in_features] kept in its GGUF block format (raw bytes, one row per output
     feature).
 
@@ -76,15 +92,6 @@ class QuantWeight:
         object.__setattr__(self, "_segs", _segment_table([(data.data_ptr(), self._qid, self._n)]))
         object.__setattr__(self, "_nseg", 1)
 
-    @property
-    def out_features(self) -> int:
-        return self._n
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(out_features, in_features), like the dense weight's."""
-        return self._n, self.in_features
-
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features], bit-identical to gguf.quants.dequantize of the same bytes."""
         out = torch.empty(self._n, self.in_features, dtype=torch.float32)
@@ -114,7 +121,7 @@ class QuantWeight:
 
 
 @dataclass(frozen=True, eq=False)
-class QuantStack:
+class QuantStack(_QuantRows):
     """QuantWeights of possibly different types stacked along out_features, kept as row segments of one type each
     (adjacent parts of one type are merged): a fused projection such as q|k|v = q5_0|q5_0|q8_0, run by
     `quant_linear` in one call in which each segment writes its slice of the output. Frozen, as QuantWeight."""
@@ -143,15 +150,6 @@ class QuantStack:
         object.__setattr__(self, "_n", sum(p.out_features for p in merged))
         object.__setattr__(self, "_segs", _segment_table([(p.data.data_ptr(), p._qid, p._n) for p in merged]))
         object.__setattr__(self, "_nseg", len(merged))
-
-    @property
-    def out_features(self) -> int:
-        return self._n
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(out_features, in_features), like the dense weight's."""
-        return self._n, self.in_features
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out_features, in_features]: the parts' dequantisations stacked."""
