@@ -162,8 +162,26 @@ NKV_AVX2 inline float sum32(const float* x) {
 
 // ---------------------------------------------------------------- the formats
 
+// The AVX2 side of a 32-element format w = d q (fp16 d first in the block) whose F::quants gives the block's q as
+// floats in element order: Q8_0 and Q5_0 differ only in how they unpack q.
+template <class F>
+struct ScaledQuants {
+    NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
+        __m256 v[4];
+        F::quants(blk, v);
+        const __m256 d = bcast_half(blk);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(d, v[i]));
+    }
+    NKV_AVX2 static void prepare(const float* x, float* xp) { std::memcpy(xp, x, sizeof(float) * 32); }
+    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+        __m256 v[4];
+        F::quants(blk, v);
+        return _mm256_fmadd_ps(bcast_half(blk), dot4(v, xp), acc);
+    }
+};
+
 // 34 B: fp16 d, 32 x int8 q.  w = d q
-struct Q8_0 {
+struct Q8_0 : ScaledQuants<Q8_0> {
     static constexpr QType kType = QType::Q8_0;
     static constexpr int64_t kElems = 32, kBytes = 34, kPrep = 32;
 
@@ -176,18 +194,6 @@ struct Q8_0 {
         for (int i = 0; i < 4; ++i)
             v[i] = _mm256_cvtepi32_ps(
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i))));
-    }
-    NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
-        __m256 v[4];
-        quants(blk, v);
-        const __m256 d = bcast_half(blk);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(d, v[i]));
-    }
-    NKV_AVX2 static void prepare(const float* x, float* xp) { std::memcpy(xp, x, sizeof(float) * 32); }
-    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
-        __m256 v[4];
-        quants(blk, v);
-        return _mm256_fmadd_ps(bcast_half(blk), dot4(v, xp), acc);
     }
 };
 
@@ -262,7 +268,7 @@ struct Q4_1 {
 };
 
 // 22 B: fp16 d, u32 qh (bit j: the fifth bit of element j), 16 B nibbles as Q4_0's.  w = d (q - 16)
-struct Q5_0 {
+struct Q5_0 : ScaledQuants<Q5_0> {
     static constexpr QType kType = QType::Q5_0;
     static constexpr int64_t kElems = 32, kBytes = 22, kPrep = 32;
 
@@ -294,18 +300,6 @@ struct Q5_0 {
         v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
         v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
         v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
-    }
-    NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
-        __m256 v[4];
-        quants(blk, v);
-        const __m256 d = bcast_half(blk);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(d, v[i]));
-    }
-    NKV_AVX2 static void prepare(const float* x, float* xp) { std::memcpy(xp, x, sizeof(float) * 32); }
-    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
-        __m256 v[4];
-        quants(blk, v);
-        return _mm256_fmadd_ps(bcast_half(blk), dot4(v, xp), acc);
     }
 };
 
