@@ -15,7 +15,24 @@ import torch
 WARMUP_TOKENS = 32
 
 
-class NodekvRunner:
+class Runner:
+    """The decode loop every engine shares: `step` runs one token (by default as an `extend` of one id)."""
+
+    def extend(self, ids: list[int]) -> int:
+        raise NotImplementedError
+
+    def step(self, token: int) -> int:
+        return self.extend([token])
+
+    def decode(self, token: int, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            out.append(token)
+            token = self.step(token)
+        return out
+
+
+class NodekvRunner(Runner):
     """nodekv: prefill on the dense fp32 weights, decode on the GGUF's quantised blocks (picked by the engine)."""
 
     def __init__(self, path: Path, threads: int):
@@ -36,15 +53,11 @@ class NodekvRunner:
     def extend(self, ids: list[int]) -> int:
         return int(self.engine.run(ids, self.cache)[-1].argmax())
 
-    def decode(self, token: int, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            out.append(token)
-            token = int(self.engine.run([token], self.cache, decode=True)[-1].argmax())
-        return out
+    def step(self, token: int) -> int:
+        return int(self.engine.run([token], self.cache, decode=True)[-1].argmax())  # charged as a decode token
 
 
-class HFRunner:
+class HFRunner(Runner):
     """HF transformers on the same GGUF, dequantised to fp32, SDPA attention, its DynamicCache."""
 
     def __init__(self, path: Path, threads: int):
@@ -66,15 +79,8 @@ class HFRunner:
         out = self.model(torch.tensor([ids]), past_key_values=self.past, use_cache=True, logits_to_keep=1)
         return int(out.logits[0, -1].argmax())
 
-    def decode(self, token: int, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            out.append(token)
-            token = self.extend([token])
-        return out
 
-
-class LlamaCppRunner:
+class LlamaCppRunner(Runner):
     """llama.cpp through llama-cpp-python's low-level eval: it computes on the GGUF's quantised blocks throughout."""
 
     def __init__(self, path: Path, threads: int, n_ctx: int):
@@ -93,13 +99,6 @@ class LlamaCppRunner:
         self.llm.eval(ids)
         logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
         return int(logits.argmax())
-
-    def decode(self, token: int, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            out.append(token)
-            token = self.extend([token])
-        return out
 
 
 def load(engine: str, path: Path, threads: int, n_ctx: int):
