@@ -51,7 +51,7 @@ def naive_search(method, pieces: dict[str, list], probed: list[bool]) -> tuple[d
                 p_yes[k] = s.probe(["Yes", "No"], tokens=pieces["probe"])["Yes"]
     with eng.session() as s:
         s.append(prefix + flat + pieces["second"])
-        text = s.generate(method.config.answer_tokens)
+        text = s.generate(method.config.answer_tokens).text
     return p_yes, text.strip()
 
 

@@ -3,19 +3,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 
 from ..kernels import BACKENDS
 from .config import ModelConfig
+from .cache_batch import CacheBatch
 from .flops import FlopAccount, forward_flops
 from .kv_cache import PagedKVCache
 from .loader import load_checkpoint
 from .model import KVCache, Llama
 from .page_pool import PagePool, default_pool_pages
 from .registry import resolve_model
-from .session import Session
+from .generation import Generation, GenerationState, generate, step
+from .session import NodeSpan, Session, append_batch
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
@@ -42,20 +44,54 @@ class Engine:
         """An empty sequence in the page pool, attended with the model's backend."""
         return PagedKVCache(self.pool, self.model.ops)
 
-    @torch.inference_mode()
     def run(self, ids: Sequence[int], cache: KVCache, logits: str | None = "last", decode: bool = False):
         """Forward `ids` after what `cache` holds and charge its exact FLOPs; logits as in `Llama.forward`.
         If the forward fails, the cache is left as it was."""
-        tokens = self._check_ids(ids)
-        n_past = cache.length
+        return self.run_batch([ids], [cache], logits, decode)[0][0]
+
+    @torch.inference_mode()
+    def run_batch(self, ids: Sequence[Sequence[int]], caches: Sequence[KVCache], logits: str | None = "last",
+                  decode: bool = False) -> tuple[list[torch.Tensor | None], list[int]]:
+        """Forward ids[i] after what caches[i] holds, all sequences as one forward (`Llama.forward_batch`; one
+        sequence runs `Llama.forward`). Returns each sequence's logits (as in `Llama.forward`) and the exact FLOPs
+        charged for it: the same as running it alone. If the forward fails, every cache is left as it was."""
+        if len(ids) != len(caches) or not caches:
+            raise ValueError(f"run_batch needs one id sequence per cache, got {len(ids)} and {len(caches)} caches")
+        tokens = [self._check_ids(i) for i in ids]
+        n_past = [c.length for c in caches]
         try:
-            out = self.model.forward(tokens, cache, logits)
+            if len(caches) == 1:
+                outs = [self.model.forward(tokens[0], caches[0], logits)]
+            else:
+                batch = CacheBatch(caches, [t.shape[0] for t in tokens])
+                out = self.model.forward_batch(torch.cat(tokens), batch, logits)
+                outs = [None] * len(caches) if out is None else list(out.split(batch.kept))
         except BaseException:
-            cache.truncate(n_past)  # gives back pages reserved for the failed tokens
+            for cache, n in zip(caches, n_past):
+                if not cache.released:
+                    cache.truncate(n)  # gives back pages reserved for the failed tokens
             raise
-        shape = (len(tokens), n_past, 0 if out is None else out.shape[0], cache.collecting)
-        self.flops.add(forward_flops(self.config, *shape), len(tokens), decode, shape)
-        return out
+        flops = []
+        for t, n, out, cache in zip(tokens, n_past, outs, caches):
+            shape = (t.shape[0], n, 0 if out is None else out.shape[0], cache.collecting)
+            flops.append(forward_flops(self.config, *shape))
+            self.flops.add(flops[-1], t.shape[0], decode, shape)
+        return outs, flops
+
+    def append_batch(self, sessions: Sequence[Session], ids: Sequence[Sequence[int]],
+                     node_ids: Sequence[Hashable | None] | None = None, collect: bool = False) -> list[NodeSpan]:
+        """`Session.append` of ids[i] to sessions[i], all in one forward."""
+        return append_batch(sessions, ids, node_ids, collect)
+
+    def generate_batch(self, sessions: Sequence[Session], max_new_tokens: int, **options) -> list[Generation]:
+        """`Session.generate` in every session, one forward per step for all of them; the results equal each
+        session's alone (options as for `Session.generate`, the same for every session)."""
+        return generate(self, sessions, max_new_tokens, **options)
+
+    def step(self, states: Sequence[GenerationState]) -> list[GenerationState]:
+        """One token for each running generation (`Session.start_generation`), one forward for all; returns those
+        still running. Finished ones hold their `result`. States may join or leave between steps."""
+        return step(self, states)
 
     def forward_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [len(ids), vocab] at every position of `ids` run from an empty cache."""

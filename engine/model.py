@@ -24,6 +24,7 @@ from ..kernels.quant import QuantLinearWeight, QuantStack, QuantWeight, quant_li
 from .config import ModelConfig
 from .cpu import native_bf16_matmul
 from .errors import ModelLoadError
+from .cache_batch import CacheBatch
 from .kv_cache import PagedKVCache
 
 # Up to this many tokens per forward the quantised kernel beats the dense GEMM (weight bandwidth dominates).
@@ -34,6 +35,7 @@ class KVCache(Protocol):
     """What the forward needs from a cache: room for T tokens, store-and-attend per layer, then commit."""
 
     length: int  # tokens cached
+    released: bool  # the cache gave its storage back and cannot be used
     collecting: bool  # attention mass is being collected: every new position must attend, in every layer
 
     def begin(self, n_tokens: int) -> int: ...  # reserve room; returns the absolute position of the first token
@@ -133,16 +135,17 @@ class Llama:
             w2=w.linear([p + "w2"], c.intermediate_size, out_sizes=[c.dim]),
         )
 
-    def rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin for positions [start, start+n), each [n, head_dim] in the model dtype."""
-        end = start + n
+    def rope(self, positions: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin at `positions` (int64 [n], or a slice of consecutive ones), each [n, head_dim] in
+        the model dtype."""
+        end = positions.stop if isinstance(positions, slice) else int(positions.max()) + 1
         if end > self._cos.shape[0]:
             size = min(max(end, 2 * self._cos.shape[0], 256), max(end, self.config.max_seq_len))
             freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
             # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: one roll instead of two slices, a neg and a cat
             self._cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.dtype)
             self._sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(self.dtype)
-        return self._cos[start:end], self._sin[start:end]
+        return self._cos[positions], self._sin[positions]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, logits: str | None = "last") -> torch.Tensor | None:
         """Run `tokens` ([T] int64) after what `cache` holds; logits ("last", "all" or None) as float32 [n, vocab].
@@ -151,21 +154,38 @@ class Llama:
         for "last"): its other outputs feed nothing, while its K/V, which later tokens need, are still cached.
         While the cache collects attention mass, the final layer's attention runs for every position.
         One token on the cpu backend with quantised projections runs fused (`_decode_step`), with the same results."""
-        if logits not in ("last", "all", None):
-            raise ValueError(f"logits must be 'last', 'all' or None, got {logits!r}")
+        _check_logits(logits)
         if self.fused_decode and tokens.shape[0] == 1:
             out = self._decode_step(tokens, cache, logits)
             if out is not _UNFUSED:
                 return out
-        c = self.config
         T = tokens.shape[0]
         start = cache.begin(T)
+        keep = {"last": 1, "all": T, None: 0}[logits]
+        rows = None if keep == T else slice(T - keep, T)
+        return self._forward_rows(tokens, self.rope(slice(start, start + T)), cache, rows, logits is not None)
+
+    def forward_batch(self, tokens: torch.Tensor, batch: CacheBatch, logits: str | None = "last") -> torch.Tensor | None:
+        """`forward` of several sequences at once: `tokens` holds batch.counts[i] new tokens of sequence i in turn.
+        Logits: "last" gives one row per sequence, "all" every row, None none."""
+        _check_logits(logits)
+        positions = batch.begin()
+        rows = batch.keep_rows({"last": 1, "all": None, None: 0}[logits])
+        if rows.shape[0] == tokens.shape[0]:
+            rows = None
+        return self._forward_rows(tokens, self.rope(positions), batch, rows, logits is not None)
+
+    def _forward_rows(self, tokens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | CacheBatch,
+                      rows: torch.Tensor | slice | None, want_logits: bool) -> torch.Tensor | None:
+        """The layers over `tokens` at the positions `rope` was taken for (the cache has made room for them);
+        the final layer runs only `rows` (None: all of them), whose logits come back if `want_logits`."""
+        c = self.config
+        T = tokens.shape[0]
         dt = self.dtype
         ops = self.ops
         cast = _identity if dt == torch.float32 else lambda t: t.to(dt)
-        cos, sin = self.rope(start, T)
+        cos, sin = rope
         n_qk = c.n_heads + c.n_kv_heads
-        keep = {"last": 1, "all": T, None: 0}[logits]
         x = self._embed_rows(tokens)
         h = ops.rms_norm(x, self.layers[0].attn_norm, c.norm_eps)
         for i, layer in enumerate(self.layers):
@@ -173,17 +193,17 @@ class Llama:
             qk = ops.rope(qkv[:, : n_qk * c.head_dim].view(T, n_qk, c.head_dim), cos, sin)
             q, k = qk.split([c.n_heads, c.n_kv_heads], 1)
             v = qkv[:, n_qk * c.head_dim:].view(T, c.n_kv_heads, c.head_dim)
-            prune = i == c.n_layers - 1 and keep < T
+            prune = i == c.n_layers - 1 and rows is not None
             if prune and not cache.collecting:
-                q, x = q[T - keep:], x[T - keep:]
+                q, x = q[rows], x[rows]
             attn = cache.attend(i, q, k, v)
             if prune and cache.collecting:
-                attn, x = attn[T - keep:], x[T - keep:]
+                attn, x = attn[rows], x[rows]
             h = ops.add_rms_norm_(x, layer.wo(attn), layer.ffn_norm, c.norm_eps)
             next_norm = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm
             h = ops.add_rms_norm_(x, layer.w2(ops.silu_mul(layer.w13(cast(h)))), next_norm, c.norm_eps)
         cache.commit(T)
-        if logits is None:
+        if not want_logits:
             return None
         return self.lm_head(cast(h).float())
 
@@ -209,7 +229,7 @@ class Llama:
         if not 0 <= token < dec.vocab:
             return _UNFUSED
         start = cache.begin(1)
-        cos, sin = self.rope(start, 1)
+        cos, sin = self.rope(slice(start, start + 1))
         pool = cache.pool
         want = logits is not None
         out = torch.empty(1, dec.vocab) if want and dec.has_lm_head else None
@@ -236,6 +256,11 @@ class Llama:
 
 
 _UNFUSED = object()  # `_decode_step`: the fused step does not apply
+
+
+def _check_logits(logits: str | None) -> None:
+    if logits not in ("last", "all", None):
+        raise ValueError(f"logits must be 'last', 'all' or None, got {logits!r}")
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

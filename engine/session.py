@@ -3,11 +3,11 @@ decoded, truncated to a node, forked (sharing pages) and released; optionally it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import TYPE_CHECKING, Collection, Hashable, Sequence
 
 import torch
 
-from .sampling import check_sampling, sample
+from .generation import Generation, GenerationState, LogitsProcessor, generate
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -45,10 +45,10 @@ class Session:
         self.cache = engine.new_cache()
         self.tokens: list[int] = []
         self.nodes: list[NodeSpan] = []
-        self.finish_reason: str | None = None  # of the last generate: "eos", "stop", "length" or "context"
         self._index: dict[Hashable, int] = {}  # node id -> position in self.nodes
         self._logits: dict[Hashable, torch.Tensor] = {}  # node id -> float32 [vocab] after the node's last token
         self._mass: dict[Hashable, torch.Tensor] = {}  # collected node -> float32 [tokens, nodes up to itself]
+        self._generation: GenerationState | None = None  # the generation in progress, if any
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -63,68 +63,41 @@ class Session:
     def append(self, ids: Sequence[int], node_id: Hashable | None = None, collect: bool = False) -> NodeSpan:
         """Prefill `ids` as a new node after everything cached; on error the session is unchanged.
         collect: record each new token's attention mass to every node so far, this one included."""
-        self.cache.check_live()
-        node_id = self._new_node_id(node_id)
-        ids = list(ids)
-        mass = self._start_collecting(len(ids)) if collect else None
-        try:
-            logits = self.engine.run(ids, self.cache)[-1]
-        finally:
-            self.cache.collect(None, None)
-        return self._add_node(node_id, ids, logits, mass)
+        return append_batch([self], [ids], [node_id], collect)[0]
 
     def generate(self, max_new_tokens: int, stop: Sequence[str] | str | None = None, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, node_id: Hashable | None = None,
-                 collect: bool = False) -> str:
+                 top_p: float = 1.0, seed: int | None = None, logits_processors: Sequence[LogitsProcessor] = (),
+                 allowed_tokens: Collection[int] | None = None, choices: Sequence[str] | None = None,
+                 node_id: Hashable | None = None, collect: bool = False) -> Generation:
         """Decode up to `max_new_tokens` after the cached tokens; the generated tokens become one node.
 
         Ends at an EOS token (not kept), when a stop string appears (the text is cut before it; its tokens stay
-        cached), at `max_new_tokens`, or when the context window is full (`finish_reason` says which).
-        collect: record each generated token's attention mass to every node (the generated one included)."""
-        logits = self._last_logits()
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        check_sampling(temperature, top_p)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        node_id = self._new_node_id(node_id)
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        tok = self.engine.tokenizer
-        out: list[int] = []
-        rows: list[torch.Tensor] = []
-        bounds = [s.start for s in self.nodes] + [len(self.tokens)]
-        self.finish_reason = "length"
-        try:
-            for _ in range(max_new_tokens):
-                next_id = sample(logits, temperature, top_p, generator)
-                if next_id in tok.eos_ids:
-                    self.finish_reason = "eos"
-                    break
-                if self.cache.length + 1 > self.engine.config.max_seq_len:
-                    self.finish_reason = "context"
-                    break
-                if collect:
-                    rows.append(torch.zeros(1, len(bounds)))
-                    self.cache.collect(torch.tensor(bounds + [self.cache.length + 1], dtype=torch.int32), rows[-1])
-                logits = self.engine.run([next_id], self.cache, decode=True)[-1]
-                out.append(next_id)
-                if stops:
-                    text = tok.decode(out)
-                    hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-                    if hit >= 0:
-                        text, self.finish_reason = text[:hit], "stop"
-                        break
-        except BaseException:
-            self.cache.truncate(len(self.tokens))  # the session stays as it was before the call
-            raise
-        finally:
-            self.cache.collect(None, None)
-        if self.finish_reason != "stop":
-            text = tok.decode(out)
-        if out:
-            self._add_node(node_id, out, logits, torch.cat(rows) if collect else None)
-        return text
+        cached), at `max_new_tokens`, or when the context window is full (`Generation.finish_reason` says which).
+        Steering: each `logits_processors` fn(ids generated so far, logits) -> logits runs before sampling;
+        `allowed_tokens` restricts every token to those ids; `choices` restricts the output to one of these strings
+        (their tokenizations; EOS is allowed where one is complete and another continues it).
+        collect: record each generated token's attention mass to every node (the generated one included).
+        On error the session is unchanged."""
+        return generate(self.engine, [self], max_new_tokens, stop=stop, temperature=temperature, top_p=top_p,
+                        seed=seed, logits_processors=logits_processors, allowed_tokens=allowed_tokens,
+                        choices=choices, node_id=node_id, collect=collect)[0]
+
+    def start_generation(self, max_new_tokens: int, **options) -> GenerationState:
+        """A generation to advance with `Engine.step` alongside other sessions' (options as for `generate`)."""
+        return GenerationState(self, max_new_tokens, **options)
+
+    def score(self, ids: Sequence[int] | str) -> torch.Tensor:
+        """float32 [n]: log p(ids[i] | the session, ids[:i]) of a continuation (text is encoded without special
+        tokens), computed on temporary tokens that are rolled back afterwards, as `probe` does."""
+        if isinstance(ids, str):
+            ids = self.engine.tokenizer.encode(ids)
+        ids = list(ids)
+        if not ids:
+            raise ValueError("score needs at least one token")
+        first = self._last_logits()[None]
+        rest = self._logits_after(ids[:-1], "all") if len(ids) > 1 else first[:0]
+        logprobs = torch.log_softmax(torch.cat([first, rest]), dim=-1)
+        return logprobs.gather(1, torch.tensor(ids)[:, None])[:, 0]
 
     def probe(self, choices: Sequence[str] = ("Yes", "No"), tokens: Sequence[int] | None = None) -> dict[str, float]:
         """Probabilities of single-token answers, normalised over `choices`, at the end of the session or after
@@ -133,39 +106,24 @@ class Session:
         ids = [self.engine.tokenizer.token_id(c) for c in choices]
         if len(set(ids)) != len(ids):
             raise ValueError(f"choices {list(choices)} map to repeated token ids {ids}")
-        if tokens:
-            self.cache.check_live()
-            state = self.cache.state()
-            try:
-                logits = self.engine.run(tokens, self.cache)[-1]
-            finally:
-                self.cache.restore(state)
-        else:
-            logits = self._last_logits()
+        logits = self._logits_after(tokens, "last")[-1] if tokens else self._last_logits()
         probs = torch.softmax(logits[ids].double(), dim=0)
         return {c: float(p) for c, p in zip(choices, probs)}
 
     def truncate(self, node_id: Hashable) -> None:
         """Keep the nodes up to and including `node_id`; drop the later ones and their KV pages."""
-        self.cache.check_live()
+        self._check_idle()
         if node_id not in self._index:
             raise KeyError(f"cannot truncate to node {node_id!r}: it is not in this session "
                            f"(nodes: {[s.node_id for s in self.nodes]})")
-        keep = self._index[node_id] + 1
-        for span in self.nodes[keep:]:
-            del self._index[span.node_id]
-            self._logits.pop(span.node_id)
-            self._mass.pop(span.node_id, None)
-        del self.nodes[keep:]
-        end = self.nodes[-1].end
-        self.cache.truncate(end)
-        del self.tokens[end:]
+        self._keep_nodes(self._index[node_id] + 1)
 
     def fork(self) -> "Session":
         """A session with the same nodes on the same KV pages (copied on write): a prefix computed once for many."""
+        self._check_idle()
         other = Session.__new__(Session)
-        other.engine, other.cache = self.engine, self.cache.fork()
-        other.tokens, other.nodes, other.finish_reason = list(self.tokens), list(self.nodes), None
+        other.engine, other.cache, other._generation = self.engine, self.cache.fork(), None
+        other.tokens, other.nodes = list(self.tokens), list(self.nodes)
         other._index, other._logits, other._mass = dict(self._index), dict(self._logits), dict(self._mass)
         return other
 
@@ -197,10 +155,43 @@ class Session:
         return NodeMass(queries, keys, total, total / lengths)
 
     def _last_logits(self) -> torch.Tensor:
-        self.cache.check_live()
+        self._check_idle()
         if not self.nodes:
             raise ValueError("the session is empty: append tokens to it first")
         return self._logits[self.nodes[-1].node_id]
+
+    def _logits_after(self, tokens: Sequence[int], logits: str) -> torch.Tensor:
+        """Logits ("last" or "all") of `tokens` run after the session, then rolled back to the same pages."""
+        self._check_idle()
+        state = self.cache.state()
+        try:
+            return self.engine.run(tokens, self.cache, logits)
+        finally:
+            self.cache.restore(state)
+
+    def _check_idle(self) -> None:
+        self.cache.check_live()
+        if self._generation is not None:
+            raise RuntimeError("this session has a generation in progress: step it to its end or cancel it first")
+
+    def _begin_generation(self, state: GenerationState) -> None:
+        self._check_idle()
+        self._generation = state
+
+    def _end_generation(self, state: GenerationState) -> None:
+        if self._generation is state:
+            self._generation = None
+
+    def _keep_nodes(self, keep: int) -> None:
+        """Drop every node after the first `keep` and the KV positions past them."""
+        for span in self.nodes[keep:]:
+            del self._index[span.node_id]
+            self._logits.pop(span.node_id)
+            self._mass.pop(span.node_id, None)
+        del self.nodes[keep:]
+        end = self.nodes[-1].end if self.nodes else 0
+        self.cache.truncate(end)
+        del self.tokens[end:]
 
     def _start_collecting(self, n_tokens: int) -> torch.Tensor:
         bounds = [s.start for s in self.nodes] + [len(self.tokens), len(self.tokens) + n_tokens]
@@ -229,3 +220,23 @@ class Session:
             c = self.engine.config
             self._mass[node_id] = mass / (c.n_heads * c.n_layers)
         return span
+
+
+def append_batch(sessions: Sequence[Session], ids: Sequence[Sequence[int]], node_ids: Sequence[Hashable | None] | None = None,
+                 collect: bool = False) -> list[NodeSpan]:
+    """Prefill ids[i] as a new node of sessions[i], all in one forward (`Engine.run_batch`); on error every session
+    is unchanged. collect: as in `Session.append`, for every session."""
+    if len(ids) != len(sessions) or (node_ids is not None and len(node_ids) != len(sessions)):
+        raise ValueError(f"append_batch needs one id sequence (and node id) per session, got {len(sessions)} "
+                         f"sessions and {len(ids)} id sequences")
+    for s in sessions:
+        s._check_idle()
+    node_ids = [s._new_node_id(n) for s, n in zip(sessions, node_ids or [None] * len(sessions))]
+    ids = [list(x) for x in ids]
+    masses = [s._start_collecting(len(x)) if collect else None for s, x in zip(sessions, ids)]
+    try:
+        logits, _ = sessions[0].engine.run_batch(ids, [s.cache for s in sessions])
+    finally:
+        for s in sessions:
+            s.cache.collect(None, None)
+    return [s._add_node(n, x, out[-1], m) for s, n, x, out, m in zip(sessions, node_ids, ids, logits, masses)]

@@ -27,8 +27,21 @@ class DigitTokenizer:
 
     eos_ids = (100,)
 
-    def decode(self, ids):
+    def encode(self, text):
+        import re
+
+        pieces = re.findall(r"<(\d+)>", text)
+        if "".join(f"<{p}>" for p in pieces) != text:
+            raise ValueError(f"{text!r} is not a sequence of <i> tokens")
+        return [int(p) for p in pieces]
+
+    def decode(self, ids, skip_special=False):
         return "".join(f"<{i}>" for i in ids)
+
+    def decode_stream(self, skip_special=False, context=()):
+        from nodekv.engine.tokenizer import DecodeStream
+
+        return DecodeStream(self, skip_special, context)
 
     def token_id(self, piece):
         if not (piece.startswith("<") and piece.endswith(">")):

@@ -212,7 +212,7 @@ def test_decode_time_node_mass_matches_op_by_op_and_hf(qtype, kind, n_kv_heads, 
         s = eng.session()
         s.append(list(range(40, 52)), node_id="a")
         s.append(list(range(60, 69)), node_id="b", collect=True)
-        text = s.generate(12, node_id="gen", collect=True)
+        text = s.generate(12, node_id="gen", collect=True).text
         assert (eng.model._decoder not in (None, False)) == fused
         results[fused] = (text, list(s.tokens), s.token_mass("gen"), s.token_mass("b"), s._last_logits())
     (text, toks, mass, mass_b, logits), plain = results[True], results[False]
@@ -308,7 +308,7 @@ def test_bad_inputs_raise_as_op_by_op(tmp_path):
     with pytest.raises(ValueError, match="Decoder.step: invalid arguments"):
         dec.step(4, torch.zeros(3), torch.zeros(3), cache.pool.k, cache.pool.v, cache._table, 4)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        cos, sin = model.rope(3, 1)
+        cos, sin = model.rope(slice(3, 4))
         dec.step(101, cos, sin, cache.pool.k, cache.pool.v, cache._table, 4)
     cache.truncate(3)
     # still usable: the next step matches a fresh run

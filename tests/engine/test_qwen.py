@@ -155,10 +155,10 @@ def test_decode_logits_and_greedy_match_hf(engine, hf):
             errors.append(_close(s._last_logits(), ref[i]))
         print(f"session prefill: {errors[0]}; decode: max error / max|logit| = {max(errors[1:])}")
         assert max(errors) <= 1e-4, errors
-        s.generate(NEW_TOKENS)
+        gen = s.generate(NEW_TOKENS)
         ours = s.tokens[len(ids):]
     assert ours == hf["greedy"][:len(ours)]
-    if s.finish_reason == "eos":
+    if gen.finish_reason == "eos":
         assert hf["greedy"][len(ours)] in engine.tokenizer.eos_ids
     else:
         assert len(ours) == NEW_TOKENS

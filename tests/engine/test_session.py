@@ -31,7 +31,7 @@ def test_greedy_matches_hf_generate(tiny):
     hf, eng = tiny
     s = eng.session()
     s.append(PROMPT)
-    text = s.generate(20)
+    gen = s.generate(20)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(PROMPT):].tolist()
@@ -39,7 +39,7 @@ def test_greedy_matches_hf_generate(tiny):
     if 100 in ref:  # HF was told of no EOS; ours stops at id 100
         ref = ref[: ref.index(100)]
     assert ours == ref
-    assert text == eng.tokenizer.decode(ref)
+    assert gen.text == eng.tokenizer.decode(ref) and gen.ids == ref
 
 
 def test_probe_is_softmax_over_choices_and_rolls_back(tiny):
@@ -78,17 +78,19 @@ def test_stop_string_and_eos(tiny):
     _, eng = tiny
     s = eng.session()
     s.append(PROMPT)
-    full = s.generate(6)
+    full = s.generate(6).text
     second = full[full.index(">") + 1:]
     stop = second[: second.index(">") + 1]  # the second generated token's text
     s2 = eng.session()
     s2.append(PROMPT)
-    assert s2.generate(6, stop=stop) == full[: full.index(stop)] and s2.finish_reason == "stop"
+    gen = s2.generate(6, stop=stop)
+    assert gen.text == full[: full.index(stop)] and gen.finish_reason == "stop" and len(gen.ids) == 2
     s3 = eng.session()
     s3.append(PROMPT)
     eng.tokenizer.eos_ids = (s.tokens[len(PROMPT)],)  # the first greedy token
     try:
-        assert s3.generate(6) == "" and s3.finish_reason == "eos" and s3.tokens == PROMPT
+        gen = s3.generate(6)
+        assert (gen.text, gen.ids, gen.node_id, gen.finish_reason) == ("", [], None, "eos") and s3.tokens == PROMPT
     finally:
         del eng.tokenizer.eos_ids
 
@@ -115,8 +117,8 @@ def test_context_overflow_leaves_session_usable(tiny):
     with pytest.raises(ContextOverflowError):
         s.probe(["<1>", "<2>"], tokens=[1] * 10)
     assert s.cache.length == len(s.tokens) == 60
-    s.generate(10)
-    assert s.finish_reason in ("context", "eos") and len(s.tokens) <= 64
+    gen = s.generate(10)
+    assert gen.finish_reason in ("window", "eos") and len(s.tokens) <= 64
 
 
 def test_bad_input(tiny):

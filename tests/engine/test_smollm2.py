@@ -51,13 +51,13 @@ def test_greedy_continuation_matches_hf(engine, hf_model, prompt):
     ids = tok.chat(PROMPTS[prompt]) if prompt < len(PROMPTS) else tok.encode(RAW_PROMPT)
     s = engine.session()
     s.append(ids)
-    s.generate(32)
+    gen = s.generate(32)
     ours = s.tokens[len(ids):]
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(ids):].tolist()
     assert ours == ref[: len(ours)]
-    if s.finish_reason == "eos":
+    if gen.finish_reason == "eos":
         assert ref[len(ours)] in tok.eos_ids
     else:
         assert len(ours) == 32

@@ -1,0 +1,110 @@
+"""Batched steps across sessions, side by side in one process on one engine:
+
+- decode: B sessions with different prompts generate N tokens each through `Engine.generate_batch` (one forward per
+  step for all B); aggregate tokens/s at each B and the ratio to B = 1 (which runs the fused one-token decoder);
+- prefill: 8 short prompts as one `Engine.append_batch` against 8 `Session.append` calls.
+
+EOS is masked (a logits processor) so every session generates exactly N tokens. Rounds alternate between the
+configurations and the table shows medians, since these machines are noisy.
+
+    python -m nodekv.bench.batch [--model qwen2.5-0.5b] [--batches 1,2,4,8] [--tokens 32] [--prompt-tokens 48]
+                                 [--rounds 3] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+TEXT = Path(__file__).resolve().parents[1] / "examples" / "lost_in_translation.txt"
+
+
+def prompts(engine, n: int, length: int) -> list[list[int]]:
+    """n different prompts of `length` tokens: consecutive windows of the bundled story."""
+    ids = engine.tokenizer.encode(TEXT.read_text())
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def decode_seconds(engine, batch: list[list[int]], n_tokens: int) -> float:
+    eos = list(engine.tokenizer.eos_ids)
+
+    def no_eos(ids, logits):
+        logits[eos] = float("-inf")
+        return logits
+
+    sessions = [engine.session() for _ in batch]
+    try:
+        engine.append_batch(sessions, batch)
+        start = time.perf_counter()
+        gens = engine.generate_batch(sessions, n_tokens, logits_processors=[no_eos])
+        seconds = time.perf_counter() - start
+    finally:
+        for s in sessions:
+            s.release()
+    assert all(len(g.ids) == n_tokens for g in gens)
+    return seconds
+
+
+def prefill_seconds(engine, batch: list[list[int]], batched: bool) -> float:
+    sessions = [engine.session() for _ in batch]
+    try:
+        start = time.perf_counter()
+        if batched:
+            engine.append_batch(sessions, batch)
+        else:
+            for s, ids in zip(sessions, batch):
+                s.append(ids)
+        return time.perf_counter() - start
+    finally:
+        for s in sessions:
+            s.release()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--batches", default="1,2,4,8", help="session counts for the decode rows")
+    p.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
+    p.add_argument("--prompt-tokens", type=int, default=48, help="tokens per prompt")
+    p.add_argument("--prefill-prompts", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    from nodekv.engine.engine import load_engine
+
+    engine = load_engine(args.model, threads=args.threads)
+    sizes = [int(b) for b in args.batches.split(",")]
+    texts = prompts(engine, max(max(sizes), args.prefill_prompts), args.prompt_tokens)
+    decode_seconds(engine, texts[:2], 4)  # warm: the fused decoder, RoPE tables, thread pools
+    decode = {b: [] for b in sizes}
+    prefill = {True: [], False: []}
+    for _ in range(args.rounds):
+        for b in sizes:
+            decode[b].append(decode_seconds(engine, texts[:b], args.tokens))
+        for batched in (False, True):
+            prefill[batched].append(prefill_seconds(engine, texts[:args.prefill_prompts], batched))
+
+    print(f"model {args.model}, {torch.get_num_threads()} threads, {args.tokens} tokens per session after "
+          f"{args.prompt_tokens}-token prompts, median of {args.rounds} rounds\n")
+    print("| sessions | step ms | aggregate decode tok/s | vs 1 session |")
+    print("|---:|---:|---:|---:|")
+    base = None
+    for b in sizes:
+        sec = statistics.median(decode[b])
+        rate = b * args.tokens / sec
+        base = base or rate
+        print(f"| {b} | {1e3 * sec / args.tokens:.1f} | {rate:.1f} | {rate / base:.2f}x |")
+    seq, bat = statistics.median(prefill[False]), statistics.median(prefill[True])
+    n = args.prefill_prompts * args.prompt_tokens
+    print(f"\n| prefill of {args.prefill_prompts} x {args.prompt_tokens} tokens | ms | tok/s |")
+    print("|---|---:|---:|")
+    print(f"| {args.prefill_prompts} sequential appends | {1e3 * seq:.0f} | {n / seq:.0f} |")
+    print(f"| one append_batch | {1e3 * bat:.0f} | {n / bat:.0f} |")
+    print(f"\nbatched prefill: {seq / bat:.2f}x the sequential tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Generation on a tiny random model against HF's logits as the reference: `score` against HF's log-softmax, steered
+decoding (allowed tokens, choices, logits processors) against brute-force argmax over the allowed set, log-probs,
+FLOPs and every finish reason, and the rollbacks and errors around them."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_engine, tiny_hf_model
+from nodekv.engine.flops import forward_flops
+
+PROMPT = [5, 17, 3, 99, 42, 8, 8, 61]
+EOS = 100
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf = tiny_hf_model(max_positions=64)
+    path = tmp_path_factory.mktemp("tiny")
+    hf.save_pretrained(path)
+    return hf, tiny_engine(path, pages=96, page_size=4)
+
+
+def hf_logits(hf, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def brute_force_greedy(hf, prompt, n, allowed_at) -> tuple[list[int], str]:
+    """Greedy decoding where each step takes the argmax of HF's logits over allowed_at(generated) (a set of ids)."""
+    out = []
+    for _ in range(n):
+        logits = hf_logits(hf, prompt + out)[-1]
+        allowed = sorted(allowed_at(out))
+        token = allowed[int(logits[allowed].argmax())]
+        if token == EOS:
+            return out, "eos"
+        out.append(token)
+    return out, "length"
+
+
+def test_score_is_hf_log_softmax_and_rolls_back(tiny):
+    hf, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    cont = [7, 0, 99, 13, 13]
+    before = (s.cache.state(), list(s.tokens), s._last_logits().clone(), eng.pool.refcount[:])
+    got = s.score(cont)
+    ref = torch.log_softmax(hf_logits(hf, PROMPT + cont).double(), -1)[len(PROMPT) - 1:-1]
+    want = ref.gather(1, torch.tensor(cont)[:, None])[:, 0]
+    assert got.dtype == torch.float32 and got.shape == (len(cont),)
+    assert (got.double() - want).abs().max() < 1e-4
+    assert (s.cache.state(), s.tokens, eng.pool.refcount) == (before[0], before[1], before[3])
+    assert torch.equal(s._last_logits(), before[2])
+    assert torch.equal(s.score("<7><0><99><13><13>"), got)  # text is encoded by the tokenizer
+    assert torch.equal(s.score(cont[:1]), got[:1])  # a single token needs no forward
+
+
+def test_probe_is_score_normalised_over_choices(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    p = s.probe(["<4>", "<9>"], tokens=[7, 7])
+    lp = torch.tensor([s.score([7, 7, 4])[-1], s.score([7, 7, 9])[-1]]).double()
+    assert abs(p["<4>"] - float(torch.softmax(lp, 0)[0])) < 1e-5
+
+
+def test_generation_logprobs_flops_and_node(tiny):
+    hf, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    gen = s.generate(6, node_id="answer")
+    ref = torch.log_softmax(hf_logits(hf, PROMPT + gen.ids).double(), -1)[len(PROMPT) - 1:-1]
+    assert max(abs(lp - float(ref[i, t])) for i, (t, lp) in enumerate(zip(gen.ids, gen.logprobs))) < 1e-4
+    expected = sum(forward_flops(eng.config, 1, len(PROMPT) + i, 1) for i in range(len(gen.ids)))
+    assert gen.flops == expected and gen.node_id == "answer" and s.nodes[-1].node_id == "answer"
+    assert s.tokens[len(PROMPT):] == gen.ids and gen.finish_reason == "length"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allowed_tokens_equal_brute_force_argmax(tiny, seed):
+    hf, eng = tiny
+    rng = random.Random(seed)
+    allowed = set(rng.sample(range(101), rng.randint(1, 30)))
+    prompt = [rng.randrange(100) for _ in range(rng.randint(2, 12))]
+    s = eng.session()
+    s.append(prompt)
+    gen = s.generate(8, allowed_tokens=allowed)
+    assert set(gen.ids) <= allowed
+    assert (gen.ids, gen.finish_reason) == brute_force_greedy(hf, prompt, 8, lambda out: allowed)
+
+
+def test_constraint_changes_the_unconstrained_choice(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    free = s.fork().generate(1).ids[0]
+    assert s.generate(1, allowed_tokens=[free + 1, free + 2]).ids[0] in (free + 1, free + 2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choices_yield_one_of_them_by_brute_force(tiny, seed):
+    hf, eng = tiny
+    rng = random.Random(100 + seed)
+    choices = [[rng.randrange(100) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 5))]
+    if seed == 0:  # one choice a prefix of another: EOS is allowed where the shorter one ends
+        choices = [[3, 4], [3, 4, 5, 6]]
+    texts = ["".join(f"<{t}>" for t in c) for c in choices]
+
+    def allowed_at(out):
+        nxt = {c[len(out)] for c in choices if c[:len(out)] == out and len(c) > len(out)}
+        return nxt | ({EOS} if out in choices else set())
+
+    s = eng.session()
+    s.append(PROMPT)
+    gen = s.generate(10, choices=texts)
+    want, reason = brute_force_greedy(hf, PROMPT, 10, allowed_at)
+    assert gen.ids == want and gen.ids in choices and gen.text in texts
+    complete = not any(len(c) > len(want) and c[:len(want)] == want for c in choices)
+    assert gen.finish_reason == ("stop" if complete else reason)
+
+
+def test_logits_processor_steers_and_sees_generated_ids(tiny):
+    hf, eng = tiny
+    seen = []
+
+    def no_repeats(ids, logits):
+        seen.append(list(ids))
+        logits[ids] = float("-inf")
+        return logits
+
+    s = eng.session()
+    s.append(PROMPT)
+    gen = s.generate(8, logits_processors=[no_repeats])
+    assert len(set(gen.ids)) == len(gen.ids) and seen[0] == [] and seen[1] == gen.ids[:1]
+    assert gen.ids == brute_force_greedy(hf, PROMPT, 8, lambda out: set(range(101)) - set(out))[0]
+    assert s._logits[s.nodes[0].node_id].isfinite().all()  # the session's own logits are untouched
+
+
+def test_finish_reasons(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    assert s.fork().generate(3).finish_reason == "length"
+    empty = s.fork().generate(0)
+    assert (empty.ids, empty.finish_reason, empty.node_id) == ([], "length", None)
+    assert s.fork().generate(5, allowed_tokens=[EOS]).finish_reason == "eos"
+    full = s.fork().generate(6)
+    stop = full.text[full.text.index(">") + 1:][:3]  # starts inside the second token's text
+    cut = s.fork().generate(6, stop=[stop, "never"])
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)] and len(cut.ids) == 2
+    assert s.fork().generate(6, choices=["<1><2>"]).finish_reason == "stop"
+    long = eng.session()
+    long.append(list(range(60)))
+    gen = long.generate(10, allowed_tokens=range(100))
+    assert gen.finish_reason == "window" and len(long) == 64 and len(gen.ids) == 4
+
+
+def test_bad_options_name_the_problem_and_leave_the_session(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    for kw, msg in [(dict(allowed_tokens=[]), "allowed_tokens is empty"),
+                    (dict(allowed_tokens=[101]), "outside the vocabulary"),
+                    (dict(choices=[""]), "choices must be non-empty"),
+                    (dict(allowed_tokens=[1], choices=["<2>"]), "leave no token")]:
+        with pytest.raises(ValueError, match=msg):
+            s.generate(3, **kw)
+        assert len(s) == len(PROMPT) and s._generation is None
+    with pytest.raises(ValueError, match="at least one token"):
+        s.score([])
+
+
+def test_a_busy_session_refuses_other_work_until_cancelled(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    before = (s.cache.state(), eng.pool.refcount[:])
+    state = s.start_generation(5)
+    eng.step([state])
+    eng.step([state])
+    for op in (lambda: s.append([1]), lambda: s.score([1]), lambda: s.fork(), lambda: s.generate(2)):
+        with pytest.raises(RuntimeError, match="generation in progress"):
+            op()
+    state.cancel()
+    assert (s.cache.state(), eng.pool.refcount) == before and state.done and state.result is None
+    assert len(s.generate(2).ids) == 2
