@@ -1,12 +1,22 @@
-"""What every method shares: the Answer it returns, the prompt it ends with, and the chat-wrapped, middle-truncated
-token ids it feeds the engine."""
+"""What every method shares: the `Method` base class (its declared options, the registry it joins by declaring a
+name, its optional hooks), the Answer it returns, and the chat-wrapped, middle-truncated token ids it feeds the
+engine."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Hashable, Protocol
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Hashable
 
 from ..engine.engine import Engine
-from .prompts import PromptSpec
+from .options import Option, config_class
+from .prompts import PromptSpec, prompt_for
+
+REGISTERED: dict[str, type[Method]] = {}
+"""Every Method subclass declared with a name, by name; `nodekv.methods.get` and `names` read it after importing
+the built-in method modules and the `nodekv.methods` entry points."""
 
 
 @dataclass
@@ -22,14 +32,90 @@ class Answer:
     truncated: bool = False          # the prompt was cut in the middle to fit the window
 
 
-class Method(Protocol):
-    """A long-document QA policy on the engine: index a document once, answer many questions about it."""
+class Method(ABC):
+    """A long-document QA policy on the engine: index a document once (query-independent), answer many questions
+    about it.
 
-    name: str
+    A subclass joins the registry by declaring its name, `class ClosedBook(Method, name="closed-book")`, and its
+    options as `options = (Option(...), ...)`. `Method(engine, **options)` checks and types them into
+    `self.config`, a dataclass with one field per option (`Config`). `prompt` is the dataset's prompt (None: the
+    method's own), `progress` asks for progress bars while indexing. A method that can save its indexes sets
+    `can_save` and overrides `save_index` / `load_index`; the CLI names its index files DOCUMENT.<name>."""
 
-    def index(self, document: str) -> Any: ...
+    name: ClassVar[str] = ""
+    title: ClassVar[str] = ""                   # how messages name the method (default: its name)
+    options: ClassVar[tuple[Option, ...]] = ()
+    Config: ClassVar[type]                      # made from `options` for each subclass
+    can_save: ClassVar[bool] = False
+    exports: ClassVar[dict[str, str]] = {}      # file suffix -> what `export` writes in that format
 
-    def answer(self, index: Any, question: str) -> Answer: ...
+    def __init_subclass__(cls, name: str | None = None, title: str | None = None, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):  # it is a CLI choice and an index file suffix
+                raise ValueError(f"method name {name!r} must be lower-case letters, digits, '-' and '_'")
+            taken = REGISTERED.get(name)
+            if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+                raise ValueError(f"method name {name!r} is taken by {taken.__module__}.{taken.__qualname__}")
+            cls.name, cls.title = name, title or name
+            REGISTERED[name] = cls
+        cls.Config = config_class(cls, cls.options, cls.title or cls.__name__)
+        cls.Config()  # a declared default that its own option refuses fails here, at import
+
+    def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, **options: Any):
+        self.engine, self.prompt, self.progress = engine, prompt, progress
+        self.config = self.configure(**options)
+
+    @classmethod
+    def configure(cls, **options: Any) -> Any:
+        """`options` checked and typed into a `Config`; a ValueError names the method, the option and what it
+        allows (the known options, for an unknown one)."""
+        known = [o.name for o in cls.options]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown {cls.title} option(s) {', '.join(unknown)}; known: {', '.join(known) or 'none'}")
+        return cls.Config(**options)
+
+    @property
+    def answer_prompt(self) -> PromptSpec:
+        """The prompt to answer in: the dataset's, else the generic document-QA one."""
+        return self.prompt or prompt_for("")
+
+    @classmethod
+    def dataset_defaults(cls, dataset: str) -> dict:
+        """Options this method sets for `dataset` unless given explicitly (say, a paper's per-dataset values)."""
+        return {}
+
+    def index_key(self) -> dict:
+        """The options an index depends on: saved indexes are shared by methods whose keys are equal."""
+        return asdict(self.config)
+
+    @abstractmethod
+    def index(self, document: str) -> Any:
+        """The query-independent index of `document` (callers charge it to the "index" FLOP scope)."""
+
+    @abstractmethod
+    def answer(self, index: Any, question: str, options: tuple[str, ...] = ()) -> Answer:
+        """The answer to `question` from `index`; `options` are a multiple-choice question's choices."""
+
+    def save_index(self, index: Any, path: str | Path) -> None:
+        raise ValueError(f"{self.title} cannot save its index")
+
+    def load_index(self, path: str | Path) -> Any:
+        raise ValueError(f"{self.title} cannot load a saved index")
+
+    def export(self, index: Any, path: str | Path) -> None:
+        """Write `index` to `path` for inspection, in the format its suffix names (a key of `exports`)."""
+        raise ValueError(f"{self.title} cannot export its index as {Path(path).suffix or str(path)!r}; "
+                         f"it exports: {', '.join(self.exports) or 'nothing'}")
+
+    def describe(self, index: Any) -> list[str]:
+        """Lines about an index for a person: a summary first (e.g. its size), then notes (e.g. a build log)."""
+        return []
+
+    def trace_lines(self, index: Any, trace: list[dict]) -> list[str]:
+        """An answer's trace for a person, one line per step."""
+        return [json.dumps(step) for step in trace]
 
 
 def prompt_ids(engine: Engine, spec: PromptSpec, context: str, question: str,
@@ -50,10 +136,9 @@ def generate_answer(engine: Engine, ids: list[int], spec: PromptSpec, nodes: lis
     before = engine.flops.scopes["query"]
     with engine.flops.scope("query"), engine.session() as s:
         s.append(ids, node_id="prompt")
-        text = s.generate(spec.max_new_tokens, stop=spec.stop)
-        generated = len(s) - len(ids)
-    return Answer(text.strip(), nodes, trace or [], engine.flops.scopes["query"] - before, len(ids), generated,
-                  truncated)
+        gen = s.generate(spec.max_new_tokens, stop=spec.stop)
+    return Answer(gen.text.strip(), nodes, trace or [], engine.flops.scopes["query"] - before, len(ids),
+                  len(gen.ids), truncated)
 
 
 def chat_pieces(engine: Engine, messages: list[dict], add_generation_prompt: bool = True) -> list[str]:

@@ -2,28 +2,25 @@
 window, as LongBench does), and BM25 / dense (all-MiniLM-L6-v2) top-k chunks in one prompt."""
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 
 from ..engine.engine import Engine
-from .base import Answer, generate_answer, prompt_ids
-from .prompts import PromptSpec, prompt_for
+from .base import Answer, Method, generate_answer, prompt_ids
+from .options import Option
+from .prompts import PromptSpec
 from .retrieval import BM25Index, DenseIndex, text_chunk_spans
 
 
-class FullContext:
+class FullContext(Method, name="full"):
     """The whole document in the prompt (middle-truncated to the model's window when longer)."""
-
-    name = "full"
-
-    def __init__(self, engine: Engine, prompt: PromptSpec | None = None):
-        self.engine, self.prompt = engine, prompt or prompt_for("")
 
     def index(self, document: str) -> str:
         return _check_document(document)
 
     def answer(self, index: str, question: str, options: tuple[str, ...] = ()) -> Answer:
-        ids, truncated = prompt_ids(self.engine, self.prompt, index, question, options)
-        return generate_answer(self.engine, ids, self.prompt, ["document"], truncated)
+        ids, truncated = prompt_ids(self.engine, self.answer_prompt, index, question, options)
+        return generate_answer(self.engine, ids, self.answer_prompt, ["document"], truncated)
 
 
 @dataclass
@@ -34,43 +31,56 @@ class ChunkIndex:
     search: BM25Index | DenseIndex
 
 
-class TopK:
+class TopK(Method):
     """Retrieve the k best chunks for the question and answer from them (kept in document order: the model reads
-    the passages as they were written). `retriever` is "bm25" or "dense"."""
+    the passages as they were written). Subclasses pick the retriever (`search_index`)."""
 
-    def __init__(self, engine: Engine, retriever: str, k: int = 5, chunk_tokens: int = 300,
-                 prompt: PromptSpec | None = None, embedder=None):
-        if retriever not in ("bm25", "dense"):
-            raise ValueError(f"retriever must be 'bm25' or 'dense', got {retriever!r}")
-        if k < 1 or chunk_tokens < 1:
-            raise ValueError(f"k and chunk_tokens must be >= 1, got {k} and {chunk_tokens}")
-        self.engine, self.retriever, self.k, self.chunk_tokens = engine, retriever, k, chunk_tokens
-        self.prompt = prompt or prompt_for("")
-        self.name = f"{retriever}-top{k}"
-        self._embedder = embedder
+    options = (Option("k", int, 5, "chunks retrieved", low=1),
+               Option("chunk_tokens", int, 300, "tokens per chunk", low=1))
+
+    @abstractmethod
+    def search_index(self, chunks: list[str]) -> BM25Index | DenseIndex:
+        """The retrieval index over `chunks`."""
 
     def index(self, document: str) -> ChunkIndex:
         tok = self.engine.tokenizer
         ids = tok.encode(_check_document(document))
-        chunks = [tok.decode(ids[a:b]) for a, b in text_chunk_spans(ids, tok, self.chunk_tokens)]
-        if self.retriever == "bm25":
-            return ChunkIndex(chunks, BM25Index(chunks))
-        if self._embedder is None:
-            from .embedder import Embedder
-
-            self._embedder = Embedder()
-        return ChunkIndex(chunks, DenseIndex(chunks, self._embedder))
+        chunks = [tok.decode(ids[a:b]) for a, b in text_chunk_spans(ids, tok, self.config.chunk_tokens)]
+        return ChunkIndex(chunks, self.search_index(chunks))
 
     def prompt_for(self, index: ChunkIndex, question: str, options: tuple[str, ...] = ()):
         """(prompt ids, truncated, hits): the k best chunks, in document order, in the dataset's prompt."""
-        hits = index.search.search(question, self.k)
+        hits = index.search.search(question, self.config.k)
         context = "\n\n".join(index.chunks[i].strip() for i in sorted(i for i, _ in hits))
-        return (*prompt_ids(self.engine, self.prompt, context, question, options), hits)
+        return (*prompt_ids(self.engine, self.answer_prompt, context, question, options), hits)
 
     def answer(self, index: ChunkIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
         ids, truncated, hits = self.prompt_for(index, question, options)
         trace = [{"chunk": i, "score": round(s, 4)} for i, s in hits]
-        return generate_answer(self.engine, ids, self.prompt, sorted(i for i, _ in hits), truncated, trace)
+        return generate_answer(self.engine, ids, self.answer_prompt, sorted(i for i, _ in hits), truncated, trace)
+
+
+class BM25TopK(TopK, name="bm25"):
+    """The k chunks that score best for the question by BM25, in one prompt."""
+
+    def search_index(self, chunks: list[str]) -> BM25Index:
+        return BM25Index(chunks)
+
+
+class DenseTopK(TopK, name="dense"):
+    """The k chunks closest to the question by all-MiniLM-L6-v2 cosine similarity, in one prompt."""
+
+    def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, embedder=None,
+                 **options):
+        super().__init__(engine, prompt, progress, **options)
+        self._embedder = embedder
+
+    def search_index(self, chunks: list[str]) -> DenseIndex:
+        if self._embedder is None:
+            from .embedder import Embedder
+
+            self._embedder = Embedder()
+        return DenseIndex(chunks, self._embedder)
 
 
 def _check_document(document: str) -> str:

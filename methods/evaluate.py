@@ -15,17 +15,19 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from ..engine.config import preset
 from ..engine.engine import Engine
-from . import get
+from .base import Method
+from .baselines import TopK
 from .data import load_dataset
 from .metrics import score
 from .prompts import prompt_for
+from .registry import get, names
 
 PROJECT_TO = "llama-3.1-8b"
 
@@ -81,8 +83,9 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
     reference's mean number of generated tokens decoded after it, over the first `sample` records."""
     from ..engine.flops import forward_flops
 
-    if cfg.method not in ("bm25", "dense"):
-        raise ValueError(f"--match picks k for bm25 or dense, not {cfg.method!r}")
+    if not issubclass(get(cfg.method), TopK):
+        top_k = " or ".join(n for n in names() if issubclass(get(n), TopK))
+        raise ValueError(f"--match picks k for {top_k}, not {cfg.method!r}")
     if not reference.is_file():
         raise ValueError(f"reference run {reference} does not exist")
     ref = [r for r in read_done(reference) if "error" not in r]
@@ -97,7 +100,7 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
     for record in records:
         built = method.index(record.document)
         for k in predicted:
-            method.k = k
+            method.config = replace(method.config, k=k)
             n = len(method.prompt_for(built, record.question, record.options)[0])
             predicted[k] += (forward_flops(c, n) + sum(forward_flops(c, 1, n + i) for i in range(gen))) / len(records)
     k = min(predicted, key=lambda k: (abs(predicted[k] - target), k))
@@ -110,12 +113,9 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     matched = {}
     if cfg.match is not None:
         cfg.options["k"], matched = match_k(engine, cfg, Path(cfg.match))
-    constructor = get(cfg.method)
-    options = {**getattr(constructor, "dataset_defaults", lambda _: {})(cfg.dataset), **cfg.options}
-    try:
-        method = constructor(engine, prompt=prompt_for(cfg.dataset), **options)
-    except TypeError as e:  # an option the method does not take
-        raise ValueError(f"method {cfg.method!r} does not take options {options}: {e}") from None
+    method_class = get(cfg.method)
+    options = {**method_class.dataset_defaults(cfg.dataset), **cfg.options}
+    method = method_class(engine, prompt=prompt_for(cfg.dataset), **options)
     engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_done(cfg.path)}
@@ -124,7 +124,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     for rid, why in loaded.problems:
         print(f"skipped record {rid}: {why}", file=sys.stderr)
-    store = IndexStore.for_method(cfg.path.parent / "indexes", engine, cfg.method, method, options)
+    store = IndexStore.for_method(cfg.path.parent / "indexes", engine, method)
     indexes: dict[str, tuple[object, int, int, float]] = {}  # doc hash -> (index, flops, flops 8B, seconds)
     todo = [r for r in loaded.records if r.id not in done]
     bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
@@ -139,21 +139,21 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
 
 
 class IndexStore:
-    """Indexes of methods that can save them (`save_index` / `load_index`), one file per (document, method, model,
-    config), with the FLOPs and time their construction cost: a rerun or resumed run does not rebuild them."""
+    """Indexes of methods that can save them (`Method.can_save`), one file per (document, method, model, index
+    key), with the FLOPs and time their construction cost: a rerun or resumed run does not rebuild them."""
 
     def __init__(self, root: Path, key: str, engine: Engine):
         self.root, self.key, self.engine = root, key, engine
 
     @classmethod
-    def for_method(cls, root: Path, engine: Engine, name: str, method, options: dict) -> "IndexStore":
-        """The store of method `name`'s indexes; only the options its index depends on (`method.index_config`,
-        else all of them) enter the key."""
-        index_config = getattr(method, "index_config", options)
-        ident = json.dumps([str(engine.path), str(engine.model.dtype), name, index_config], sort_keys=True)
-        return cls(root, f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}", engine)
+    def for_method(cls, root: Path, engine: Engine, method: Method) -> "IndexStore":
+        """The store of `method`'s indexes; only the options its index depends on (`method.index_key()`) enter
+        the key."""
+        ident = json.dumps([str(engine.path), str(engine.model.dtype), method.name, method.index_key()],
+                           sort_keys=True)
+        return cls(root, f"{method.name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}", engine)
 
-    def build_or_load(self, method, document: str) -> tuple:
+    def build_or_load(self, method: Method, document: str) -> tuple:
         """(index, FLOPs, FLOPs projected to PROJECT_TO, seconds) of `document`'s index, built (and saved) unless
         this store has it; construction is charged to the engine's "index" scope."""
         doc = hashlib.sha256(document.encode()).hexdigest()[:16]
@@ -168,20 +168,20 @@ class IndexStore:
         self.put(method, doc, built, cost)
         return (built, *cost)
 
-    def get(self, method, doc: str):
+    def get(self, method: Method, doc: str):
         meta = self.root / f"{self.key}-{doc}.json"
-        if not hasattr(method, "load_index") or not meta.exists():
+        if not method.can_save or not meta.exists():
             return None
         return (method.load_index(self.root / f"{self.key}-{doc}.idx"), *json.loads(meta.read_text()))
 
-    def put(self, method, doc: str, built, cost: tuple) -> None:
-        if hasattr(method, "save_index"):
+    def put(self, method: Method, doc: str, built, cost: tuple) -> None:
+        if method.can_save:
             self.root.mkdir(parents=True, exist_ok=True)
             method.save_index(built, self.root / f"{self.key}-{doc}.idx")
             (self.root / f"{self.key}-{doc}.json").write_text(json.dumps(cost))
 
 
-def _evaluate(engine: Engine, method, record, indexes: dict, store: IndexStore) -> dict:
+def _evaluate(engine: Engine, method: Method, record, indexes: dict, store: IndexStore) -> dict:
     doc = hashlib.sha256(record.document.encode()).hexdigest()[:16]
     line = {"id": record.id, "question": record.question, "references": list(record.references), "document": doc}
     acc = engine.flops

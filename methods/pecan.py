@@ -8,15 +8,16 @@ embedding similarity to the query; the second-turn prompt then decodes the answe
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
+from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from ..engine.engine import Engine
-from .base import Answer, chat_pieces
+from .base import Answer, Method, chat_pieces
+from .options import Option
 from .pecan_build import BUILD_VERSION, GraphBuilder
-from .pecan_graph import Graph, next_node, positional_relevance
+from .pecan_graph import next_node, positional_relevance
+from .pecan_store import PecanIndex, load, save, to_graphml, to_html
 from .prompts import PromptSpec
 
 FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
@@ -29,74 +30,45 @@ RESTATED_PROBE = ("\n\nCan the question \"{}\" be answered by the information ab
 RESTATED_SECOND_TURN = "Given the above information, answer this question as concisely as you can.\n\nQuestion: {}"
 PROMPT_STYLES = ("paper", "restate")
 
-
-@dataclass
-class PecanConfig:
-    """PECAN's hyper-parameters (paper defaults) and the Table 3 ablation switches."""
-
-    chunk_tokens: int = 300
-    batch_tokens: int = 8192       # s
-    summary_tokens: int = 512      # generation budget of one batch summary
-    max_levels: int = 5
-    t_n: int = 1                   # stop patience
-    t_p: float = 0.5               # confidence threshold on the normalised p(Yes)
-    node_budget: int = 12          # nodes retrieved beyond the top level
-    answer_tokens: int = 64
-    attention: bool = True         # False: w/o attention-guided retrieval (embedding similarity only)
-    embedding: bool = True         # False: w/o embedding similarity
-    dynamic: bool = True           # False: w/o dynamic progress control (no probes, fixed_nodes retrieved)
-    fixed_nodes: int = 4
-    ip_graph: bool = True          # False: w/o IP graph (each batch summarised into one node, RAPTOR-like)
-    prompt_style: str = "paper"    # "restate": the probe and the answer turn repeat the question (search only)
-
-    def __post_init__(self):
-        for f in fields(self):
-            value, kind = getattr(self, f.name), {"int": int, "float": (int, float), "bool": bool, "str": str}[f.type]
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise ValueError(f"PECAN option {f.name} must be {f.type}, got {value!r}")
-        least = {"chunk_tokens": 1, "batch_tokens": 1, "summary_tokens": 1, "max_levels": 2, "t_n": 1,
-                 "node_budget": 0, "answer_tokens": 1, "fixed_nodes": 0}
-        for name, low in least.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"PECAN option {name} must be >= {low}, got {getattr(self, name)}")
-        if not 0.0 <= self.t_p <= 1.0:
-            raise ValueError(f"PECAN option t_p must be in [0, 1], got {self.t_p}")
-        if self.prompt_style not in PROMPT_STYLES:
-            raise ValueError(f"PECAN option prompt_style must be one of {', '.join(PROMPT_STYLES)}, "
-                             f"got {self.prompt_style!r}")
-
-
 # App. E: the confidence threshold t_p the paper used per dataset with Llama-3.1-8B (t_n = 1 throughout).
 PAPER_T_P = {"narrativeqa": 0.5, "qasper": 0.98, "hotpotqa": 0.5, "musique": 0.55}
+# The options a graph depends on (the others only steer the search), so that ablations of the search share one index.
 INDEX_OPTIONS = ("chunk_tokens", "batch_tokens", "summary_tokens", "max_levels", "ip_graph")
+GRAPH_WRITERS = {".graphml": to_graphml, ".html": to_html}
 
 
-@dataclass
-class PecanIndex:
-    """A document's graph, its nodes' embeddings and the log of how it was built."""
+class Pecan(Method, name="pecan", title="PECAN"):
+    """PECAN: a graph of chunks and summary points built by attention, searched per question.
 
-    graph: Graph
-    vectors: torch.Tensor                                  # [nodes, 384] all-MiniLM-L6-v2
-    config: dict
-    log: list[str] = field(default_factory=list)
-
-
-class Pecan:
-    """index(document) builds the graph; answer(index, question) searches it and answers from the same cache.
+    index(document) builds the graph; answer(index, question) searches it and answers from the same cache.
     `search_engine` may be a different model than the one that built the graph (Table 2); `progress` shows a bar
     per level while the graph is built."""
 
-    name = "pecan"
+    # the paper's hyper-parameters and the Table 3 ablation switches
+    options = (
+        Option("chunk_tokens", int, 300, "tokens per level-1 chunk", low=1),
+        Option("batch_tokens", int, 8192, "s: tokens of the nodes summarised together", low=1),
+        Option("summary_tokens", int, 512, "generation budget of one batch summary", low=1),
+        Option("max_levels", int, 5, "levels at most, the chunks' included", low=2),
+        Option("t_n", int, 1, "stop patience: confident probes before the search stops", low=1),
+        Option("t_p", float, 0.5, "confidence threshold on the normalised p(Yes)", low=0.0, high=1.0),
+        Option("node_budget", int, 12, "nodes retrieved beyond the top level", low=0),
+        Option("answer_tokens", int, 64, "answer budget when no dataset prompt gives one", low=1),
+        Option("attention", bool, True, "false: w/o attention-guided retrieval (embedding similarity only)"),
+        Option("embedding", bool, True, "false: w/o embedding similarity"),
+        Option("dynamic", bool, True, "false: w/o dynamic progress control (no probes, fixed_nodes retrieved)"),
+        Option("fixed_nodes", int, 4, "nodes retrieved beyond the top level when dynamic is false", low=0),
+        Option("ip_graph", bool, True, "false: w/o IP graph (each batch summarised into one node, RAPTOR-like)"),
+        Option("prompt_style", str, "paper", "restate: the probe and the answer turn repeat the question",
+               choices=PROMPT_STYLES),
+    )
+    can_save = True
+    exports = {".graphml": "the graph as GraphML", ".html": "the graph drawn in an HTML page"}
 
-    def __init__(self, engine: Engine, prompt: PromptSpec | None = None, search_engine: Engine | None = None,
-                 embedder=None, progress: bool = False, **config):
-        known = [f.name for f in fields(PecanConfig)]
-        unknown = sorted(set(config) - set(known))
-        if unknown:
-            raise ValueError(f"unknown PECAN option(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        self.engine, self.search_engine = engine, search_engine or engine
-        self.config = PecanConfig(**config)
-        self.prompt, self.progress = prompt, progress
+    def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False,
+                 search_engine: Engine | None = None, embedder=None, **options):
+        super().__init__(engine, prompt, progress, **options)
+        self.search_engine = search_engine or engine
         self._embedder = embedder
 
     @property
@@ -107,15 +79,12 @@ class Pecan:
             self._embedder = Embedder()
         return self._embedder
 
-    @staticmethod
-    def dataset_defaults(dataset: str) -> dict:
+    @classmethod
+    def dataset_defaults(cls, dataset: str) -> dict:
         """Options the paper set per dataset (App. E's t_p), for the datasets it evaluated; explicit options win."""
         return {"t_p": PAPER_T_P[dataset]} if dataset in PAPER_T_P else {}
 
-    @property
-    def index_config(self) -> dict:
-        """The options a graph depends on (the others only steer the search), so that ablations of the search
-        share one index."""
+    def index_key(self) -> dict:
         return {"build_version": BUILD_VERSION, **{k: v for k, v in asdict(self.config).items() if k in INDEX_OPTIONS}}
 
     # ---------------------------------------------------------------- construction
@@ -189,8 +158,8 @@ class Pecan:
         """Append the second turn (Table A2) to a searched session and decode the answer: (text, tokens)."""
         s.append(self._second_turn_ids(_with_options(question, options)), node_id="second turn")
         stops = None if self.prompt is None else list(self.prompt.stop) or None
-        text = s.generate(self._answer_budget(), stop=stops, node_id="answer")
-        return text.strip(), len(s.nodes[-1]) if s.nodes[-1].node_id == "answer" else 0
+        gen = s.generate(self._answer_budget(), stop=stops, node_id="answer")
+        return gen.text.strip(), len(gen.ids)
 
     def _second_turn_ids(self, question: str) -> list[int]:
         eng = self.search_engine
@@ -202,15 +171,34 @@ class Pecan:
     def _answer_budget(self) -> int:
         return self.config.answer_tokens if self.prompt is None else self.prompt.max_new_tokens
 
-    def save_index(self, index: PecanIndex, path) -> None:
-        from .pecan_store import save
-
+    def save_index(self, index: PecanIndex, path: str | Path) -> None:
         save(index, path, self.engine)
 
-    def load_index(self, path) -> PecanIndex:
-        from .pecan_store import load
-
+    def load_index(self, path: str | Path) -> PecanIndex:
         return load(path, self.engine)
+
+    def export(self, index: PecanIndex, path: str | Path) -> None:
+        write = GRAPH_WRITERS.get(Path(path).suffix)
+        if write is None:
+            return super().export(index, path)
+        Path(path).write_text(write(index.graph))
+
+    def describe(self, index: PecanIndex) -> list[str]:
+        levels = sorted({n.level for n in index.graph.nodes.values()})
+        edges = sum(map(len, index.graph.edges.values()))
+        return [f"{len(index.graph.nodes)} nodes on levels {levels}, {edges} edges", *index.log]
+
+    def trace_lines(self, index: PecanIndex, trace: list[dict]) -> list[str]:
+        lines = []
+        for step in trace:
+            if "node" not in step:
+                lines.append(f"stop: {step['stop']}")
+                continue
+            node = index.graph.nodes[step["node"]]
+            z = "" if step["z"] is None else f" z={step['z']:.3f}"
+            p = f" p_yes={step['p_yes']:.3f}" if "p_yes" in step else ""
+            lines.append(f"  #{node.id} L{node.level}{z} r={step['r']:.4f}{p}  {' '.join(node.text.split())[:70]}")
+        return lines
 
     def _limit(self) -> int:
         return self.config.node_budget if self.config.dynamic else self.config.fixed_nodes

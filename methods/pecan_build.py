@@ -31,8 +31,8 @@ SUMMARY_PROMPT = (
 
 
 class GraphBuilder:
-    """Builds a document's graph with `engine` under a PecanConfig (chunk_tokens, batch_tokens, summary_tokens,
-    max_levels, ip_graph); `progress` shows a bar per level."""
+    """Builds a document's graph with `engine` under PECAN's options (a `Pecan.Config`: chunk_tokens,
+    batch_tokens, summary_tokens, max_levels, ip_graph); `progress` shows a bar per level."""
 
     def __init__(self, engine: Engine, config, progress: bool = False):
         self.engine, self.config, self.progress = engine, config, progress
@@ -90,8 +90,8 @@ class GraphBuilder:
             for i in batch:
                 lengths.append(len(s.append(tok.encode(graph.nodes[i].text + "\n"), node_id=i)))
             s.append(tok.encode(tail, parse_special=True), node_id="tail")
-            text = s.generate(cfg.summary_tokens, node_id="summary", collect=True)
-            generated = s.tokens[s.nodes[-1].start:] if s.nodes[-1].node_id == "summary" else []
+            summary = s.generate(cfg.summary_tokens, node_id="summary", collect=True)
+            text, generated = summary.text, summary.ids
             mass = s.token_mass("summary")[:, 1:1 + len(batch)] if generated else None
         if cfg.ip_graph:
             ips, how, dropped = parse_ips(text)
@@ -101,7 +101,7 @@ class GraphBuilder:
             ips, how = ([text.strip()], "whole summary") if text.strip() and not looping(text) else ([], "empty")
         if how in ("lines", "sentences"):
             log.append(f"{where}: no bullet list, IPs taken as {how}")
-        if s.finish_reason == "length" and len(ips) > 1 and text.rstrip().endswith(ips[-1]):
+        if summary.finish_reason == "length" and len(ips) > 1 and text.rstrip().endswith(ips[-1]):
             log.append(f"{where}: summary hit {cfg.summary_tokens} tokens, its cut-off last point dropped")
             ips = ips[:-1]
         if not ips:

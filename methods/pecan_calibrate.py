@@ -21,7 +21,9 @@ from tqdm import tqdm
 from ..engine.engine import Engine
 from .data import Record, load_dataset
 from .metrics import score
-from .pecan import Pecan, PecanIndex
+from .evaluate import IndexStore
+from .pecan import Pecan
+from .pecan_store import PecanIndex
 from .prompts import prompt_for
 
 OBJECTIVES = ("nodes", "f1", "f1-per-tflop")
@@ -108,8 +110,6 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
     """Sweep the dev records `dev` = (first, count) of `dataset` (by default after the 30 an evaluation uses),
     choose t_p for `objective`, and write <out>/pecan-calibration-<dataset>.json with the choice, the options it
     holds for, the dev record ids and the whole table. Indexes are shared with `nodekv eval` (<out>/indexes)."""
-    from .evaluate import IndexStore
-
     check_objective(objective, target_nodes)
     first, count = dev
     if first < 0 or count < 1:
@@ -119,7 +119,7 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
         raise ValueError(f"{dataset} has no records from index {first} on to calibrate with")
     options = dict(options or {})
     method = Pecan(engine, prompt=prompt_for(dataset), **options)
-    store = IndexStore.for_method(Path(out) / "indexes", engine, "pecan", method, options)
+    store = IndexStore.for_method(Path(out) / "indexes", engine, method)
     sweeps = []
     for record in tqdm(records, unit="rec", desc=f"calibrate {dataset}", disable=not progress):
         index = store.build_or_load(method, record.document)[0]

@@ -1,63 +1,45 @@
-"""PECAN index files (JSON with a format version, the model it was built with, and a SHA-256 checksum), and exports
-of the graph to GraphML and to a self-contained HTML page drawing the levels and weighted edges (like Fig. A1)."""
+"""PECAN's index (the graph, its nodes' embeddings and its build log), its files (index files, methods/index_file.py)
+and exports of the graph to GraphML and to a self-contained HTML page drawing the levels and weighted edges (like
+Fig. A1)."""
 from __future__ import annotations
 
 import base64
-import hashlib
 import html
-import json
-from dataclasses import asdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..engine.engine import Engine
-from .pecan import PecanIndex
+from .index_file import IndexFileError, read_index_file, write_index_file
 from .pecan_graph import Graph, Node
 
 FORMAT, VERSION = "nodekv-pecan-index", 1
+__all__ = ["IndexFileError", "PecanIndex", "load", "save", "to_graphml", "to_html"]
 
 
-class IndexFileError(ValueError):
-    """A PECAN index file that is corrupt, foreign, of another version, or built with another model."""
+@dataclass
+class PecanIndex:
+    """A document's graph, its nodes' embeddings and the log of how it was built."""
 
-
-def model_id(engine: Engine) -> dict:
-    """What an index is tied to: the model file's name and a hash of its config."""
-    config = json.dumps(asdict(engine.config), sort_keys=True, default=str)
-    return {"name": engine.path.name if engine.path else None, "config": hashlib.sha256(config.encode()).hexdigest()}
-
-
-def _checksum(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    graph: Graph
+    vectors: torch.Tensor                                  # [nodes, 384] all-MiniLM-L6-v2
+    config: dict
+    log: list[str] = field(default_factory=list)
 
 
 def save(index: PecanIndex, path: str | Path, engine: Engine) -> None:
     vectors = index.vectors.float().contiguous()
-    body = {"format": FORMAT, "version": VERSION, "model": model_id(engine), "config": index.config,
-            "log": index.log, "nodes": [[n.id, n.level, n.text] for n in index.graph.nodes.values()],
+    body = {"config": index.config, "log": index.log,
+            "nodes": [[n.id, n.level, n.text] for n in index.graph.nodes.values()],
             "edges": {str(p): {str(c): w for c, w in kids.items()} for p, kids in index.graph.edges.items()},
             "vectors": {"shape": list(vectors.shape), "float32": base64.b64encode(vectors.numpy().tobytes()).decode()}}
-    Path(path).write_text(json.dumps({**body, "checksum": _checksum(body)}))
+    write_index_file(path, FORMAT, VERSION, engine, body)
 
 
 def load(path: str | Path, engine: Engine) -> PecanIndex:
     """Read an index, refusing a corrupt or foreign file and one built with a different model."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IndexFileError(f"{path} is not a readable PECAN index: {e}") from e
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise IndexFileError(f"{path} is not a PECAN index file (no '{FORMAT}' header)")
-    if data.get("version") != VERSION:
-        raise IndexFileError(f"{path} has index format version {data.get('version')}, this nodekv reads {VERSION}")
-    checksum = data.pop("checksum", None)
-    if checksum != _checksum(data):
-        raise IndexFileError(f"{path} is corrupt: its checksum does not match its contents")
-    if data["model"] != model_id(engine):
-        raise IndexFileError(f"{path} was built with model {data['model']['name']} (config "
-                             f"{data['model']['config'][:12]}), not the loaded {model_id(engine)['name']}")
+    data = read_index_file(path, FORMAT, VERSION, engine, "PECAN index")
     graph = Graph({i: Node(i, level, text) for i, level, text in data["nodes"]},
                   {int(p): {int(c): w for c, w in kids.items()} for p, kids in data["edges"].items()})
     raw = base64.b64decode(data["vectors"]["float32"])

@@ -1,116 +1,141 @@
-"""`nodekv` command line: `index` (a PECAN graph of a text file), `ask` (answer a question about a text file or a
-PECAN index), `eval` (methods on datasets, and their report), `calibrate` (PECAN's t_p on dev records), `flops`
-(exact and paper-style counts) and `models` (the registered models and where they stand)."""
+"""`nodekv` command line: `index` (a method's saved index of a text file), `ask` (a method's answer to a question
+about a text file or a saved index), `eval` (methods on datasets, and their report), `calibrate` (PECAN's t_p on
+dev records), `flops` (exact and paper-style counts) and `models` (the registered models and where they stand).
+`index`, `ask` and `eval` take any registered method (`--method`, options as `--option KEY=VALUE`); their --help
+lists the methods and options."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from nodekv.engine.registry import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
 
-QA_SYSTEM = "You answer questions about a document using only the document. Answer briefly."
 MODEL_HELP = f"a registered name (`nodekv models`), HF directory or .gguf file (default: {DEFAULT_MODEL})"
+
+
+def _saved_by(path: str | Path | None) -> str | None:
+    """The method whose saved indexes `path` is named like (DOCUMENT.<method>), if any."""
+    from nodekv.methods import get, names
+
+    name = Path(path).suffix[1:] if path else ""
+    return name if name in names() and get(name).can_save else None
+
+
+def _read_document(path: Path) -> str:
+    if not path.is_file():
+        raise ValueError(f"document {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"document {path} is empty (nothing to read)")
+    return text
 
 
 def _index(args: argparse.Namespace) -> int:
     from nodekv import load_engine
-    from nodekv.methods.pecan import Pecan
-    from nodekv.methods.pecan_store import save, to_graphml, to_html
+    from nodekv.methods import get, names
 
+    name = args.method or _saved_by(args.output)
+    if name is None or not get(name).can_save:
+        problem = "name a --method" if name is None else f"{name} cannot save an index"
+        raise ValueError(f"{problem}; methods that can: {', '.join(n for n in names() if get(n).can_save)}")
+    method_class, options = get(name), dict(args.option)
+    method_class.configure(**options)  # bad options and exports fail before the model loads
+    for path in args.export:
+        if Path(path).suffix not in method_class.exports:
+            raise ValueError(f"{name} cannot export its index as {path}; formats: "
+                             f"{', '.join(method_class.exports) or 'none'}")
     doc = Path(args.document)
-    if not doc.is_file():
-        print(f"error: document {doc} does not exist", file=sys.stderr)
-        return 2
-    text = doc.read_text(encoding="utf-8")
-    if not text.strip():
-        print(f"error: document {doc} is empty (nothing to index)", file=sys.stderr)
-        return 2
+    text = _read_document(doc)
     eng = load_engine(args.model, threads=args.threads)
-    t = time.perf_counter()
+    method = method_class(eng, progress=True, **options)
+    before, t = eng.flops.total, time.perf_counter()
     with eng.flops.scope("index"):
-        index = Pecan(eng, chunk_tokens=args.chunk_tokens, batch_tokens=args.batch_tokens, progress=True).index(text)
-    out = Path(args.output or f"{doc}.pecan")
-    save(index, out, eng)
-    levels = sorted({n.level for n in index.graph.nodes.values()})
-    print(f"indexed {doc.name}: {len(index.graph.nodes)} nodes on levels {levels}, "
-          f"{sum(map(len, index.graph.edges.values()))} edges, {eng.flops.scopes['index'] / 1e12:.3f} TFLOPs, "
+        index = method.index(text)
+    out = Path(args.output or f"{doc}.{name}")
+    method.save_index(index, out)
+    summary, *notes = method.describe(index) or [""]
+    print(f"indexed {doc.name}: {summary + ', ' if summary else ''}{(eng.flops.total - before) / 1e12:.3f} TFLOPs, "
           f"{time.perf_counter() - t:.1f}s -> {out}")
-    for line in index.log:
+    for line in notes:
         print(f"  {line}")
-    if args.graphml:
-        Path(args.graphml).write_text(to_graphml(index.graph))
-    if args.html:
-        Path(args.html).write_text(to_html(index.graph))
-    return 0
-
-
-def _ask_index(args: argparse.Namespace) -> int:
-    from nodekv import load_engine
-    from nodekv.methods.pecan import Pecan
-    from nodekv.methods.pecan_store import IndexFileError, load
-
-    eng = load_engine(args.model, dtype=args.dtype, threads=args.threads)
-    try:
-        index = load(args.document, eng)
-    except IndexFileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    t = time.perf_counter()
-    answer = Pecan(eng, answer_tokens=args.max_new_tokens, **dict(args.option)).answer(index, args.question)
-    print(f"Q: {args.question}\nA: {answer.text}\n")
-    print(f"nodes      {len(answer.nodes)} visited; prompt {answer.prompt_tokens:,} tokens, "
-          f"generated {answer.generated_tokens}")
-    print(f"FLOPs      {answer.flops:,} ({answer.flops / 1e12:.4f} TFLOPs, query only)")
-    print(f"time       {time.perf_counter() - t:.1f}s")
-    if args.trace:
-        for step in answer.trace:
-            if "node" not in step:
-                print(f"stop: {step['stop']}")
-                continue
-            node = index.graph.nodes[step["node"]]
-            z = "" if step["z"] is None else f" z={step['z']:.3f}"
-            p = f" p_yes={step['p_yes']:.3f}" if "p_yes" in step else ""
-            print(f"  #{node.id} L{node.level}{z} r={step['r']:.4f}{p}  {' '.join(node.text.split())[:70]}")
+    for path in args.export:
+        method.export(index, path)
     return 0
 
 
 def _ask(args: argparse.Namespace) -> int:
     from nodekv import load_engine
+    from nodekv.methods import get
+    from nodekv.methods.prompts import prompt_for
 
     doc = Path(args.document)
     if not doc.is_file():
-        print(f"error: document {doc} does not exist", file=sys.stderr)
-        return 2
-    if doc.suffix == ".pecan":
-        return _ask_index(args)
-    text = doc.read_text(encoding="utf-8")
-    if not text.strip():
-        print(f"error: document {doc} is empty", file=sys.stderr)
-        return 2
+        raise ValueError(f"document {doc} does not exist")
+    name = args.method or _saved_by(doc) or "full"
+    method_class, options = get(name), dict(args.option)
+    method_class.configure(**options)
+    saved = method_class.can_save and doc.suffix == f".{name}"
+    text = None if saved else _read_document(doc)
     t0 = time.perf_counter()
     eng = load_engine(args.model, dtype=args.dtype, threads=args.threads)
-    t_load = time.perf_counter() - t0
-    messages = [{"role": "system", "content": QA_SYSTEM},
-                {"role": "user", "content": f"Document:\n{text}\n\nQuestion: {args.question}"}]
-    prompt = eng.tokenizer.chat(messages)
-    s = eng.session()
-    with eng.flops.scope("query"):
-        t1 = time.perf_counter()
-        s.append(prompt, node_id="prompt")
-        t2 = time.perf_counter()
-        answer = s.generate(args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-        t3 = time.perf_counter()
-    n_gen = len(s) - len(prompt)
-    print(f"Q: {args.question}\nA: {answer.strip()}\n")
-    print(f"model      {eng.path.name} ({eng.config.n_layers} layers, d={eng.config.dim}, {args.dtype})")
-    print(f"tokens     prompt {len(prompt):,} (full document in context), generated {n_gen} ({s.finish_reason})")
-    print(f"FLOPs      {eng.flops.scopes['query']:,} ({eng.flops.scopes['query'] / 1e12:.4f} TFLOPs)")
-    print(f"time       load {t_load:.1f}s, prefill {t2 - t1:.2f}s ({len(prompt) / (t2 - t1):,.0f} tok/s), "
-          f"decode {t3 - t2:.2f}s ({n_gen / max(t3 - t2, 1e-9):.1f} tok/s)")
+    t1 = time.perf_counter()
+    method = method_class(eng, prompt=replace(prompt_for(""), max_new_tokens=args.max_new_tokens), **options)
+    before = eng.flops.total
+    with eng.flops.scope("index"):
+        index = method.load_index(doc) if saved else method.index(text)
+    index_flops, t2 = eng.flops.total - before, time.perf_counter()
+    answer = method.answer(index, args.question)
+    t3 = time.perf_counter()
+    cut = ", cut in the middle to fit" if answer.truncated else ""
+    print(f"Q: {args.question}\nA: {answer.text}\n")
+    print(f"method     {name} on {eng.path.name} ({eng.config.n_layers} layers, d={eng.config.dim}, {args.dtype})")
+    print(f"nodes      {len(answer.nodes)} used; prompt {answer.prompt_tokens:,} tokens{cut}, "
+          f"generated {answer.generated_tokens}")
+    print(f"FLOPs      {answer.flops:,} ({answer.flops / 1e12:.4f} TFLOPs, query only); "
+          f"index {'loaded from ' + doc.name if saved else f'{index_flops / 1e12:.4f} TFLOPs'}")
+    tokens = answer.prompt_tokens + answer.generated_tokens
+    print(f"time       load {t1 - t0:.1f}s, index {t2 - t1:.1f}s, answer {t3 - t2:.2f}s "
+          f"({tokens / max(t3 - t2, 1e-9):,.0f} tok/s)")
+    if args.trace:
+        for line in method.trace_lines(index, answer.trace):
+            print(line)
     return 0
+
+
+def methods_help(saving_only: bool = False) -> str:
+    """The registered methods (those that can save an index, with `saving_only`), each with its options."""
+    from nodekv.methods import get, names
+
+    lines = ["methods (--method NAME; options: --option KEY=VALUE):"]
+    for name in names():
+        method_class = get(name)
+        if saving_only and not method_class.can_save:
+            continue
+        doc = (method_class.__doc__ or "").strip().split("\n")[0]
+        lines.append(f"  {name:<13}{doc}")
+        for o in method_class.options:
+            default = str(o.default).lower() if o.type is bool else o.default
+            lines.append(f"      {f'{o.name}={default}':<22}{o.allowed()}; {o.help}")
+        if method_class.exports:
+            lines.append(f"      --export FILE: {', '.join(f'{k} {v}' for k, v in method_class.exports.items())}")
+    return "\n".join(lines)
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser; with `methods` ("all" or "saving"), its --help ends with those registered methods,
+    imported only then (so that a method plugin that fails to load cannot break other commands)."""
+
+    def __init__(self, *args, methods: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.methods = methods
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        return text if self.methods is None else f"{text}\n{methods_help(self.methods == 'saving')}\n"
 
 
 def _flops(args: argparse.Namespace) -> int:
@@ -145,11 +170,13 @@ def _eval(args: argparse.Namespace) -> int:
         print("error: nodekv eval needs --method and --dataset (or `report RUN...`)", file=sys.stderr)
         return 2
     from nodekv import load_engine
+    from nodekv.methods import get
     from nodekv.methods.data import DataNotFoundError
     from nodekv.methods.evaluate import run
 
     cfg = run_config(args)
     try:
+        get(cfg.method).configure(**cfg.options)  # before the model loads
         path = run(load_engine(args.model, threads=args.threads), cfg)
     except (DataNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -220,37 +247,41 @@ def _option(text: str) -> tuple[str, object]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nodekv", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
-    ix = sub.add_parser("index", help="build a PECAN graph index of a text file")
+    ix = sub.add_parser("index", methods="saving", help="save a method's index of a text file (PECAN's graph)")
     ix.add_argument("document")
-    ix.add_argument("-o", "--output", default=None, help="index file (default DOCUMENT.pecan)")
+    ix.add_argument("-o", "--output", default=None, help="index file (default DOCUMENT.<method>)")
+    ix.add_argument("--method", default=None, help="a method that can save its index (default: the one -o's "
+                                                      "suffix names, e.g. story.pecan)")
+    ix.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                    help="a method option, repeatable, e.g. --option chunk_tokens=200")
+    ix.add_argument("--export", action="append", default=[], metavar="FILE",
+                    help="also write the index for inspection, in the format FILE's suffix names (the methods' "
+                         "formats are listed below), repeatable")
     ix.add_argument("--model", default=None, help=MODEL_HELP)
-    ix.add_argument("--chunk-tokens", type=int, default=300)
-    ix.add_argument("--batch-tokens", type=int, default=8192, help="s: tokens per summarised batch")
-    ix.add_argument("--graphml", default=None, help="also write the graph as GraphML")
-    ix.add_argument("--html", default=None, help="also draw the graph in a self-contained HTML page")
     ix.add_argument("--threads", type=int, default=None)
     ix.set_defaults(func=_index)
 
-    ask = sub.add_parser("ask", help="answer a question about a text file (full document in context) or, given "
-                                     "a .pecan index, by PECAN's graph search")
-    ask.add_argument("--trace", action="store_true", help="PECAN: print the visited nodes, scores and p(Yes)")
+    ask = sub.add_parser("ask", methods="all", help="answer a question about a text file or a saved index")
+    ask.add_argument("--method", default=None, help="default: the method whose saved index DOCUMENT is (e.g. "
+                                                    "story.pecan), else full (the whole document in context)")
     ask.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
-                     help="PECAN: a search option, repeatable, e.g. --option t_p=0.4 --option node_budget=6")
-    ask.add_argument("document")
+                     help="a method option, repeatable, e.g. --option t_p=0.4 --option node_budget=6")
+    ask.add_argument("--trace", action="store_true", help="print the answer's trace, one line per step (e.g. "
+                                                          "PECAN's visited nodes, their scores and p(Yes))")
+    ask.add_argument("document", help="a text file, or an index file a method saved (DOCUMENT.<method>)")
     ask.add_argument("question")
     ask.add_argument("--model", default=None, help=MODEL_HELP)
     ask.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ask.add_argument("--max-new-tokens", type=int, default=64)
-    ask.add_argument("--temperature", type=float, default=0.0)
-    ask.add_argument("--seed", type=int, default=None)
     ask.add_argument("--threads", type=int, default=None)
     ask.set_defaults(func=_ask)
 
-    ev = sub.add_parser("eval", help="evaluate a method on a dataset (resumable), or `eval report RUN...`")
+    ev = sub.add_parser("eval", methods="all",
+                        help="evaluate a method on a dataset (resumable), or `eval report RUN...`")
     ev.add_argument("runs", nargs="*", help="`report` followed by run files or directories")
-    ev.add_argument("--method", help="pecan, full, bm25, dense")
+    ev.add_argument("--method", help="a registered method (listed below)")
     ev.add_argument("--dataset", help="a file stem under the data directory, e.g. hotpotqa")
     ev.add_argument("--limit", type=int, default=None, help="first N good records")
     ev.add_argument("--k", type=int, default=None, help="chunks retrieved by bm25/dense")

@@ -1,0 +1,51 @@
+"""Index files any method can use: JSON with a format name and version, the model the index was built with, and
+a SHA-256 checksum over it all, so that a corrupt, foreign, outdated or other-model file is refused by name."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ..engine.engine import Engine
+
+
+class IndexFileError(ValueError):
+    """An index file that is corrupt, foreign, of another version, or built with another model."""
+
+
+def model_id(engine: Engine) -> dict:
+    """What an index is tied to: the model file's name and a hash of its config."""
+    config = json.dumps(asdict(engine.config), sort_keys=True, default=str)
+    return {"name": engine.path.name if engine.path else None, "config": hashlib.sha256(config.encode()).hexdigest()}
+
+
+def _checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def write_index_file(path: str | Path, fmt: str, version: int, engine: Engine, body: dict) -> None:
+    """Write `body` (JSON-able, without the keys format, version, model and checksum) under that header."""
+    data = {"format": fmt, "version": version, "model": model_id(engine), **body}
+    Path(path).write_text(json.dumps({**data, "checksum": _checksum(data)}))
+
+
+def read_index_file(path: str | Path, fmt: str, version: int, engine: Engine, what: str) -> dict:
+    """The body of an index file written by `write_index_file` with `engine`'s model; `what` names the kind of
+    file in errors (e.g. "PECAN index")."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IndexFileError(f"{path} is not a readable {what}: {e}") from e
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        raise IndexFileError(f"{path} is not a {what} file (no '{fmt}' header)")
+    if data.get("version") != version:
+        raise IndexFileError(f"{path} has {what} format version {data.get('version')}, this nodekv reads {version}")
+    checksum = data.pop("checksum", None)
+    if checksum != _checksum(data):
+        raise IndexFileError(f"{path} is corrupt: its checksum does not match its contents")
+    if data["model"] != model_id(engine):
+        raise IndexFileError(f"{path} was built with model {data['model']['name']} (config "
+                             f"{data['model']['config'][:12]}), not the loaded {model_id(engine)['name']}")
+    return {k: v for k, v in data.items() if k not in ("format", "version", "model")}

@@ -1,0 +1,233 @@
+"""The method interface: the registry (built-in names, unknown names, entry points), declared options (typing and
+the errors that name the problem), the CLI generic over methods (index, ask, eval, --help), closed-book on
+SmolLM2, and evaluate's index reuse through save_index / load_index / index_key."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_engine, tiny_hf_model
+from nodekv.cli import main
+from nodekv.methods import get, names
+from nodekv.methods.base import REGISTERED, Answer, Method
+from nodekv.methods.options import Option
+
+PARAS = [["Alpha", ["The Alpha river flows north.", " It is 40 km long."]],
+         ["Beta", ["Beta town was founded in 1802 by Mara Quill."]]]
+
+
+@pytest.fixture
+def registry():
+    """The registry as it was before the test (tests declare methods of their own)."""
+    saved = dict(REGISTERED)
+    yield REGISTERED
+    REGISTERED.clear()
+    REGISTERED.update(saved)
+
+
+@pytest.fixture
+def saver(registry):
+    """A method that can save: its index counts the document's words; `width` is part of the index key, `search`
+    is not; `built` counts the indexes built."""
+
+    class WordCount(Method, name="test-saver"):
+        """Counts the document's words (a test method)."""
+
+        options = (Option("width", int, 1, "part of the index key", low=1),
+                   Option("search", int, 0, "not part of the index key"))
+        can_save = True
+        built = 0
+
+        def index_key(self) -> dict:
+            return {"width": self.config.width}
+
+        def index(self, document: str) -> dict:
+            WordCount.built += 1
+            return {"words": len(document.split())}
+
+        def answer(self, index: dict, question: str, options: tuple[str, ...] = ()) -> Answer:
+            return Answer(str(index["words"]), ["document"], [{"words": index["words"]}])
+
+        def save_index(self, index: dict, path) -> None:
+            Path(path).write_text(json.dumps(index))
+
+        def load_index(self, path) -> dict:
+            return json.loads(Path(path).read_text())
+
+        def describe(self, index: dict) -> list[str]:
+            return [f"{index['words']} words"]
+
+    return WordCount
+
+
+@pytest.fixture
+def engine(save_hf, monkeypatch):
+    """A tiny random-weight engine, also what the CLI's load_engine returns."""
+    import nodekv
+
+    path = save_hf(tiny_hf_model())
+    eng = tiny_engine(path)
+    eng.path = path
+    monkeypatch.setattr(nodekv, "load_engine", lambda *args, **kwargs: eng)
+    return eng
+
+
+def _write_data(root: Path) -> Path:
+    records = [{"_id": "q1", "question": "Who founded Beta town?", "answer": "Mara Quill", "context": PARAS},
+               {"_id": "q2", "question": "How long is the river?", "answer": "40 km", "context": PARAS},
+               {"_id": "q3", "question": "Where does it flow?", "answer": "north", "context": PARAS[:1]}]
+    (root / "multihop").mkdir(parents=True)
+    (root / "multihop" / "hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root
+
+
+def test_builtin_methods_are_registered_by_name():
+    assert {"pecan", "full", "bm25", "dense", "closed-book"} <= set(names())
+    for name in ("pecan", "full", "bm25", "dense", "closed-book"):
+        assert issubclass(get(name), Method) and get(name).name == name
+    assert get("pecan").can_save and not get("bm25").can_save
+
+
+def test_an_unknown_method_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown method 'nope'; known: bm25, closed-book, dense, full, pecan"):
+        get("nope")
+
+
+@pytest.mark.parametrize("name, options, typed", [
+    ("bm25", {"k": "3"}, {"k": 3, "chunk_tokens": 300}),
+    ("pecan", {"t_p": "0.25", "attention": "false", "node_budget": "6"}, {"t_p": 0.25, "attention": False,
+                                                                            "node_budget": 6}),
+    ("pecan", {"t_p": 1}, {"t_p": 1.0}),
+])
+def test_options_are_typed_by_their_declaration(name, options, typed):
+    config = vars(get(name)(None, **options).config)
+    assert {k: config[k] for k in typed} == typed
+    assert all(type(config[k]) is type(v) for k, v in typed.items())
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("bm25", {"k": "three"}, "bm25 option k must be int, got 'three'"),
+    ("dense", {"k": 2.5}, "dense option k must be int, got 2.5"),
+    ("bm25", {"k": True}, "bm25 option k must be int, got True"),
+    ("bm25", {"chunk_tokens": 0}, "bm25 option chunk_tokens must be >= 1, got 0"),
+    ("pecan", {"t_p": "2"}, r"PECAN option t_p must be in \[0, 1\], got '2'"),
+    ("pecan", {"attention": "maybe"}, "PECAN option attention must be bool, got 'maybe'"),
+    ("pecan", {"prompt_style": "terse"}, "PECAN option prompt_style must be one of paper, restate, got 'terse'"),
+    ("dense", {"kk": 1}, r"unknown dense option\(s\) kk; known: k, chunk_tokens"),
+    ("closed-book", {"k": 1}, r"unknown closed-book option\(s\) k; known: none"),
+])
+def test_bad_options_are_refused_naming_the_method_option_and_allowed_values(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        get(name)(None, **options)
+
+
+def test_declarations_are_checked_when_the_class_is_made(registry):
+    with pytest.raises(ValueError, match="option k must be >= 1, got 0"):
+        class BadDefault(Method):
+            options = (Option("k", int, 0, "a default out of its own range", low=1),)
+    names()
+    with pytest.raises(ValueError, match="'pecan' is taken by nodekv.methods.pecan.Pecan"):
+        class Impostor(Method, name="pecan"):
+            pass
+    with pytest.raises(ValueError, match="lower-case"):
+        class Shouting(Method, name="LOUD NAME"):
+            pass
+
+
+def test_an_entry_point_method_is_found(registry, tmp_path, monkeypatch):
+    (tmp_path / "nodekv_test_plugin.py").write_text(
+        "from nodekv.methods.base import Answer, Method\n\n"
+        "class Echo(Method, name='test-echo'):\n"
+        "    '''Answers with the question.'''\n"
+        "    def index(self, document):\n        return None\n"
+        "    def answer(self, index, question, options=()):\n        return Answer(question, [])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "nodekv_test_plugin", raising=False)
+    points = [importlib.metadata.EntryPoint("test-echo", "nodekv_test_plugin", "nodekv.methods"),
+              importlib.metadata.EntryPoint("broken", "nodekv_no_such_module", "nodekv.methods")]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: points if group == "nodekv.methods" else [])
+    with pytest.warns(UserWarning, match="method plugin broken .* failed to load"):
+        method = get("test-echo")(None)
+    assert method.answer(method.index("text"), "echo?").text == "echo?"
+    with pytest.warns(UserWarning):
+        assert "test-echo" in names() and "pecan" in names()
+
+
+@pytest.mark.parametrize("command", ["eval", "ask", "index"])
+def test_help_lists_the_registered_methods_and_their_options(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "pecan" in out and "t_p=0.5" in out and "float in [0, 1]" in out
+    assert ("closed-book" in out) == (command != "index")  # index lists only the methods that can save
+
+
+def test_cli_refuses_bad_methods_and_options_before_loading_a_model(tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Some text.")
+    cases = [(["ask", "--method", "nope", str(doc), "q"], "unknown method 'nope'"),
+             (["ask", "--method", "bm25", "--option", "k=0", str(doc), "q"], "bm25 option k must be >= 1"),
+             (["index", "--method", "full", str(doc)], "full cannot save an index; methods that can: pecan"),
+             (["index", str(doc)], "name a --method"),
+             (["index", "--method", "pecan", "--export", "g.png", str(doc)],
+              "pecan cannot export its index as g.png; formats: .graphml, .html"),
+             (["eval", "--method", "dense", "--option", "kk=1", "--dataset", "hotpotqa"], "unknown dense option"),
+             (["ask", str(tmp_path / "missing.txt"), "q"], "does not exist")]
+    for argv, message in cases:
+        assert main(argv + ["--model", str(tmp_path / "no-model")]) == 2, argv
+        assert message in capsys.readouterr().err
+
+
+def test_cli_index_and_ask_work_for_any_method_that_saves(saver, engine, tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("one two three")
+    assert main(["index", "--method", "test-saver", str(doc), "--option", "width=2"]) == 0
+    assert "indexed doc.txt: 3 words, 0.000 TFLOPs" in capsys.readouterr().out
+    saved = tmp_path / "doc.txt.test-saver"
+    assert json.loads(saved.read_text()) == {"words": 3}
+    assert main(["ask", str(saved), "How many words?", "--trace"]) == 0  # the method is the file's suffix
+    out = capsys.readouterr().out
+    assert "A: 3" in out and "method     test-saver" in out and "index loaded from doc.txt.test-saver" in out
+    assert '{"words": 3}' in out  # the default trace lines
+    assert main(["ask", "--method", "test-saver", str(doc), "How many words?"]) == 0  # indexed on the fly
+    assert "A: 3" in capsys.readouterr().out and saver.built == 2
+
+
+def test_evaluate_reuses_saved_indexes_by_index_key(saver, engine, tmp_path):
+    from nodekv.methods.evaluate import RunConfig, run
+
+    data = str(_write_data(tmp_path / "data"))
+    runs = tmp_path / "runs"
+    first = run(engine, RunConfig("test-saver", "hotpotqa", data_dir=data, out=str(runs)), progress=False)
+    rows = [json.loads(line) for line in first.read_text().splitlines()]
+    assert [r["prediction"] for r in rows] == ["25", "25", "13"] and saver.built == 2  # two documents
+    run(engine, RunConfig("test-saver", "hotpotqa", data_dir=data, out=str(runs), options={"search": 5}),
+        progress=False)
+    assert saver.built == 2  # a search option: the same index key, the saved indexes
+    run(engine, RunConfig("test-saver", "hotpotqa", data_dir=data, out=str(runs), options={"width": 2}),
+        progress=False)
+    assert saver.built == 4
+    assert len(list((runs / "indexes").glob("test-saver-*.idx"))) == 4
+
+
+@pytest.mark.model
+def test_closed_book_runs_through_eval_and_ask(tmp_path, capsys):
+    data = _write_data(tmp_path / "data")
+    argv = ["eval", "--method", "closed-book", "--dataset", "hotpotqa", "--data-dir", str(data), "--out",
+            str(tmp_path / "runs"), "--model", "smollm2-135m"]
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "closed-book-hotpotqa.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["q1", "q2", "q3"]
+    for r in rows:
+        assert "error" not in r and r["nodes"] == [] and r["index_flops"] == 0 < r["query_flops"]
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse keeper of Port Ellen was named Agnes Morrow.")
+    capsys.readouterr()
+    assert main(["ask", "--method", "closed-book", str(doc), "Who kept the lighthouse?", "--max-new-tokens", "8",
+                 "--model", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    assert "A: " in out and "method     closed-book" in out and "generated" in out
