@@ -7,7 +7,12 @@ Models (their GGUFs' shapes and types):
                  gate/up [9728x896] Q5_0, down [896x4864] Q6_K or Q4_K (as in the Q4_K_M file); lm_head
                  [151936x896] Q8_0.
 Every layer gets its own random weights, so the bytes come from DRAM as in a real forward, not from the last-level
-cache. Run: python -m nodekv.bench.quant_gemv [--model qwen2.5-0.5b] [--threads N]
+cache. Run: python -m nodekv.bench.quant_gemv [--model qwen2.5-0.5b] [--threads N] [--tokens 1,2,4,8,16]
+
+With one token count (--tokens, default 1: decode) it prints the per-projection table; with several, a sweep: the
+whole model's matmuls at each count on the quantised blocks and with dense fp32 F.linear on the dequantised weights,
+in ms and tokens/s, and tokens/s relative to one token (what batching that many decode steps buys), measured side by
+side. The count where dense overtakes the blocks is where a forward should switch to dense weights.
 """
 from __future__ import annotations
 
@@ -91,25 +96,69 @@ def time_fn(fn, reps: int) -> tuple[float, float, float]:
     return statistics.median(wall), min(wall), min(cpu)
 
 
+def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense: bool, gen: torch.Generator) -> None:
+    """The whole model's matmuls at each token count, quantised and dense fp32, timed side by side: each repetition
+    runs every (count, kernel) once, so a busy machine slows all of them alike."""
+    dense_ws = [w.dequantize() for w in weights] if dense else []
+    ks = {w.in_features for w in weights}
+    xs = {(t, k): torch.randn(t, k, generator=gen) for t in counts for k in ks}
+
+    def run_quant(t):
+        for w in weights:
+            quant_linear(xs[t, w.in_features], w)
+
+    def run_dense(t):
+        for w in dense_ws:
+            F.linear(xs[t, w.shape[1]], w)
+
+    kernels = [("quant", run_quant)] + ([("dense", run_dense)] if dense else [])
+    times: dict[tuple[str, int], list[float]] = {(name, t): [] for name, _ in kernels for t in counts}
+    for rep in range(reps + 1):  # the first round warms up
+        for t in counts:
+            for name, fn in kernels:
+                t0 = time.perf_counter()
+                fn(t)
+                if rep:
+                    times[name, t].append((time.perf_counter() - t0) * 1e3)
+    ms = {key: statistics.median(v) for key, v in times.items()}
+    head = f"{'T':>4}" + "".join(f"{name + ' ms':>11}{'tok/s':>8}{'x T=1':>7}" for name, _ in kernels)
+    print(head + (f"{'dense/quant':>12}" if dense else ""))
+    for t in counts:
+        line = f"{t:>4}"
+        for name, _ in kernels:
+            gain = t * ms[name, 1] / ms[name, t] if 1 in counts else float("nan")
+            line += f"{ms[name, t]:>11.2f}{t / ms[name, t] * 1e3:>8.1f}{gain:>7.2f}"
+        print(line + (f"{ms['dense', t] / ms['quant', t]:>12.2f}" if dense else ""))
+    print("(median ms of the whole model's matmuls, lm_head included; x T=1: tokens/s over that at T=1;\n"
+          " dense/quant > 1: the quantised blocks are faster)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--tokens", type=int, default=1, help="rows of x per GEMV (1 = decode)")
+    ap.add_argument("--tokens", default="1",
+                    help="rows of x per matmul (1 = decode); a comma list (1,2,4,8,16) sweeps the counts")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense fp32 comparison (it needs 4 B/weight)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
+    counts = [int(t) for t in args.tokens.split(",")]
 
     n_layers, layer_shapes, (vocab, head_type, dim) = MODELS[args.model]
     layers = [[(name, stacked(parts, k, gen)) for name, parts, k in layer_shapes(i)] for i in range(n_layers)]
     head = random_quant(vocab, dim, head_type, gen)
+    if len(counts) > 1:
+        print(f"one {args.model} forward's matmuls per token count, {args.threads} threads, {args.reps} runs")
+        sweep([w for ws in layers for _, w in ws] + [head], counts, args.reps, not args.no_dense, gen)
+        return
+    tokens = counts[0]
     xs: dict[int, torch.Tensor] = {}
     for ws in layers:
         for _, w in ws:
-            xs.setdefault(w.in_features, torch.randn(args.tokens, w.in_features, generator=gen))
-    xs.setdefault(dim, torch.randn(args.tokens, dim, generator=gen))
+            xs.setdefault(w.in_features, torch.randn(tokens, w.in_features, generator=gen))
+    xs.setdefault(dim, torch.randn(tokens, dim, generator=gen))
 
     # per projection and type: every layer's weights of that kind, then the lm_head
     groups: dict[str, list[QuantLinearWeight]] = {}
@@ -155,7 +204,7 @@ def main() -> None:
         except (RuntimeError, AttributeError) as e:  # op missing or unsupported on this build / CPU
             print(f"(torch int4pack skipped: {e})")
 
-    print(f"one {args.model} token of GEMVs, T={args.tokens}, {args.threads} threads, {args.reps} runs")
+    print(f"one {args.model} token of GEMVs, T={tokens}, {args.threads} threads, {args.reps} runs")
     print(f"{'kernel':<42}{'weights MB':>11}{'median ms':>10}{'min ms':>8}{'GB/s':>7}{'CPU ms':>8}{'GB/CPU-s':>9}")
     for name, n, (med, best, cpu) in rows:
         print(f"{name:<42}{n / 1e6:>11.1f}{med:>10.2f}{best:>8.2f}{n / med / 1e6:>7.1f}{cpu:>8.2f}"

@@ -4,14 +4,18 @@
 //   kType, kElems, kBytes   its type id, elements per block (32, or 256 for a K-quant super-block), bytes
 //   decode(blk, out)        the block's weights exactly as gguf.quants.dequantize computes them (scalar)
 //   decode_avx2(blk, out)   the same values with AVX2
-//   kPrep, prepare(x, xp)   the one-token kernel's copy of one block's worth of x: kPrep floats, in the
+//   kPrep, prepare(x, xp)   the kernel's copy of one block's worth of one token's x: kPrep floats, in the
 //                           order dot unpacks the quants, with block sums where dot needs them
-//   dot(blk, xp, acc)       acc plus the block's dot product with x, spread over acc's lanes
+//   dot<TT>(blk, xp, ldx, acc)  acc[t] plus the block's dot product with token t's prepared x (at xp + t ldx),
+//                           spread over acc[t]'s lanes, for t < TT
+//
+// dot unpacks the block once and then runs the same arithmetic for every token, so token t's sums are the
+// same bits whatever TT is: a batch of tokens gets exactly the numbers each token gets alone.
 //
 // Every weight is an exact fp32 product of its scales and quants (at most 24 significant bits), so the
 // decoders round only where gguf does (a K-quant's min subtraction) and agree with it bit for bit.
 //
-// Decode (T == 1) is bound by the vector instructions spent per weight (about 3 per 8 weights at best, on
+// One-token decode is bound by the vector instructions spent per weight (about 3 per 8 weights at best, on
 // top of the byte shuffling), so dot reads each byte once and takes the cheapest route to centred floats
 // q - c: for nibbles, "magic" floats without shifts or conversions (a dword with q in its low bits and 0x4B
 // in its top byte is the float 2^23 + q, and one exact subtraction of 2^23 + c centres it; a nibble masked
@@ -86,6 +90,13 @@ NKV_AVX2 inline __m256 dot4(const __m256 v[4], const float* x) {
     a = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), a);
     a = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), a);
     return _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), a);
+}
+
+// acc[t] += d (sum over i of v[i] * x_t[8 i .. 8 i + 7]) for the TT tokens x_t = x + t ldx: a block's 32 unpacked
+// quants v, of scale d, against each token
+template <int TT>
+NKV_AVX2 inline void scaled_dot(const __m256 v[4], __m256 d, const float* x, int64_t ldx, __m256* acc) {
+    for (int t = 0; t < TT; ++t) acc[t] = _mm256_fmadd_ps(d, dot4(v, x + t * ldx), acc[t]);
 }
 
 // 16 nibble bytes (byte j: element j low, j + 16 high) in element order: v[0], v[1] = q - c of elements
@@ -173,10 +184,11 @@ struct ScaledQuants {
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(d, v[i]));
     }
     NKV_AVX2 static void prepare(const float* x, float* xp) { std::memcpy(xp, x, sizeof(float) * 32); }
-    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+    template <int TT>
+    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
         __m256 v[4];
         F::quants(blk, v);
-        return _mm256_fmadd_ps(bcast_half(blk), dot4(v, xp), acc);
+        scaled_dot<TT>(v, bcast_half(blk), xp, ldx, acc);
     }
 };
 
@@ -219,10 +231,11 @@ struct Q4_0 {
         _mm256_storeu_ps(out + 24, _mm256_mul_ps(d16, v[3]));
     }
     NKV_AVX2 static void prepare(const float* x, float* xp) { prepare_nibbles(x, xp); }
-    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+    template <int TT>
+    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
         __m256 v[4];
         nibbles(blk + 2, 8.0f, v);
-        return _mm256_fmadd_ps(bcast_half(blk), dot4(v, xp), acc);
+        scaled_dot<TT>(v, bcast_half(blk), xp, ldx, acc);
     }
 };
 
@@ -253,17 +266,20 @@ struct Q4_1 {
         prepare_nibbles(x, xp);
         _mm256_storeu_ps(xp + 32, _mm256_setr_ps(0.0f, sum32(x), 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f));
     }
-    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+    template <int TT>
+    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
         __m256 v[4];
         nibbles(blk + 4, 8.0f, v);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(blk))));  // [d, m, 0, 0]
         const __m256 d = _mm256_broadcastss_ps(dm);
-        acc = _mm256_fmadd_ps(d, dot4(v, xp), acc);
         // [d, m + 8 d, 0, ...]: m' = m + 8 d formed before it meets the accumulator, where m and 8 d would
         // otherwise cancel (exact for all but extreme d/m ratios); lane 0 meets x's 0
         const __m256 eight = _mm256_setr_ps(0.0f, 8.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
         const __m256 mp = _mm256_fmadd_ps(d, eight, _mm256_zextps128_ps256(dm));
-        return _mm256_fmadd_ps(mp, _mm256_loadu_ps(xp + 32), acc);
+        for (int t = 0; t < TT; ++t) {
+            const float* x = xp + t * ldx;
+            acc[t] = _mm256_fmadd_ps(mp, _mm256_loadu_ps(x + 32), _mm256_fmadd_ps(d, dot4(v, x), acc[t]));
+        }
     }
 };
 
@@ -359,7 +375,8 @@ struct Q4_K {
         std::memcpy(xp, x, sizeof(float) * 256);
         for (int j = 0; j < 8; ++j) xp[256 + j] = sum32(x + 32 * j);
     }
-    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+    template <int TT>
+    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
         __m256 dsc, dmn;
         scales(blk, &dsc, &dmn);
         const __m256 s = nibble_scales(dsc);
@@ -367,20 +384,12 @@ struct Q4_K {
             __m256 a[4], b[4];  // q - 8
             nibbles(blk + 16 + 32 * i, 8.0f, a);
             nibbles(blk + 32 + 32 * i, 8.0f, b);
-            const float* xi = xp + 64 * i;
-            __m256 even = _mm256_mul_ps(a[0], _mm256_loadu_ps(xi));
-            even = _mm256_fmadd_ps(a[1], _mm256_loadu_ps(xi + 8), even);
-            even = _mm256_fmadd_ps(b[0], _mm256_loadu_ps(xi + 16), even);
-            even = _mm256_fmadd_ps(b[1], _mm256_loadu_ps(xi + 24), even);
-            __m256 odd = _mm256_mul_ps(a[2], _mm256_loadu_ps(xi + 32));
-            odd = _mm256_fmadd_ps(a[3], _mm256_loadu_ps(xi + 40), odd);
-            odd = _mm256_fmadd_ps(b[2], _mm256_loadu_ps(xi + 48), odd);
-            odd = _mm256_fmadd_ps(b[3], _mm256_loadu_ps(xi + 56), odd);
-            acc = _mm256_fmadd_ps(lane(s, 2 * i), even, acc);
-            acc = _mm256_fmadd_ps(lane(s, 2 * i + 1), odd, acc);
+            const __m256 even[4] = {a[0], a[1], b[0], b[1]}, odd[4] = {a[2], a[3], b[2], b[3]};
+            scaled_dot<TT>(even, lane(s, 2 * i), xp + 64 * i, ldx, acc);
+            scaled_dot<TT>(odd, lane(s, 2 * i + 1), xp + 64 * i + 32, ldx, acc);
         }
         const __m256 offset = _mm256_fmsub_ps(_mm256_set1_ps(8.0f), dsc, dmn);  // w = d sc (q - 8) + offset
-        return _mm256_fmadd_ps(offset, _mm256_loadu_ps(xp + 256), acc);
+        for (int t = 0; t < TT; ++t) acc[t] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(xp + t * ldx + 256), acc[t]);
     }
 };
 
@@ -442,7 +451,8 @@ struct Q6_K {
         }
     }
     NKV_AVX2 static void prepare(const float* x, float* xp) { prepare_split(x, 256, xp); }
-    NKV_AVX2 static __m256 dot(const uint8_t* blk, const float* xp, __m256 acc) {
+    template <int TT>
+    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
         __m256 s[2];
         scales(blk, s);
         for (int h = 0; h < 2; ++h) {
@@ -451,10 +461,9 @@ struct Q6_K {
             for (int g = 0; g < 4; ++g) {
                 __m256 v[4];
                 split_bytes(q[g], 32.0f, v);
-                acc = _mm256_fmadd_ps(pair(s[h], g), dot4(v, xp + 128 * h + 32 * g), acc);
+                scaled_dot<TT>(v, pair(s[h], g), xp + 128 * h + 32 * g, ldx, acc);
             }
         }
-        return acc;
     }
 };
 

@@ -1,11 +1,13 @@
 // Quantised-weight matmul drivers, templates over the formats of quant_formats.h; see quant_matmul.h for
 // the contract.
 //
-// T == 1 (decode) is bound by the weight bytes read: each thread runs rows of blocks through the format's
-// dot against a copy of x prepared once per call (per type), R rows at a time so that they share the x
-// loads and give R independent accumulator chains. T > 1: each thread decodes a few weight rows to fp32
-// (once per row and chunk of tokens) into a scratch buffer and runs a register-blocked rows x tokens
-// micro-kernel over it. The scalar path decodes a row at a time and takes plain dot products.
+// Every (row, token) output is one accumulator that runs the format's dot over the row's blocks in order and
+// ends as hsum + bias, computed the same way whatever the number of tokens, the chunking or the thread: a
+// token's outputs are bit for bit those it gets alone, so a batch of decode steps reproduces sequential ones.
+// One token (decode) is bound by the weight bytes and the instructions to unpack them: each block is read once,
+// R rows at a time so that the rows share the x loads. More tokens are bound by FMAs: each block is unpacked
+// once per pass of up to kTokens tokens and FMAed into all of their accumulators. x is prepared once per call
+// (per type). The scalar path decodes a row at a time and takes plain dot products, also per token.
 #include "quant_matmul.h"
 
 #include <algorithm>
@@ -24,8 +26,14 @@ using formats::visit;
 
 std::atomic<bool> g_force_scalar{false};
 
-constexpr int kRowTile = 4;       // rows per inner-kernel step; thread work chunks are multiples of it
-constexpr int kPrefetchRows = 8;  // one-token kernel: software prefetch distance in weight rows
+constexpr int kRowTile = 4;  // rows per one-token kernel step; thread work chunks are multiples of it
+// Tokens per pass of the several-token kernel: a block's 4 unpacked vectors, its scale, a partial sum and 8
+// accumulators fill the 16 ymm registers (fewer passes of more tokens, or more of fewer, measured slower; the
+// K-quants' accumulators spill a little at 8 and still beat 4 to 6).
+constexpr int kTokens = 8;
+constexpr int64_t kCallTokens = 64;      // tokens per run of the kernels (matmul splits longer inputs)
+constexpr int kSweepRows = 8;            // rows per sweep over a chunk of K (matmul_range); the prefetch distance
+constexpr int64_t kXChunkFloats = 4096;  // a sweep's chunk of prepared x (16 KiB) stays in the 32 KiB L1 cache
 
 bool use_avx2() { return cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed); }
 
@@ -65,98 +73,106 @@ NKV_AVX2 void decode_rows_avx2(const uint8_t* w, int64_t K, int64_t r0, int64_t 
             F::decode_avx2(w + r * row_bytes + b * F::kBytes, out + (r - r0) * K + b * F::kElems);
 }
 
+// xp[t] = the format's prepared copy of x[t], for T tokens of ldx = K / kElems * kPrep floats each.
 template <class F>
-NKV_AVX2 void prepare_x(const float* x, int64_t K, float* xp) {
-    for (int64_t b = 0; b < K / F::kElems; ++b) F::prepare(x + b * F::kElems, xp + b * F::kPrep);
+NKV_AVX2 void prepare_x(const float* x, int64_t T, int64_t K, float* xp) {
+    const int64_t nb = K / F::kElems;
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < nb; ++b) F::prepare(x + t * K + b * F::kElems, xp + (t * nb + b) * F::kPrep);
 }
 
-// T == 1 over rows [r0, r1) of an N-row weight, R rows at a time; xp is prepare_x's copy of x.
-template <class F, int R>
-NKV_AVX2 void gemv_rows(const float* xp, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
-                        int64_t r0, int64_t r1) {
-    const int64_t nb = K / F::kElems, row_bytes = nb * F::kBytes;
-    for (int64_t r = r0; r < r1; r += R) {
-        __m256 tot[R];
-        for (int j = 0; j < R; ++j) tot[j] = _mm256_setzero_ps();
-        const uint8_t* wr = w + r * row_bytes;
-        // Software prefetch of the rows kPrefetchRows ahead, walked linearly: the rows of a group
-        // are contiguous and each block step covers R * kBytes more of them. The hardware
-        // prefetcher alone leaves decode at about half the DRAM bandwidth.
-        const bool prefetch = r + kPrefetchRows + R <= N;
-        const char* pf = reinterpret_cast<const char*>(prefetch ? wr + kPrefetchRows * row_bytes : wr);
-        for (int64_t b = 0; b < nb; ++b) {
-            if (prefetch) {
+// Output rows [r, re) for TT tokens (prepared x at xp + t ldx, output at y + t ldy) of a weight w of N rows of nb
+// blocks, R rows at a time, over blocks [b0, b1): each (row, token) accumulator starts at zero at block 0, runs
+// F::dot over the blocks in order and becomes y = hsum + bias after the last; between chunks of blocks it waits in
+// acc (row r + i's at acc + i TT). Not inlined: inlined into its callers with all the other (R, TT) instances,
+// its loop spilled accumulators (one token took 7% longer).
+template <class F, int R, int TT>
+__attribute__((noinline)) NKV_AVX2 void dot_rows(const float* xp, int64_t ldx, const uint8_t* w, int64_t N,
+                                                 int64_t nb, const float* bias, float* y, int64_t ldy, int64_t r,
+                                                 int64_t re, int64_t b0, int64_t b1, __m256* acc) {
+    const int64_t row_bytes = nb * F::kBytes;
+    for (int64_t i = r; i < re; i += R) {
+        // (the loops over the accumulators unrolled, so that they stay in registers: left as loops, GCC made
+        // them a stack array set and copied with rep stos and memcpy for every row group, 3-10% of one token's
+        // time)
+        __m256 a[R][TT];
+#pragma GCC unroll 64
+        for (int j = 0; j < R; ++j)
+#pragma GCC unroll 64
+            for (int t = 0; t < TT; ++t) a[j][t] = b0 == 0 ? _mm256_setzero_ps() : acc[(i - r + j) * TT + t];
+        const uint8_t* wr = w + i * row_bytes;
+        // Software prefetch of what the sweep reads later: the next chunk of the row (contiguous), or after the
+        // last, the rows a sweep further on, walked linearly (the R rows are contiguous). The hardware
+        // prefetcher alone leaves one-token decode at about half the DRAM bandwidth.
+        const uint8_t* pf = nullptr;
+        if (b1 < nb)
+            pf = wr + b1 * F::kBytes;
+        else if (i + kSweepRows + R <= N)
+            pf = wr + kSweepRows * row_bytes;
+        for (int64_t b = b0; b < b1; ++b) {
+            if (pf) {
                 constexpr int kLines = (R * F::kBytes + 63) / 64;
-                for (int i = 0; i < kLines; ++i) _mm_prefetch(pf + b * R * F::kBytes + 64 * i, _MM_HINT_T0);
+                for (int l = 0; l < kLines; ++l)
+                    _mm_prefetch(reinterpret_cast<const char*>(pf) + (b - b0) * R * F::kBytes + 64 * l, _MM_HINT_T0);
             }
             const float* xb = xp + b * F::kPrep;
-            for (int j = 0; j < R; ++j) tot[j] = F::dot(wr + j * row_bytes + b * F::kBytes, xb, tot[j]);
+            for (int j = 0; j < R; ++j) F::template dot<TT>(wr + j * row_bytes + b * F::kBytes, xb, ldx, a[j]);
         }
-        for (int j = 0; j < R; ++j) y[r + j] = hsum(tot[j]) + (bias ? bias[r + j] : 0.0f);
-    }
-}
-
-template <class F>
-NKV_AVX2 void gemv_range(const float* xp, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
-                         int64_t r0, int64_t r1) {
-    // Rows share a block's x loads while its x fits in registers (32-element blocks). A K-quant super-block's
-    // does not: the compiler would hoist and spill it, and one row at a time measured 15-20% faster.
-    constexpr int R = F::kPrep <= 64 ? kRowTile : 1;
-    const int64_t r_main = r0 + (r1 - r0) / R * R;
-    gemv_rows<F, R>(xp, K, w, N, bias, y, r0, r_main);
-    gemv_rows<F, 1>(xp, K, w, N, bias, y, r_main, r1);
-}
-
-// acc[j][t] += ws[j, :] . x[t, :] for R decoded rows and TT tokens, then y[t, j] = hsum + bias.
-template <int R, int TT>
-NKV_AVX2 void micro(const float* ws, const float* x, int64_t K, const float* bias, float* y, int64_t ldy) {
-    __m256 acc[R][TT];
-    for (int j = 0; j < R; ++j)
-        for (int t = 0; t < TT; ++t) acc[j][t] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv[TT];
-        for (int t = 0; t < TT; ++t) xv[t] = _mm256_loadu_ps(x + t * K + k);
-        for (int j = 0; j < R; ++j) {
-            const __m256 wv = _mm256_loadu_ps(ws + j * K + k);
-            for (int t = 0; t < TT; ++t) acc[j][t] = _mm256_fmadd_ps(wv, xv[t], acc[j][t]);
-        }
-    }
-    for (int j = 0; j < R; ++j)
-        for (int t = 0; t < TT; ++t) y[t * ldy + j] = hsum(acc[j][t]) + (bias ? bias[j] : 0.0f);
-}
-
-template <int R>
-NKV_AVX2 void micro_tokens(const float* ws, const float* x, int64_t T, int64_t K, const float* bias, float* y,
-                           int64_t ldy) {
-    // Up to 3 tokens per pass (R=4 x 3 -> 12 accumulators + 3 x + 1 w = 16 ymm registers);
-    // a remainder of 4 goes as 2 + 2, since one token per pass is bound by loads, not FMAs.
-    int64_t t = 0;
-    for (; T - t >= 3 && T - t != 4; t += 3) micro<R, 3>(ws, x + t * K, K, bias, y + t * ldy, ldy);
-    for (; T - t >= 2; t += 2) micro<R, 2>(ws, x + t * K, K, bias, y + t * ldy, ldy);
-    if (T - t == 1) micro<R, 1>(ws, x + t * K, K, bias, y + t * ldy, ldy);
-}
-
-template <class F>
-NKV_AVX2 void gemm_range(const float* x, int64_t T, int64_t K, const uint8_t* w, const float* bias, float* y,
-                         int64_t ldy, int64_t r0, int64_t r1, float* ws) {
-    constexpr int R = kRowTile;
-    // Tokens per pass: keep the x chunk (TC x K fp32) around 256 KiB so it stays in L2 while
-    // every row tile streams over it; rows are re-decoded once per chunk.
-    const int64_t TC = std::max<int64_t>(12, (int64_t{1} << 16) / K);
-    for (int64_t t0 = 0; t0 < T; t0 += TC) {
-        const int64_t tn = std::min(TC, T - t0);
-        const float* xc = x + t0 * K;
-        float* yc = y + t0 * ldy;
-        for (int64_t r = r0; r < r1; r += R) {
-            const int64_t rn = std::min<int64_t>(R, r1 - r);
-            decode_rows_avx2<F>(w, K, r, r + rn, ws);
-            const float* br = bias ? bias + r : nullptr;
-            switch (rn) {
-                case 4: micro_tokens<4>(ws, xc, tn, K, br, yc + r, ldy); break;
-                case 3: micro_tokens<3>(ws, xc, tn, K, br, yc + r, ldy); break;
-                case 2: micro_tokens<2>(ws, xc, tn, K, br, yc + r, ldy); break;
-                default: micro_tokens<1>(ws, xc, tn, K, br, yc + r, ldy); break;
+#pragma GCC unroll 64
+        for (int j = 0; j < R; ++j)
+#pragma GCC unroll 64
+            for (int t = 0; t < TT; ++t) {
+                if (b1 == nb)
+                    y[t * ldy + i + j] = hsum(a[j][t]) + (bias ? bias[i + j] : 0.0f);
+                else
+                    acc[(i - r + j) * TT + t] = a[j][t];
             }
+    }
+}
+
+// dot_rows over rows [r, re) for tn tokens (a run-time count up to TT): one token R rows at a time, so that they
+// share its x loads (never in chunks: acc unused); more, one row at a time.
+template <class F, int TT = kTokens>
+NKV_AVX2 void dot_sweep(int64_t tn, const float* xp, int64_t ldx, const uint8_t* w, int64_t N, int64_t nb,
+                        const float* bias, float* y, int64_t ldy, int64_t r, int64_t re, int64_t b0, int64_t b1,
+                        __m256* acc) {
+    if constexpr (TT > 1) {
+        if (tn < TT) return dot_sweep<F, TT - 1>(tn, xp, ldx, w, N, nb, bias, y, ldy, r, re, b0, b1, acc);
+        dot_rows<F, 1, TT>(xp, ldx, w, N, nb, bias, y, ldy, r, re, b0, b1, acc);
+    } else {
+        // Rows share a block's x loads while its x fits in registers (32-element blocks). A K-quant super-block's
+        // does not: the compiler would hoist and spill it, and one row at a time measured 15-20% faster.
+        constexpr int R = F::kPrep <= 64 ? kRowTile : 1;
+        const int64_t r_main = r + (re - r) / R * R;
+        dot_rows<F, R, 1>(xp, ldx, w, N, nb, bias, y, ldy, r, r_main, b0, b1, nullptr);
+        dot_rows<F, 1, 1>(xp, ldx, w, N, nb, bias, y, ldy, r_main, re, b0, b1, nullptr);
+    }
+}
+
+// y[:, r0:r1] (+ bias) for T tokens of prepared x (xp, prepare_x's layout). One token runs over the rows in one
+// go. More tokens go in passes of up to kTokens (of equal size, so that each has as many independent accumulator
+// chains as it can), kSweepRows rows at a time over chunks of K: a pass's chunk of x then stays in L1 while the
+// rows stream past (8 tokens of 896 floats would not fit), and the rows stay in cache for the next pass.
+template <class F>
+NKV_AVX2 void matmul_range(const float* xp, int64_t T, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                           float* y, int64_t ldy, int64_t r0, int64_t r1) {
+    const int64_t nb = K / F::kElems, ldx = nb * F::kPrep;
+    if (T == 1) {
+        dot_sweep<F>(1, xp, ldx, w, N, nb, bias, y, ldy, r0, r1, 0, nb, nullptr);
+        return;
+    }
+    const int64_t passes = (T + kTokens - 1) / kTokens;
+    __m256 acc[kSweepRows * kTokens];
+    for (int64_t r = r0; r < r1; r += kSweepRows) {
+        const int64_t re = std::min<int64_t>(r + kSweepRows, r1);
+        for (int64_t p = 0, t0 = 0; p < passes; ++p) {
+            const int64_t tn = (T - t0) / (passes - p);
+            const int64_t chunks = (nb * tn * F::kPrep + kXChunkFloats - 1) / kXChunkFloats;
+            const int64_t kc = (nb + chunks - 1) / chunks;
+            for (int64_t b0 = 0; b0 < nb; b0 += kc)
+                dot_sweep<F>(tn, xp + t0 * ldx, ldx, w, N, nb, bias, y + t0 * ldy, ldy, r, re, b0,
+                             std::min(b0 + kc, nb), acc);
+            t0 += tn;
         }
     }
 }
@@ -241,11 +257,21 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
     }
     if (T <= 0 || N <= 0) return;
     const bool avx2 = use_avx2();
+    if (avx2 && T > kCallTokens) {
+        // in blocks of tokens, which bounds the prepared x each thread keeps (a long prompt's would be megabytes)
+        const int64_t blocks = (T + kCallTokens - 1) / kCallTokens;
+        for (int64_t i = 0, t0 = 0; i < blocks; ++i) {
+            const int64_t tn = (T - t0) / (blocks - i);
+            matmul(x + t0 * K, tn, K, segs, n_segs, bias, y + t0 * N, n_threads);
+            t0 += tn;
+        }
+        return;
+    }
     const int nt = resolve_threads(n_threads, bytes * T, N);
     std::vector<int64_t> row0(static_cast<size_t>(n_segs), 0);  // the first row of each segment in y and bias
     for (int s = 1; s < n_segs; ++s) row0[s] = row0[s - 1] + segs[s - 1].rows;
     const auto bias_of = [&](int s) { return bias ? bias + row0[s] : nullptr; };
-    if (avx2 && T == 1) {
+    if (avx2) {
         // x prepared once per call for each type among the segments (reused across calls)
         thread_local std::vector<std::vector<float>> prepared;
         prepared.resize(std::max<size_t>(prepared.size(), static_cast<size_t>(n_segs)));
@@ -259,32 +285,30 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
             }
             visit(segs[s].qt, [&](auto f) {
                 using F = decltype(f);
+                // 64-byte aligned: the kernels' 32-byte loads of it never straddle two cache lines (that took
+                // up to 40% longer for several tokens, where every FMA loads x)
                 std::vector<float>& buf = prepared[static_cast<size_t>(s)];
-                buf.resize(static_cast<size_t>(K / F::kElems * F::kPrep));
-                prepare_x<F>(x, K, buf.data());
-                xp[s] = buf.data();
+                buf.resize(static_cast<size_t>(T * (K / F::kElems * F::kPrep) + 16));
+                float* aligned = buf.data() + (-reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) & 15);
+                prepare_x<F>(x, T, K, aligned);
+                xp[s] = aligned;
             });
         }
         parallel_segments(segs, n_segs, nt, [&](int s, int64_t r0, int64_t r1, int) {
             const Segment& g = segs[s];
             visit(g.qt, [&](auto f) {
-                gemv_range<decltype(f)>(xp[s], K, g.w, g.rows, bias_of(s), y + row0[s], r0, r1);
+                matmul_range<decltype(f)>(xp[s], T, K, g.w, g.rows, bias_of(s), y + row0[s], N, r0, r1);
             });
         });
         return;
     }
-    // Per-thread fp32 scratch for decoded rows.
-    const int64_t scratch_rows = avx2 ? kRowTile : 1;
-    std::vector<float> scratch(static_cast<size_t>(nt * scratch_rows * K));
+    // Scalar: per-thread fp32 scratch for a decoded row.
+    std::vector<float> scratch(static_cast<size_t>(nt * K));
     parallel_segments(segs, n_segs, nt, [&](int s, int64_t r0, int64_t r1, int tid) {
         const Segment& g = segs[s];
-        float* ws = scratch.data() + tid * scratch_rows * K;
         visit(g.qt, [&](auto f) {
-            using F = decltype(f);
-            if (avx2)
-                gemm_range<F>(x, T, K, g.w, bias_of(s), y + row0[s], N, r0, r1, ws);
-            else
-                matmul_rows_scalar<F>(x, T, K, g.w, bias_of(s), y + row0[s], N, r0, r1, ws);
+            matmul_rows_scalar<decltype(f)>(x, T, K, g.w, bias_of(s), y + row0[s], N, r0, r1,
+                                            scratch.data() + tid * K);
         });
     });
 }

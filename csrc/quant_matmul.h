@@ -39,7 +39,8 @@ struct Segment {
 // y[T, N] = x[T, K] @ dequant(W)[N, K]^T (+ bias[N] when bias != nullptr), W the segments' rows in
 // order (N = the sum of their rows). x, y row-major and contiguous; K must be a multiple of every
 // segment's block_elems (std::invalid_argument if not). n_threads <= 0 means omp_get_max_threads().
-// y must not alias x.
+// y must not alias x. Row t of y depends on x[t] alone, bit for bit: the same whatever T, the other rows of x
+// and n_threads (a batch of decode steps gives exactly the numbers of sequential ones).
 void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_segs, const float* bias, float* y,
             int n_threads);
 

@@ -165,8 +165,10 @@ def quant_linear(x: torch.Tensor, w: QuantLinearWeight, bias: torch.Tensor | Non
     """x: float32 [..., in_features] -> float32 [..., out_features] = x @ dequant(w).T (+ bias).
 
     CPU only, no autograd; runs on torch.get_num_threads() OpenMP threads. Any number of leading dims. One token
-    (decode) reads each weight block once; more tokens decode each weight row once per chunk of tokens.
-    Called ~120 times per decoded token, so the checks here are kept to a few attribute reads.
+    (decode) reads each weight block once; more tokens unpack each block once per pass of up to 8 tokens. Each
+    token's output row is bit for bit what that token gets alone (whatever the other tokens and the thread count), so
+    batched decode steps reproduce sequential ones. Called ~120 times per decoded token, so the checks here are kept
+    to a few attribute reads.
     """
     k = w.in_features
     if x.dtype != _F32 or not x.is_cpu:

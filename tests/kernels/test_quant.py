@@ -119,9 +119,10 @@ def test_every_fp16_scale(isa, qtype):
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
-def test_threads_do_not_change_results(qtype):
+@pytest.mark.parametrize("t", [1, 6])
+def test_threads_do_not_change_results(qtype, t):
     w, _ = make_weight(qtype, 3072, 1024, seed=2)
-    x = torch.randn(1, 1024)
+    x = torch.randn(t, 1024)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -131,6 +132,44 @@ def test_threads_do_not_change_results(qtype):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(y1, y2)
+
+
+def assert_rows_match_single_tokens(x: torch.Tensor, w, bias: torch.Tensor | None) -> None:
+    """Row i of the product of all of x is bit for bit the product of x[i] alone."""
+    y = quant_linear(x, w, bias)
+    for i in range(x.shape[0]):
+        assert torch.equal(y[i], quant_linear(x[i:i + 1], w, bias)[0]), f"token {i} of {x.shape[0]}"
+
+
+# token counts for batch invariance: one pass of the several-token kernel (up to 8), several passes of unequal size,
+# several runs of passes (over 64)
+BATCHES = [2, 3, 4, 5, 7, 8, 13, 16, 33, 70]
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize("t", BATCHES)
+def test_batch_rows_match_single_tokens(isa, qtype, t):
+    """A batch of T tokens gives each token exactly (bit for bit) what it gets alone, with and without bias: batched
+    decode steps reproduce sequential ones. 1536 inputs: several chunks of K per row sweep; 37 rows: partial sweeps
+    and row groups."""
+    k = 1536
+    w, _ = make_weight(qtype, 37, k, seed=t)
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, k, generator=gen)
+    assert_rows_match_single_tokens(x, w, None)
+    assert_rows_match_single_tokens(x, w, torch.randn(37, generator=gen))
+
+
+@pytest.mark.parametrize("t", BATCHES)
+def test_batch_rows_match_single_tokens_in_a_stack(isa, t):
+    """The same for a stack of every type, each segment with its slice of the bias."""
+    k = 1536
+    parts = [make_weight(q, n, k, seed=i)[0] for i, (q, n) in enumerate(zip(QTYPES, [13, 8, 21, 5, 9, 16]))]
+    w = QuantStack(parts)
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, k, generator=gen)
+    assert_rows_match_single_tokens(x, w, None)
+    assert_rows_match_single_tokens(x, w, torch.randn(w.out_features, generator=gen))
 
 
 def test_rows_looks_up_without_decoding_the_table(isa):
