@@ -5,6 +5,7 @@ account. `load_engine()` with no argument loads the default registered model, qw
 """
 from nodekv.engine.engine import Engine, load_engine
 from nodekv.engine.config import ModelConfig
+from nodekv.engine.generation import Generation
 
-__all__ = ["Engine", "ModelConfig", "load_engine"]
+__all__ = ["Engine", "Generation", "ModelConfig", "load_engine"]
 __version__ = "0.1.0"
