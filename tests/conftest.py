@@ -86,6 +86,25 @@ def tiny_hf_model(kind: str = "llama", *, tied: bool = False, rope_scaling: bool
     return model
 
 
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    """A tiny random HF llama (128 positions) and the directory it is saved in, shared by a test module."""
+    hf = tiny_hf_model(max_positions=128)
+    path = tmp_path_factory.mktemp("tiny")
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def refs_held(sessions) -> list[int]:
+    """Per page of the sessions' pool, how many live sessions hold it: what the pool's refcounts must equal."""
+    held = [0] * sessions[0].cache.pool.n_pages
+    for s in sessions:
+        if not s.cache.released:
+            for p in s.cache.pages:
+                held[p] += 1
+    return held
+
+
 @pytest.fixture
 def save_hf(tmp_path):
     """Save an HF model to a fresh directory (optionally sharded) and return the path."""

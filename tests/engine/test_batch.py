@@ -8,18 +8,10 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_engine, tiny_hf_model, write_tiny_gguf
+from conftest import refs_held, tiny_engine, tiny_hf_model, write_tiny_gguf
 from nodekv.engine.errors import PoolExhaustedError
 
 EOS = 100
-
-
-@pytest.fixture(scope="module")
-def hf_path(tmp_path_factory):
-    hf = tiny_hf_model(max_positions=128)
-    path = tmp_path_factory.mktemp("tiny")
-    hf.save_pretrained(path)
-    return hf, path
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +39,10 @@ def make_sessions(eng, rng: random.Random, n: int):
     return base, out
 
 
-def refs_held(sessions, n_pages: int) -> list[int]:
-    held = [0] * n_pages
-    for s in sessions:
-        if not s.cache.released:
-            for p in s.cache.pages:
-                held[p] += 1
-    return held
-
-
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_batched_decode_equals_sequential(hf_path, backend, n):
-    _, path = hf_path
+def test_batched_decode_equals_sequential(hf_tiny, backend, n):
+    _, path = hf_tiny
     eng = tiny_engine(path, backend=backend, pages=160, page_size=4)
     base, batch = make_sessions(eng, random.Random(n), n)
     base2, alone = make_sessions(eng, random.Random(n), n)
@@ -71,7 +54,7 @@ def test_batched_decode_equals_sequential(hf_path, backend, n):
         assert (sb._last_logits() - sa._last_logits()).abs().max() < 1e-5 * sa._last_logits().abs().max()
         assert sb.tokens == sa.tokens
     everyone = [base, base2, *batch, *alone]
-    assert refs_held(everyone, eng.pool.n_pages) == eng.pool.refcount
+    assert refs_held(everyone) == eng.pool.refcount
     for s in everyone:
         s.release()
     assert eng.pool.n_free == eng.pool.n_pages and not any(eng.pool.refcount)
@@ -88,8 +71,8 @@ def test_batched_decode_on_quantised_weights_is_bit_identical(gguf_path):
         assert torch.equal(sb._last_logits(), sa._last_logits())
 
 
-def test_batched_prefill_equals_sequential_and_hf(hf_path):
-    hf, path = hf_path
+def test_batched_prefill_equals_sequential_and_hf(hf_tiny):
+    hf, path = hf_tiny
     eng = tiny_engine(path, pages=160, page_size=4)
     rng = random.Random(1)
     base, batch = make_sessions(eng, rng, 5)
@@ -109,8 +92,8 @@ def test_batched_prefill_equals_sequential_and_hf(hf_path):
         assert mb.query_nodes == ma.query_nodes and torch.allclose(mb.sum, ma.sum, atol=1e-6)
 
 
-def test_batched_decode_collects_mass_per_session(hf_path):
-    _, path = hf_path
+def test_batched_decode_collects_mass_per_session(hf_tiny):
+    _, path = hf_tiny
     eng = tiny_engine(path, pages=160, page_size=4)
     _, batch = make_sessions(eng, random.Random(2), 3)
     _, alone = make_sessions(eng, random.Random(2), 3)
@@ -121,8 +104,8 @@ def test_batched_decode_collects_mass_per_session(hf_path):
         assert torch.allclose(sb.token_mass("gen"), sa.token_mass("gen"), atol=1e-6)
 
 
-def test_seeded_sampling_in_a_batch_equals_alone(hf_path):
-    _, path = hf_path
+def test_seeded_sampling_in_a_batch_equals_alone(hf_tiny):
+    _, path = hf_tiny
     eng = tiny_engine(path, pages=160, page_size=4)
     _, batch = make_sessions(eng, random.Random(3), 4)
     _, alone = make_sessions(eng, random.Random(3), 4)
@@ -130,8 +113,8 @@ def test_seeded_sampling_in_a_batch_equals_alone(hf_path):
     assert [g.ids for g in got] == [s.generate(8, temperature=1.3, top_p=0.9, seed=11).ids for s in alone]
 
 
-def test_states_join_and_leave_between_steps(hf_path):
-    _, path = hf_path
+def test_states_join_and_leave_between_steps(hf_tiny):
+    _, path = hf_tiny
     eng = tiny_engine(path, pages=160, page_size=4)
     _, (a, b, c) = make_sessions(eng, random.Random(4), 3)
     _, alone = make_sessions(eng, random.Random(4), 3)
@@ -147,8 +130,8 @@ def test_states_join_and_leave_between_steps(hf_path):
         assert state.result.ids == s.generate(n, **kw).ids
 
 
-def test_pool_exhaustion_in_a_batch_leaves_every_session(hf_path):
-    _, path = hf_path
+def test_pool_exhaustion_in_a_batch_leaves_every_session(hf_tiny):
+    _, path = hf_tiny
     eng = tiny_engine(path, pages=12, page_size=4)
     sessions = [eng.session() for _ in range(3)]
     for s in sessions:
@@ -164,8 +147,8 @@ def test_pool_exhaustion_in_a_batch_leaves_every_session(hf_path):
     assert [len(g.ids) for g in eng.generate_batch(sessions, 2, allowed_tokens=range(EOS))] == [2, 2, 2]
 
 
-def test_bad_batches_name_the_problem(hf_path):
-    _, path = hf_path
+def test_bad_batches_name_the_problem(hf_tiny):
+    _, path = hf_tiny
     eng = tiny_engine(path, pages=40, page_size=4)
     s, t = eng.session(), eng.session()
     s.append([1, 2, 3])

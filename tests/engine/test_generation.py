@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_engine, tiny_hf_model
+from conftest import tiny_engine
 from nodekv.engine.flops import forward_flops
 
 PROMPT = [5, 17, 3, 99, 42, 8, 8, 61]
@@ -16,10 +16,8 @@ EOS = 100
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    hf = tiny_hf_model(max_positions=64)
-    path = tmp_path_factory.mktemp("tiny")
-    hf.save_pretrained(path)
+def tiny(hf_tiny):
+    hf, path = hf_tiny
     return hf, tiny_engine(path, pages=96, page_size=4)
 
 
@@ -153,9 +151,9 @@ def test_finish_reasons(tiny):
     assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)] and len(cut.ids) == 2
     assert s.fork().generate(6, choices=["<1><2>"]).finish_reason == "stop"
     long = eng.session()
-    long.append(list(range(60)))
+    long.append(list(range(100)) + list(range(24)))
     gen = long.generate(10, allowed_tokens=range(100))
-    assert gen.finish_reason == "window" and len(long) == 64 and len(gen.ids) == 4
+    assert gen.finish_reason == "window" and len(long) == 128 and len(gen.ids) == 4
 
 
 def test_bad_options_name_the_problem_and_leave_the_session(tiny):

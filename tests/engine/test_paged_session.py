@@ -8,20 +8,12 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_engine, tiny_hf_model
+from conftest import refs_held, tiny_engine
 from numerics import hf_attention
 from nodekv.engine.errors import ContextOverflowError, PoolExhaustedError, SessionReleasedError
 from nodekv.engine.flops import forward_flops
 
 BACKENDS = ["torch", "cpu", "triton"]
-
-
-@pytest.fixture(scope="module")
-def hf_tiny(tmp_path_factory):
-    hf = tiny_hf_model(max_positions=128)
-    path = tmp_path_factory.mktemp("tiny")
-    hf.save_pretrained(path)
-    return hf, path
 
 
 def hf_logits(hf, ids):
@@ -37,17 +29,6 @@ def per_node(att_rows: torch.Tensor, bounds: list[int]) -> torch.Tensor:
 def random_splits(rng: random.Random, total: int, parts: int) -> list[int]:
     cuts = sorted(rng.sample(range(1, total), parts - 1))
     return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
-
-
-def refs_held(sessions) -> list[int]:
-    """Per page, how many live sessions hold it: what the pool's refcounts must equal."""
-    n = sessions[0].cache.pool.n_pages
-    held = [0] * n
-    for s in sessions:
-        if not s.cache.released:
-            for p in s.cache.pages:
-                held[p] += 1
-    return held
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
