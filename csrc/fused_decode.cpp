@@ -1,4 +1,4 @@
-// The fused one-token decode step; see fused_decode.h.
+// The fused decode step (one new token for each of B sequences); see fused_decode.h.
 #include "fused_decode.h"
 
 #include <algorithm>
@@ -6,6 +6,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "cpu_ops.h"
 #include "paged_attention.h"
@@ -27,8 +28,8 @@ void check_linear(const QLinear& l, int64_t N, int64_t K, const char* what, int6
                                     std::to_string(rows) + " rows in " + std::to_string(l.segs.size()) + " segments");
 }
 
-inline void gemv(const QLinear& l, const float* x, float* y, int n_threads) {
-    quant::matmul(x, 1, l.K, l.segs.data(), static_cast<int>(l.segs.size()), l.bias, y, n_threads);
+inline void linear(const QLinear& l, const float* x, int64_t T, float* y, int n_threads) {
+    quant::matmul(x, T, l.K, l.segs.data(), static_cast<int>(l.segs.size()), l.bias, y, n_threads);
 }
 
 }  // namespace
@@ -53,13 +54,6 @@ Decoder::Decoder(const Dims& dims, const Embedding& embed, std::vector<LayerWeig
         check_linear(l.w2, dim, I, "w2", li);
     }
     if (has_lm_head()) check_linear(lm_head_, d_.vocab, dim, "lm_head", -1);
-    x_.resize(static_cast<size_t>(dim));
-    h_.resize(static_cast<size_t>(dim));
-    qkv_.resize(static_cast<size_t>((H + 2 * KV) * hd));
-    attn_.resize(static_cast<size_t>(H * hd));
-    delta_.resize(static_cast<size_t>(dim));
-    gu_.resize(static_cast<size_t>(2 * I));
-    act_.resize(static_cast<size_t>(I));
 }
 
 namespace {
@@ -84,59 +78,83 @@ enum Part { kQkv, kRope, kAttention, kWo, kW13, kW2, kOther, kLmHead };
 
 }  // namespace
 
-int Decoder::step(const StepArgs& a) {
+StepStatus Decoder::step(const StepArgs& a) {
     const int64_t dim = d_.dim, H = d_.n_heads, KV = d_.n_kv_heads, hd = d_.head_dim, I = d_.inter;
-    const int64_t L = n_layers(), qkv_width = (H + 2 * KV) * hd;
+    const int64_t B = a.B, L = n_layers(), qkv_width = (H + 2 * KV) * hd;
     const int64_t layer_stride = a.n_pages * KV * a.page_size * hd;  // floats per layer in the pools
-    if (a.token < 0 || a.token >= d_.vocab) return kStepBadToken;
+    // Row r's attention in layer i, as PagedKVCache.attend runs it: store its k, v (from qkv, its row of the
+    // projection) at position end - 1, then attend from its n (0 or 1) queries into out. Without qkv only
+    // paged_attention's checks of the row's tables run.
+    const auto attention = [&](const StepRow& r, int64_t i, const float* qkv, int64_t n, float* out) {
+        const ops::PagedArgs pa{qkv, qkv_width, hd,
+                                a.k_pages + i * layer_stride, a.v_pages + i * layer_stride,
+                                a.n_pages, a.page_size, r.block_table, r.n_table, r.end,
+                                qkv ? qkv + H * hd : nullptr, qkv ? qkv + (H + KV) * hd : nullptr,
+                                qkv_width, hd, qkv_width, hd,
+                                /*T=*/1, n, H, KV, hd,
+                                r.node_bounds, r.mass ? r.n_nodes : 0, r.mass, out, a.n_threads};
+        return ops::paged_attention(pa);
+    };
+    // Every check before anything is written, so that one bad row leaves every sequence as it was (the op-by-op
+    // path would have stored the K/V of the rows before it): the tokens (the embedding lookup comes first there),
+    // then each row's tables as its attention checks them in every layer.
+    for (int64_t b = 0; b < B; ++b)
+        if (a.rows[b].token < 0 || a.rows[b].token >= d_.vocab) return {kStepBadToken, b};
+    for (int64_t b = 0; b < B; ++b)
+        if (const int code = attention(a.rows[b], 0, nullptr, 0, nullptr)) return {code, b};
+
     const std::lock_guard<std::mutex> lock(mutex_);
+    if (B > rows_) {
+        const std::pair<std::vector<float>*, int64_t> scratch[] = {
+            {&x_, dim}, {&h_, dim}, {&qkv_, qkv_width}, {&attn_, H * hd}, {&delta_, dim}, {&gu_, 2 * I}, {&act_, I}};
+        for (const auto& [buf, width] : scratch) buf->resize(static_cast<size_t>(B * width));  // floats per row
+        rows_ = B;
+    }
     float *x = x_.data(), *h = h_.data(), *qkv = qkv_.data(), *attn = attn_.data(), *delta = delta_.data();
 
     Laps lap(times_);
-    if (embed_.dense)
-        std::memcpy(x, embed_.dense + a.token * dim, sizeof(float) * dim);
-    else
-        quant::dequantize(embed_.w + a.token * quant::row_bytes(embed_.qt, dim), 1, dim, embed_.qt, x, 1);
-    ops::rms_norm(x, 1, dim, layers_[0].attn_norm, d_.eps, h);
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t token = a.rows[b].token;
+        if (embed_.dense)
+            std::memcpy(x + b * dim, embed_.dense + token * dim, sizeof(float) * dim);
+        else
+            quant::dequantize(embed_.w + token * quant::row_bytes(embed_.qt, dim), 1, dim, embed_.qt, x + b * dim, 1);
+    }
+    ops::rms_norm(x, B, dim, layers_[0].attn_norm, d_.eps, h);
     lap(kOther);
     for (int64_t i = 0; i < L; ++i) {
         const LayerWeights& w = layers_[static_cast<size_t>(i)];
         const bool last = i == L - 1;
-        gemv(w.wqkv, h, qkv, a.n_threads);
+        linear(w.wqkv, h, B, qkv, a.n_threads);
         lap(kQkv);
-        ops::rope(qkv, 1, H + KV, hd, qkv_width, hd, a.cos, a.sin_signed);
+        ops::rope(qkv, B, H + KV, hd, qkv_width, hd, a.cos, a.sin_signed);
         lap(kRope);
-        // Llama.forward: the last layer attends only when its output is used or mass is collected
-        const int64_t n = (!last || a.want_out || a.mass) ? 1 : 0;
-        const ops::PagedArgs pa{qkv, qkv_width, hd,
-                                a.k_pages + i * layer_stride, a.v_pages + i * layer_stride,
-                                a.n_pages, a.page_size, a.block_table, a.n_table, a.end,
-                                qkv + H * hd, qkv + (H + KV) * hd, qkv_width, hd, qkv_width, hd,
-                                /*T=*/1, n, H, KV, hd,
-                                a.node_bounds, a.mass ? a.n_nodes : 0, a.mass, attn, a.n_threads};
-        const int status = ops::paged_attention(pa);
+        for (int64_t b = 0; b < B; ++b) {
+            // Llama.forward: the last layer attends only when its output is used or mass is collected
+            const int64_t n = (!last || a.want_out || a.rows[b].mass) ? 1 : 0;
+            attention(a.rows[b], i, qkv + b * qkv_width, n, attn + b * H * hd);  // checked above: cannot fail
+        }
         lap(kAttention);
-        if (status != ops::kPagedOk) return status;  // only layer 0 can fail: the tables are the same for all
         if (last && !a.want_out) break;
-        gemv(w.wo, attn, delta, a.n_threads);
+        linear(w.wo, attn, B, delta, a.n_threads);
         lap(kWo);
-        ops::add_rms_norm(x, delta, 1, dim, w.ffn_norm, d_.eps, h);
+        ops::add_rms_norm(x, delta, B, dim, w.ffn_norm, d_.eps, h);
         lap(kOther);
-        gemv(w.w13, h, gu_.data(), a.n_threads);
+        linear(w.w13, h, B, gu_.data(), a.n_threads);
         lap(kW13);
-        ops::silu_mul(gu_.data(), 1, I, act_.data());
+        ops::silu_mul(gu_.data(), B, I, act_.data());
         lap(kOther);
-        gemv(w.w2, act_.data(), delta, a.n_threads);
+        linear(w.w2, act_.data(), B, delta, a.n_threads);
         lap(kW2);
-        ops::add_rms_norm(x, delta, 1, dim, last ? final_norm_ : layers_[static_cast<size_t>(i + 1)].attn_norm,
+        ops::add_rms_norm(x, delta, B, dim, last ? final_norm_ : layers_[static_cast<size_t>(i + 1)].attn_norm,
                           d_.eps, last ? a.h_out : h);
         lap(kOther);
     }
     if (a.want_out && a.logits && has_lm_head()) {
-        gemv(lm_head_, a.h_out, a.logits, a.n_threads);
+        linear(lm_head_, a.h_out, B, a.logits, a.n_threads);
         lap(kLmHead);
     }
-    return kStepOk;
+    return {};
 }
 
 }  // namespace nodekv::decode

@@ -1,19 +1,24 @@
-// One decode step (a single new token) of a Llama-family model with GGUF block-quantised weights
-// and fp32 activations, run through every decoder layer in one call.
+// One decode step of a Llama-family model with GGUF block-quantised weights and fp32 activations: a
+// new token for each of B sequences, run through every decoder layer in one call.
 //
 // At one token a layer is a dozen small steps (norm, 4 quantised GEMVs, RoPE, paged attention,
 // SwiGLU, residual adds); run from Python each costs a few µs of wrapper, checks and allocation on
 // top of its work, ~4 ms per SmolLM2-135M token. Here the same C++ functions run back to back on
 // preallocated scratch, in the same order and with the same arguments, so the results are
-// bit-identical to the op-by-op path (engine/model.py Llama.forward with the cpu backend):
+// bit-identical to the op-by-op path (engine/model.py Llama.forward / forward_batch with the cpu
+// backend). The B tokens are the rows of one batch, as forward_batch stacks them:
 //
-//   x = embed[token] (decoded from its blocks when quantised);  h = rms_norm(x, attn_norm[0])
-//   per layer i:  qkv = h @ Wqkv^T (+ b);  RoPE on q, k;  store k, v at position end - 1 and attend
-//                 (with node mass when collecting);  h = add_rms_norm(x += attn @ Wo^T, ffn_norm)
+//   x = embed[tokens] (decoded from their blocks when quantised);  h = rms_norm(x, attn_norm[0])
+//   per layer i:  qkv = h @ Wqkv^T (+ b);  RoPE on q, k (row b at its own position);  per row b: store
+//                 its k, v at position end_b - 1 of its pages and attend over them (with node mass when
+//                 collecting);  h = add_rms_norm(x += attn @ Wo^T, ffn_norm)
 //                 x += silu_mul(h @ W13^T) @ W2^T;  h = rms_norm(x, attn_norm[i + 1] or the final norm)
 //   logits = h @ W_lm^T  (when the lm_head is quantised too; else the caller runs it on h)
 //
-// The GEMVs and attention use the shared OpenMP team and contention guard (cpu_common.h) exactly as
+// The matmuls run with T = B: quant::matmul computes each row bit-identically whatever T, and the
+// other ops are row by row, so B rows give exactly the numbers of B one-token steps.
+//
+// The matmuls and attention use the shared OpenMP team and contention guard (cpu_common.h) exactly as
 // the separate calls do. Pointers are trusted: the Python side (engine/model.py) checks shapes once
 // when it builds the decoder and the cache tensors on every step.
 #pragma once
@@ -27,8 +32,8 @@
 
 namespace nodekv::decode {
 
-// y[N] = x[K] @ dequant(W)[N, K]^T (+ bias), W the segments' rows stacked (quant_matmul.h): one segment for
-// a weight of one type, several for a fused one whose parts differ in type.
+// y[T, N] = x[T, K] @ dequant(W)[N, K]^T (+ bias), W the segments' rows stacked (quant_matmul.h): one
+// segment for a weight of one type, several for a fused one whose parts differ in type.
 struct QLinear {
     std::vector<quant::Segment> segs;  // empty: absent (only the lm_head may be)
     int64_t N = 0, K = 0;
@@ -57,29 +62,39 @@ struct Dims {
     float eps;
 };
 
-// Per-step inputs: the token, its RoPE row, the KV pages and the sequence's block table.
-struct StepArgs {
+// One sequence of a step: its new token, its block table and its node-mass collector.
+struct StepRow {
     int64_t token;
-    const float* cos;         // [head_dim] at position end - 1
-    const float* sin_signed;  // [head_dim]
+    const int32_t* block_table;  // n_table entries, n_table * page_size >= end
+    int64_t n_table;
+    int64_t end;                 // positions cached after this step (the new token is end - 1)
+    const int32_t* node_bounds;  // with mass: n_nodes + 1 bounds, 0 = b[0] < ... < b[n_nodes] = end
+    int64_t n_nodes;
+    float* mass;                 // [n_nodes] accumulated (+=) over layers and heads, or nullptr
+};
+
+// Per-step inputs: B rows and what they share.
+struct StepArgs {
+    const StepRow* rows;
+    int64_t B;
+    const float* cos;         // [B, head_dim]: row b's at position rows[b].end - 1
+    const float* sin_signed;  // [B, head_dim]
     float* k_pages;           // all layers: [layers, n_pages, kv_heads, page_size, hd], contiguous
     float* v_pages;
     int64_t n_pages, page_size;
-    const int32_t* block_table;  // n_table entries, n_table * page_size >= end
-    int64_t n_table;
-    int64_t end;                  // positions cached after this step (the new token is end - 1)
-    const int32_t* node_bounds;   // with mass: n_nodes + 1 bounds, 0 = b[0] < ... < b[n_nodes] = end
-    int64_t n_nodes;
-    float* mass;                  // [n_nodes] accumulated (+=) over layers and heads, or nullptr
-    bool want_out;                // false: the last layer only stores its K/V (and attends when collecting)
-    float* h_out;                 // [dim]: the final normed hidden state (written when want_out)
-    float* logits;                // [vocab] or nullptr (when want_out and the lm_head is quantised)
-    int n_threads;                // <= 0: omp_get_max_threads()
+    bool want_out;            // false: the last layer only stores its K/V (and attends for rows collecting)
+    float* h_out;             // [B, dim]: the final normed hidden states (written when want_out)
+    float* logits;            // [B, vocab] or nullptr (when want_out and the lm_head is quantised)
+    int n_threads;            // <= 0: omp_get_max_threads()
 };
 
 // What step found wrong before writing anything (the caller explains it); codes 1 and 2 are
 // paged_attention's (paged_attention.h).
-enum StepStatus : int { kStepOk = 0, kStepBadBlockTable = 1, kStepBadNodeBounds = 2, kStepBadToken = 3 };
+enum StepCode : int { kStepOk = 0, kStepBadBlockTable = 1, kStepBadNodeBounds = 2, kStepBadToken = 3 };
+struct StepStatus {
+    int code = kStepOk;
+    int64_t row = 0;  // the first row found wrong
+};
 
 class Decoder {
    public:
@@ -87,15 +102,16 @@ class Decoder {
     Decoder(const Dims& dims, const Embedding& embed, std::vector<LayerWeights> layers, const float* final_norm,
             QLinear lm_head);
 
-    // One token through every layer (see the file comment). Steps of one Decoder run one at a time
-    // (the scratch is the object's; a mutex serialises callers on other threads).
-    int step(const StepArgs& a);
+    // One token per row through every layer (see the file comment). Steps of one Decoder run one at
+    // a time (the scratch is the object's, grown to the largest B seen; a mutex serialises callers on
+    // other threads).
+    StepStatus step(const StepArgs& a);
 
     int64_t n_layers() const { return static_cast<int64_t>(layers_.size()); }
     bool has_lm_head() const { return !lm_head_.segs.empty(); }
 
     // Wall time spent in each part of the steps since the last reset, in seconds (a profile of the
-    // step at ~40 clock reads per layer): kTimeParts names them.
+    // step at ~40 clock reads per layer, all rows of a part together): kTimeParts names them.
     static constexpr int kTimeParts = 8;
     static constexpr const char* kTimeNames[kTimeParts] = {"wqkv", "rope", "attention", "wo",
                                                            "w13",  "w2",   "norms+silu", "lm_head"};
@@ -108,6 +124,7 @@ class Decoder {
     std::vector<LayerWeights> layers_;
     const float* final_norm_;
     QLinear lm_head_;
+    int64_t rows_ = 0;  // rows the scratch below holds
     std::vector<float> x_, h_, qkv_, attn_, delta_, gu_, act_;
     std::array<double, kTimeParts> times_{};
     std::mutex mutex_;

@@ -151,8 +151,8 @@ PYBIND11_MODULE(_C, m) {
 
     namespace d = nodekv::decode;
     py::class_<d::Decoder>(m, "Decoder",
-                           "One-token decode through every layer in one call (csrc/fused_decode.h); built over "
-                           "weight addresses, which must outlive it.")
+                           "A decode step (one token for each of B sequences) through every layer in one call "
+                           "(csrc/fused_decode.h); built over weight addresses, which must outlive it.")
         .def(py::init([](int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t inter,
                          int64_t vocab, float eps, const std::vector<std::uintptr_t>& embed,
                          const std::vector<std::vector<std::vector<std::uintptr_t>>>& layers,
@@ -184,21 +184,35 @@ PYBIND11_MODULE(_C, m) {
              "or [] (not quantised: the caller runs it).")
         .def(
             "step",
-            [](d::Decoder& self, int64_t token, std::uintptr_t cos, std::uintptr_t sin_signed, std::uintptr_t k_pages,
-               std::uintptr_t v_pages, int64_t n_pages, int64_t page_size, std::uintptr_t block_table, int64_t n_table,
-               int64_t end, std::uintptr_t node_bounds, int64_t n_nodes, std::uintptr_t mass, bool want_out,
+            [](d::Decoder& self, const std::vector<int64_t>& rows, std::uintptr_t cos, std::uintptr_t sin_signed,
+               std::uintptr_t k_pages, std::uintptr_t v_pages, int64_t n_pages, int64_t page_size, bool want_out,
                std::uintptr_t h_out, std::uintptr_t logits, int n_threads) {
-                const d::StepArgs a{token, ptr<const float>(cos), ptr<const float>(sin_signed), ptr<float>(k_pages),
-                                    ptr<float>(v_pages), n_pages, page_size, ptr<const int32_t>(block_table),
-                                    n_table, end, ptr<const int32_t>(node_bounds), n_nodes, ptr<float>(mass),
-                                    want_out, ptr<float>(h_out), ptr<float>(logits), n_threads};
-                py::gil_scoped_release nogil;
-                return self.step(a);
+                constexpr size_t kFields = 7;
+                if (rows.empty() || rows.size() % kFields)
+                    throw std::invalid_argument("Decoder.step: rows takes 7 integers per row");
+                std::vector<d::StepRow> rs;
+                for (size_t i = 0; i < rows.size(); i += kFields) {
+                    const int64_t* r = rows.data() + i;
+                    rs.push_back({r[0], ptr<const int32_t>(static_cast<std::uintptr_t>(r[1])), r[2], r[3],
+                                  ptr<const int32_t>(static_cast<std::uintptr_t>(r[4])), r[5],
+                                  ptr<float>(static_cast<std::uintptr_t>(r[6]))});
+                }
+                const d::StepArgs a{rs.data(), static_cast<int64_t>(rs.size()), ptr<const float>(cos),
+                                    ptr<const float>(sin_signed), ptr<float>(k_pages), ptr<float>(v_pages), n_pages,
+                                    page_size, want_out, ptr<float>(h_out), ptr<float>(logits), n_threads};
+                d::StepStatus status;
+                {
+                    py::gil_scoped_release nogil;
+                    status = self.step(a);
+                }
+                return py::make_tuple(status.code, status.row);
             },
-            "One token (position end - 1) through every layer: K/V stored into this sequence's pages, mass [n_nodes] "
-            "+= node attention mass (0 = none), h_out [dim] the final normed state, logits [vocab] (0 = none). "
-            "Returns 0, 1 for a bad block table entry, 2 for bad node bounds, 3 for a token outside the vocabulary "
-            "(nothing written then).")
+            "One token for each of B sequences (row b at position end_b - 1) through every layer. rows: per row "
+            "(token, block_table, n_table, end, node_bounds, n_nodes, mass), flattened (addresses; mass [n_nodes] += "
+            "node attention mass, 0 = none); cos, sin_signed [B, head_dim]; the K/V pools of all layers, shared; "
+            "h_out [B, dim] the final normed states, logits [B, vocab] (0 = none). Returns (code, row): code 0, or "
+            "for the first row found wrong 1 for a bad block table entry, 2 for bad node bounds, 3 for a token "
+            "outside the vocabulary (nothing written then).")
         .def(
             "times",
             [](const d::Decoder& self) {

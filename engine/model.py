@@ -1,8 +1,9 @@
 """The hand-written Llama forward pass (RMSNorm, RoPE, GQA attention, SwiGLU), over any KV cache with `attend`.
 
 Weights are fused where that saves calls on the decode hot path: Q|K|V into one matrix, gate|up into one. With the
-cpu backend and GGUF-quantised projections a one-token step goes further: one C++ call runs every layer
-(`cpu_ops.Decoder`, the same kernels in the same order as the op-by-op forward, so the same numbers).
+cpu backend and GGUF-quantised projections a decode step (one new token, of one sequence or each of a batch) goes
+further: one C++ call runs every layer (`cpu_ops.Decoder`, the same kernels in the same order as the op-by-op forward,
+so the same numbers).
 
 bf16 models: weights, matmul inputs and outputs, and the KV cache are bf16; the residual stream, the norms and the
 logits stay fp32 (cheap, and it keeps top-1 agreement with fp32 above HF's all-bf16 forward). On CPUs without native bf16
@@ -119,10 +120,11 @@ class Llama:
             inv_freq = inv_freq / weights.get("rope_freqs", (config.head_dim // 2,))
         self.inv_freq = inv_freq
         self._cos = self._sin = torch.empty(0)
-        # One-token steps as one C++ call through all layers (`_decode_step`) where that applies; False runs them
-        # op by op like longer steps (the fused step gives the same numbers: a switch for tests and benchmarks).
+        # Decode steps (one token per sequence) as one C++ call through all layers (`_decode_step`) where that
+        # applies; False runs them op by op like longer steps (the fused step gives the same numbers: a switch for
+        # tests and benchmarks).
         self.fused_decode = True
-        self._decoder: object = None  # cpu_ops.Decoder, built on the first one-token step; False: not applicable
+        self._decoder: object = None  # cpu_ops.Decoder, built on the first decode step; False: not applicable
 
     def _layer(self, w: _WeightReader, p: str) -> Layer:
         c = self.config
@@ -158,7 +160,7 @@ class Llama:
         One token on the cpu backend with quantised projections runs fused (`_decode_step`), with the same results."""
         _check_logits(logits)
         if self.fused_decode and tokens.shape[0] == 1:
-            out = self._decode_step(tokens, cache, logits)
+            out = self._decode_step(tokens, CacheBatch([cache], [1]), logits)
             if out is not _UNFUSED:
                 return out
         T = tokens.shape[0]
@@ -169,8 +171,13 @@ class Llama:
 
     def forward_batch(self, tokens: torch.Tensor, batch: CacheBatch, logits: str | None = "last") -> torch.Tensor | None:
         """`forward` of several sequences at once: `tokens` holds batch.counts[i] new tokens of sequence i in turn.
-        Logits: "last" gives one row per sequence, "all" every row, None none."""
+        Logits: "last" gives one row per sequence, "all" every row, None none. One token per sequence runs fused
+        where `forward`'s one token would (`_decode_step`), with the same results."""
         _check_logits(logits)
+        if self.fused_decode and all(n == 1 for n in batch.counts):
+            out = self._decode_step(tokens, batch, logits)
+            if out is not _UNFUSED:
+                return out
         positions = batch.begin()
         rows = batch.keep_rows({"last": 1, "all": None, None: 0}[logits])
         if rows.shape[0] == tokens.shape[0]:
@@ -217,33 +224,38 @@ class Llama:
             return x if self.dtype == torch.float32 else x.to(self.dtype).float()
         return self.embed[tokens].float()
 
-    def _decode_step(self, tokens: torch.Tensor, cache: KVCache, logits: str | None):
-        """`forward` of one token as one C++ call through every layer (`cpu_ops.Decoder`: the same kernels in the
-        same order, so the same numbers, without ~10 Python calls and allocations per layer; a SmolLM2-135M token
-        took ~4 ms of them). Applies to the cpu backend (fp32) with GGUF-quantised projections in every layer, over
-        a `PagedKVCache`; returns _UNFUSED where it does not, for the op-by-op path to run (and raise its errors)."""
+    def _decode_step(self, tokens: torch.Tensor, batch: CacheBatch, logits: str | None):
+        """`forward_batch` of one token per sequence (of a batch of one for `forward`) as one C++ call through every
+        layer (`cpu_ops.Decoder`: the same kernels in the same order, so the same numbers, without ~10 Python calls
+        and allocations per layer, and one attention call per sequence and layer; a SmolLM2-135M token took ~4 ms of
+        them, a step of 8 Qwen2.5-0.5B sequences ~6 ms). Applies to the cpu backend (fp32) with GGUF-quantised
+        projections in every layer, over `PagedKVCache`s of one pool, up to QUANT_MAX_TOKENS sequences (beyond, the
+        op-by-op path's matmuls go dense, with other rounding); returns _UNFUSED where it does not, for the op-by-op
+        path to run (and raise its errors)."""
         dec = self._decoder
         if dec is None:
             dec = self._decoder = self._build_decoder()
-        if dec is False or type(cache) is not PagedKVCache or cache.ops is not self.ops:
+        caches = batch.caches
+        pool = getattr(caches[0], "pool", None)
+        if dec is False or len(caches) > QUANT_MAX_TOKENS or any(
+                type(c) is not PagedKVCache or c.ops is not self.ops or c.pool is not pool for c in caches):
             return _UNFUSED
-        token = int(tokens[0])
-        if not 0 <= token < dec.vocab:
+        ids = tokens.tolist()
+        if not all(0 <= t < dec.vocab for t in ids):
             return _UNFUSED
-        start = cache.begin(1)
-        cos, sin = self.rope(slice(start, start + 1))
-        pool = cache.pool
+        positions = batch.begin()
         want = logits is not None
-        out = torch.empty(1, dec.vocab) if want and dec.has_lm_head else None
-        # the cache's block table and node-mass target, as `PagedKVCache.attend` passes them to paged_attention
-        h = dec.step(token, cos, sin, pool.k, pool.v, cache.block_table, start + 1, *cache.collector, want, out)
-        cache.commit(1)
+        out = torch.empty(len(ids), dec.vocab) if want and dec.has_lm_head else None
+        # each cache's block table and node-mass target, as `PagedKVCache.attend` passes them to paged_attention
+        h = dec.step(ids, *self.rope(positions), pool.k, pool.v, [c.block_table for c in caches],
+                     (positions + 1).tolist(), [c.collector for c in caches], want, out)
+        batch.commit(len(ids))
         if not want:
             return None
         return out if out is not None else self.lm_head(h)
 
     def _build_decoder(self):
-        """The fused one-token step's C++ decoder, or False where it does not apply."""
+        """The fused decode step's C++ decoder, or False where it does not apply."""
         from ..kernels import cpu_ops
 
         if self.ops is not cpu_ops or self.dtype != torch.float32:

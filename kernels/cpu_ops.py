@@ -12,7 +12,7 @@ the scalar one (a testing hook).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -331,13 +331,14 @@ rope = rope_  # the name the forward's op table shares with `reference.rope` (wh
 
 
 class Decoder:
-    """One-token decode through every decoder layer in one C++ call (csrc/fused_decode.h): a Llama-family model with
-    GGUF block-quantised projections and fp32 activations, run as the op-by-op forward runs it (RMSNorm, the
-    quantised GEMVs, RoPE, `paged_attention` with optional node mass, SwiGLU, residual adds), on the same kernels in
-    the same order: the results are bit-identical to that path, minus ~10 wrapper calls and allocations per layer.
+    """A decode step (one new token for each of B sequences) through every decoder layer in one C++ call
+    (csrc/fused_decode.h): a Llama-family model with GGUF block-quantised projections and fp32 activations, run as
+    the op-by-op forward runs it (RMSNorm, the quantised matmuls, RoPE, `paged_attention` per sequence with optional
+    node mass, SwiGLU, residual adds), on the same kernels in the same order: the results are bit-identical to that
+    path, minus ~10 wrapper calls and allocations per layer (and one attention call per sequence and layer).
 
     Built once over the model's weights (checked here, referenced, and trusted by the C++ side afterwards: do not
-    modify them in place with other shapes); `step` runs one token.
+    modify them in place with other shapes); `step` runs one token per sequence.
     """
 
     def __init__(self, embed: torch.Tensor | QuantWeight, layers, final_norm: torch.Tensor, lm_head, *,
@@ -390,48 +391,56 @@ class Decoder:
         self.n_layers, self.vocab, self.dim = len(layers), vocab, dim
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.has_lm_head = lm_head is not None
-        self.hidden = torch.empty(1, dim, dtype=_F32)  # the final normed state, rewritten by every step
 
-    def step(self, token: int, cos: torch.Tensor, sin_signed: torch.Tensor, k_pages: torch.Tensor,
-             v_pages: torch.Tensor, block_table: torch.Tensor, end: int, node_bounds: torch.Tensor | None = None,
-             mass: torch.Tensor | None = None, want_out: bool = True,
-             logits: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run `token` at position end - 1: every layer stores its K/V there (the pages and block table as in
-        `paged_attention`, all layers' pages: [layers, n_pages, kv_heads, page_size, hd]) and attends over [0, end);
-        cos, sin_signed: that position's RoPE rows ([1, hd] or [hd], contiguous). mass [1, N] with node_bounds
-        ([N + 1] int32) is added to as `paged_attention` adds, summed over every layer. want_out=False: the last layer
-        only stores its K/V (and attends, when collecting mass), and nothing is returned. Otherwise returns `hidden`,
-        the final normed state [1, dim] (overwritten by the next step), and fills logits ([1, vocab] float32
-        contiguous; only with a quantised lm_head) when given."""
+    def step(self, tokens: Sequence[int], cos: torch.Tensor, sin_signed: torch.Tensor, k_pages: torch.Tensor,
+             v_pages: torch.Tensor, block_tables: Sequence[torch.Tensor], ends: Sequence[int],
+             collectors: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+             want_out: bool = True, logits: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run tokens[b] at position ends[b] - 1 of sequence b, for the B = len(tokens) sequences at once (rows of
+        one batch, as `Llama.forward_batch` stacks them; B = 1 is a one-token step): every layer stores each row's
+        K/V there (its pages and block table as in `paged_attention`; the pools are shared, all layers' pages:
+        [layers, n_pages, kv_heads, page_size, hd]) and attends over its [0, ends[b]); cos, sin_signed: those
+        positions' RoPE rows [B, hd], contiguous. collectors[b]: sequence b's (node_bounds [N + 1] int32, mass
+        [1, N]), mass added to as `paged_attention` adds, summed over every layer; (None, None) or collectors=None:
+        no mass. want_out=False: the last layer only stores its K/V (and attends for rows collecting mass), and
+        nothing is returned. Otherwise returns the final normed states [B, dim] and fills logits ([B, vocab]
+        float32 contiguous; only with a quantised lm_head) when given. Each row gets exactly the numbers of its
+        one-token step. Nothing is written if a token or a table is wrong."""
         fn = "Decoder.step"
-        c, hd = self._c, self.head_dim
+        hd = self.head_dim
+        rows = []  # per row: token, block table address and length, end, node bounds address and count, mass address
         try:
+            B = len(tokens)
+            collectors = collectors or [(None, None)] * B
             n_layers, n_pages, kv, page, hd_k = k_pages.shape
-            n_table = block_table.shape[0]
-            ok = (k_pages.dtype is _F32 and k_pages.is_cpu and k_pages.is_contiguous() and hd_k == hd
+            ok = (B >= 1 and len(block_tables) == len(ends) == len(collectors) == B
+                  and k_pages.dtype is _F32 and k_pages.is_cpu and k_pages.is_contiguous() and hd_k == hd
                   and n_layers == self.n_layers and kv == self.n_kv_heads
                   and v_pages.dtype is _F32 and v_pages.is_cpu and v_pages.shape == k_pages.shape
                   and v_pages.is_contiguous()
-                  and block_table.dtype is _I32 and block_table.is_cpu and block_table.dim() == 1
-                  and block_table.is_contiguous() and 1 <= end <= n_table * page
-                  and cos.dtype is _F32 and cos.is_cpu and cos.numel() == hd and cos.is_contiguous()
-                  and sin_signed.dtype is _F32 and sin_signed.is_cpu and sin_signed.numel() == hd
+                  and cos.dtype is _F32 and cos.is_cpu and cos.shape == (B, hd) and cos.is_contiguous()
+                  and sin_signed.dtype is _F32 and sin_signed.is_cpu and sin_signed.shape == (B, hd)
                   and sin_signed.is_contiguous()
-                  and (logits is None or (self.has_lm_head and want_out and _out_ok(logits, (1, self.vocab)))))
-            mass_ok, n_nodes, bp, mp = _mass_args(node_bounds, mass, 1)
-            ok = ok and mass_ok
+                  and (logits is None or (self.has_lm_head and want_out and _out_ok(logits, (B, self.vocab)))))
+            for token, table, end, (bounds, mass) in zip(tokens, block_tables, ends, collectors):
+                mass_ok, n_nodes, bp, mp = _mass_args(bounds, mass, 1)
+                ok = (ok and mass_ok and table.dtype is _I32 and table.is_cpu and table.dim() == 1
+                      and table.is_contiguous() and 1 <= end <= table.shape[0] * page)
+                rows += (token, table.data_ptr(), table.shape[0], end, bp, n_nodes, mp)
         except _BAD:
             ok = False
         if not ok:
             raise ValueError(f"{fn}: invalid arguments (check them with paged_attention, which names the wrong one)")
-        status = c.step(token, cos.data_ptr(), sin_signed.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), n_pages,
-                        page, block_table.data_ptr(), n_table, end, bp, n_nodes, mp, want_out,
-                        self.hidden.data_ptr(), 0 if logits is None else logits.data_ptr(), torch.get_num_threads())
+        hidden = torch.empty(B, self.dim, dtype=_F32) if want_out else None
+        status, bad = self._c.step(rows, cos.data_ptr(), sin_signed.data_ptr(), k_pages.data_ptr(),
+                                   v_pages.data_ptr(), n_pages, page, want_out,
+                                   0 if hidden is None else hidden.data_ptr(),
+                                   0 if logits is None else logits.data_ptr(), torch.get_num_threads())
         if status == 3:
-            raise ValueError(f"{fn}: token {token} is outside the vocabulary [0, {self.vocab})")
+            raise ValueError(f"{fn}: token {tokens[bad]} is outside the vocabulary [0, {self.vocab})")
         if status:
-            _explain_tables("paged_attention", status, k_pages, block_table, end, node_bounds)
-        return self.hidden if want_out else None
+            _explain_tables("paged_attention", status, k_pages, block_tables[bad], ends[bad], collectors[bad][0])
+        return hidden
 
     def times(self) -> dict[str, float]:
         """Seconds spent in each part of the steps (wqkv, rope, attention, wo, w13, w2, norms+silu, lm_head) since

@@ -1,8 +1,9 @@
-"""The fused one-token decode step (cpu_ops.Decoder, csrc/fused_decode.cpp) on tiny GGUF models: the same logits,
-K/V and node mass as the op-by-op forward (bit for bit; asserted to 1e-5 relative), HF's logits to 1e-4, for
-q8_0 / q4_1 / q4_0 weights, mixed types within fused projections (as Qwen2.5's GGUFs have), GQA / MQA / MHA, tied and
-untied heads and qkv biases (qwen2); when it applies and when the op-by-op path runs instead; and on the real
-Qwen2.5-0.5B GGUF against its dense path."""
+"""The fused decode step (cpu_ops.Decoder, csrc/fused_decode.cpp) on tiny GGUF models: the same logits, K/V and node
+mass as the op-by-op forward (bit for bit; asserted to 1e-5 relative), HF's logits to 1e-4, for q8_0 / q4_1 / q4_0
+weights, mixed types within fused projections (as Qwen2.5's GGUFs have), GQA / MQA / MHA, tied and untied heads and
+qkv biases (qwen2); batches of sequences (one token each) against their one-token steps and the op-by-op batch; bad
+inputs, alone or in a batch, which leave every cache as it was; when it applies and when the op-by-op path runs
+instead; and on the real Qwen2.5-0.5B GGUF against its dense path."""
 from __future__ import annotations
 
 import random
@@ -14,8 +15,12 @@ import torch
 from conftest import new_cache, tiny_engine, tiny_hf_model, write_tiny_gguf
 from numerics import hf_attention
 from nodekv import _C
+from nodekv.engine.cache_batch import CacheBatch
+from nodekv.engine.errors import PoolExhaustedError
+from nodekv.engine.kv_cache import PagedKVCache
 from nodekv.engine.loader import _hf_canonical, load_checkpoint
-from nodekv.engine.model import Linear, Llama
+from nodekv.engine.model import QUANT_MAX_TOKENS, Linear, Llama
+from nodekv.engine.page_pool import PagePool
 from nodekv.kernels import cpu_ops, reference
 from nodekv.kernels.quant import QuantStack, QuantWeight
 
@@ -306,10 +311,10 @@ def test_bad_inputs_raise_as_op_by_op(tmp_path):
     dec = model._decoder
     cache.begin(1)
     with pytest.raises(ValueError, match="Decoder.step: invalid arguments"):
-        dec.step(4, torch.zeros(3), torch.zeros(3), cache.pool.k, cache.pool.v, cache._table, 4)
+        dec.step([4], torch.zeros(1, 3), torch.zeros(1, 3), cache.pool.k, cache.pool.v, [cache._table], [4])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         cos, sin = model.rope(slice(3, 4))
-        dec.step(101, cos, sin, cache.pool.k, cache.pool.v, cache._table, 4)
+        dec.step([101], cos, sin, cache.pool.k, cache.pool.v, [cache._table], [4])
     cache.truncate(3)
     # still usable: the next step matches a fresh run
     got = model.forward(torch.tensor([4]), cache)
@@ -329,3 +334,188 @@ def test_profile_counters(tmp_path):
     assert all(t >= 0 for t in times.values()) and sum(times.values()) > 0
     model._decoder.reset_times()
     assert sum(model._decoder.times().values()) == 0
+
+
+def _batch_caches(model, n: int, seed: int, page_size: int = 4) -> list[PagedKVCache]:
+    """n caches of different lengths in one pool of their own, prefilled op by op: every third one forked from a
+    shared base of 13 tokens (its last page partly filled, so the first write copies it) and continued, the others
+    fresh."""
+    rng = random.Random(seed)
+    pool = PagePool(model.config, model.dtype, 200, page_size)
+    base = PagedKVCache(pool, model.ops)
+    model.forward(torch.randint(0, 100, (13,), generator=torch.Generator().manual_seed(seed)), base, logits=None)
+    caches = []
+    for i in range(n):
+        cache = base.fork() if i % 3 == 1 else PagedKVCache(pool, model.ops)
+        model.forward(torch.tensor([rng.randrange(100) for _ in range(rng.randint(1, 20))]), cache, logits=None)
+        caches.append(cache)
+    return caches
+
+
+def _batched_decode(model, n: int, how: str, steps: int = 6):
+    """`steps` decode steps of one token in each of n caches (`_batch_caches`), "fused" / "op-by-op" as one
+    forward_batch per step, "alone" as n one-token forwards (fused); rows 0, 3, 6 collect node mass from step 1 on,
+    and steps 1 and 4 take no logits. Returns the logits of each step [n, vocab] (None when not taken), each row's
+    mass per step and each cache's K/V."""
+    model.fused_decode = how != "op-by-op"
+    caches = _batch_caches(model, n, seed=n)
+    rng = random.Random(100 + n)
+    logits, masses = [], []
+    for step in range(steps):
+        tokens = torch.tensor([rng.randrange(100) for _ in range(n)])
+        want = None if step % 3 == 1 else "last"
+        step_mass = {}
+        for b, cache in enumerate(caches):
+            if b % 3 == 0 and step >= 1:
+                end = cache.length + 1
+                step_mass[b] = torch.zeros(1, 2)
+                cache.collect(torch.tensor([0, end // 2, end], dtype=torch.int32), step_mass[b])
+        if how == "alone":
+            outs = [model.forward(tokens[b:b + 1], cache, want) for b, cache in enumerate(caches)]
+            logits.append(None if want is None else torch.cat(outs))
+        else:
+            logits.append(model.forward_batch(tokens, CacheBatch(caches, [1] * n), want))
+        for cache in caches:
+            cache.collect(None, None)
+        masses.append(step_mass)
+    return logits, masses, [_kv(c) for c in caches]
+
+
+@pytest.mark.parametrize("n,qtype,kind,n_kv_heads", [(2, "q4_1", "llama", 2), (3, "q8_0", "qwen2", 1),
+                                                      (8, "q4_0", "llama", 2)])
+def test_fused_batch_equals_one_token_steps_and_op_by_op(n, qtype, kind, n_kv_heads, tmp_path, monkeypatch):
+    _, path = _gguf(tmp_path, qtype, kind, n_kv_heads=n_kv_heads)
+    model = _model(path)
+    rows = []  # B of every fused step
+    step = cpu_ops.Decoder.step
+    monkeypatch.setattr(cpu_ops.Decoder, "step", lambda self, ids, *a: rows.append(len(ids)) or step(self, ids, *a))
+    fused = _batched_decode(model, n, "fused")
+    assert rows.count(n) == 6  # every batched step ran as one call
+    for other in (_batched_decode(model, n, "alone"), _batched_decode(model, n, "op-by-op")):
+        for got, want in zip(fused[0], other[0]):
+            assert (got is None and want is None) or torch.equal(got, want)
+        for got, want in zip(fused[1], other[1]):
+            assert got.keys() == want.keys() and all(torch.equal(got[b], want[b]) for b in got)
+        for (k, v), (k2, v2) in zip(fused[2], other[2]):
+            assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert any(fused[1]) and all(m.sum() > 0 for step in fused[1] for m in step.values())
+
+
+def test_fused_batch_falls_back_to_op_by_op(tmp_path):
+    """Caches of two pools, or more sequences than the quantised matmuls take (the op-by-op path's go dense there),
+    run op by op."""
+    _, path = _gguf(tmp_path, "q8_0")
+    model = _model(path)
+    model.forward(torch.tensor([1]), new_cache(model))  # builds the decoder
+    dec = model._decoder
+    for caches in ([new_cache(model), new_cache(model)],
+                   [PagedKVCache(new_cache(model).pool, model.ops) for _ in range(QUANT_MAX_TOKENS + 1)]):
+        for c in caches:
+            model.forward(torch.tensor([5, 6]), c, logits=None)
+        dec.reset_times()
+        model.forward_batch(torch.arange(len(caches)), CacheBatch(caches, [1] * len(caches)))
+        assert sum(dec.times().values()) == 0
+
+
+def _pool_bits(pool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool's K and V bit patterns (its unused rows are uninitialised memory, maybe NaNs)."""
+    return pool.k.view(torch.int32).clone(), pool.v.view(torch.int32).clone()
+
+
+def _unwritten(pool, bits) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(_pool_bits(pool), bits))
+
+
+def _same_kv(caches, kvs) -> bool:
+    """The caches hold `kvs` (their `_kv` from before), no more and no less."""
+    return all(torch.equal(a, b) for c, kv in zip(caches, kvs) for a, b in zip(_kv(c), kv))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_bad_inputs_in_a_batch_raise_as_op_by_op(fused, tmp_path):
+    """A bad token, block table or node bounds in one row raises the op-by-op path's error, naming the problem; the
+    fused step writes nothing at all (the op-by-op one has stored the K/V of the rows before the bad one)."""
+    _, path = _gguf(tmp_path, "q4_1")
+    model = _model(path)
+    caches = _batch_caches(model, 3, seed=7)
+    pool = caches[0].pool
+    model.fused_decode = fused
+    lengths, kvs = [c.length for c in caches], [_kv(c) for c in caches]
+
+    def run(tokens, error, match=None, corrupt=lambda: None):
+        for c in caches:  # the step's reservation (which copies a shared last page) first, kept by the step
+            c.begin(1)
+        corrupt()
+        bits = _pool_bits(pool)
+        with pytest.raises(error, match=match):
+            model.forward_batch(torch.tensor(tokens), CacheBatch(caches, [1] * 3))
+        if fused:  # not one K/V row written
+            assert _unwritten(pool, bits)
+        for c, n in zip(caches, lengths):  # as Engine.run_batch does on errors
+            c.truncate(n)
+
+    run([1, 101, 2], IndexError)  # outside the vocabulary: the embedding lookup raises (the fused step defers)
+    run([1, 2, 3], ValueError, r"block_table\[0\] = 10000 is not a page",  # in the last row
+        corrupt=lambda: caches[2].block_table.__setitem__(0, 10_000))
+    # bad node bounds in the middle row
+    caches[1].collect(torch.tensor([0, 2, 2, caches[1].length + 1], dtype=torch.int32), torch.zeros(1, 3))
+    run([1, 2, 3], ValueError, "node_bounds must rise strictly")
+    caches[1].collect(None, None)
+    assert [c.length for c in caches] == lengths and _same_kv(caches, kvs)
+    # still usable: the next step matches fresh caches'
+    got = model.forward_batch(torch.tensor([4, 5, 6]), CacheBatch(caches, [1] * 3))
+    fresh = _batch_caches(model, 3, seed=7)
+    assert torch.equal(got, model.forward_batch(torch.tensor([4, 5, 6]), CacheBatch(fresh, [1] * 3)))
+
+
+def test_decoder_names_the_bad_row(tmp_path):
+    _, path = _gguf(tmp_path, "q8_0")
+    model = _model(path)
+    caches = _batch_caches(model, 3, seed=2)
+    model.forward_batch(torch.tensor([1, 2, 3]), CacheBatch(caches, [1] * 3))  # builds the decoder
+    dec, pool = model._decoder, caches[0].pool
+    ends = [c.begin(1) + 1 for c in caches]
+    cos, sin = model.rope(torch.tensor(ends) - 1)
+    tables = [c.block_table for c in caches]
+    bits = _pool_bits(pool)
+    with pytest.raises(ValueError, match="token 101 is outside the vocabulary"):
+        dec.step([1, 2, 101], cos, sin, pool.k, pool.v, tables, ends)
+    with pytest.raises(ValueError, match="Decoder.step: invalid arguments"):  # RoPE rows for 2 of 3 rows
+        dec.step([1, 2, 3], cos[:2], sin[:2], pool.k, pool.v, tables, ends)
+    bad = tables[1].clone()
+    bad[-1] = -1
+    with pytest.raises(ValueError, match=rf"block_table\[{len(bad) - 1}\] = -1 is not a page"):
+        dec.step([1, 2, 3], cos, sin, pool.k, pool.v, [tables[0], bad, tables[2]], ends)
+    with pytest.raises(ValueError, match="node_bounds must rise strictly"):
+        dec.step([1, 2, 3], cos, sin, pool.k, pool.v, tables, ends,
+                 [(None, None), (None, None), (torch.tensor([0, ends[2]], dtype=torch.int32) - 1, torch.zeros(1, 1))])
+    assert _unwritten(pool, bits)
+
+
+def test_engine_batch_failures_leave_every_session(tmp_path):
+    """Engine.run_batch over the fused step: an error in one row (bad node bounds; an exhausted pool) leaves every
+    session's cache as it was, and the batch runs afterwards."""
+    _, path = _gguf(tmp_path, "q8_0")
+    eng = tiny_engine(path, pages=14, page_size=4)
+    sessions = [eng.session() for _ in range(3)]
+    for s, n in zip(sessions, (8, 6, 4)):
+        s.append(list(range(1, n + 1)))  # 2 + 2 + 1 pages; the first and last need a new one for their next token
+    caches = [s.cache for s in sessions]
+    states, kvs = [c.state() for c in caches], [_kv(c) for c in caches]
+
+    def fails(error, match=None):
+        refcount = eng.pool.refcount[:]
+        with pytest.raises(error, match=match):
+            eng.run_batch([[1], [2], [3]], caches, decode=True)
+        assert [c.state() for c in caches] == states and eng.pool.refcount == refcount and _same_kv(caches, kvs)
+
+    caches[2].collect(torch.tensor([0, 2, 2, 5], dtype=torch.int32), torch.zeros(1, 3))
+    fails(ValueError, "node_bounds must rise strictly")
+    caches[2].collect(None, None)
+    hog = eng.session()
+    hog.append(list(range(1, 33)))  # takes 8 of the 9 free pages: the first session gets the last, the third none
+    fails(PoolExhaustedError)
+    hog.release()
+    assert eng.model._decoder is not None
+    outs, _ = eng.run_batch([[1], [2], [3]], caches, decode=True)
+    assert [c.length for c in caches] == [9, 7, 5] and all(o.shape == (1, 101) for o in outs)
