@@ -203,16 +203,21 @@ def _token_mask(ids: Collection[int], vocab: int) -> torch.Tensor:
 def step(engine: "Engine", states: Sequence[GenerationState]) -> list[GenerationState]:
     """Advance every unfinished state by one token, all of them in one forward; returns those still running.
     If the forward fails, no state has advanced (every session is as it was before this step)."""
-    chosen = [(st, t) for st in states if not st.done for t in [st.choose()] if t is not None]
-    if chosen:
-        caches = [st.session.cache for st, _ in chosen]
-        try:
-            outs, flops = engine.run_batch([[t] for _, t in chosen], caches, decode=True)
-        finally:
-            for cache in caches:
-                cache.collect(None, None)
-        for (st, t), logits, f in zip(chosen, outs, flops):
-            st.accept(t, logits[-1], f)
+    chosen: list[tuple[GenerationState, int]] = []
+    outs, flops = [], []
+    try:
+        for st in states:
+            token = None if st.done else st.choose()
+            if token is not None:
+                chosen.append((st, token))
+        if chosen:
+            outs, flops = engine.run_batch([[t] for _, t in chosen], [st.session.cache for st, _ in chosen],
+                                           decode=True)
+    finally:  # collection targets are per forward
+        for st, _ in chosen:
+            st.session.cache.collect(None, None)
+    for (st, t), logits, f in zip(chosen, outs, flops):
+        st.accept(t, logits[-1], f)
     return [st for st in states if not st.done]
 
 

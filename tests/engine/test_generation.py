@@ -185,3 +185,21 @@ def test_a_busy_session_refuses_other_work_until_cancelled(tiny):
     state.cancel()
     assert (s.cache.state(), eng.pool.refcount) == before and state.done and state.result is None
     assert len(s.generate(2).ids) == 2
+
+
+def test_a_failing_processor_leaves_the_sessions_as_they_were(tiny):
+    _, eng = tiny
+    s, t = eng.session(), eng.session()
+    s.append(PROMPT)
+    t.append(PROMPT[:3])
+    before = [(x.cache.state(), list(x.tokens), list(x.nodes)) for x in (s, t)]
+
+    def fails_later(ids, logits):
+        if len(ids) == 2:
+            raise RuntimeError("processor failed")
+        return logits
+
+    with pytest.raises(RuntimeError, match="processor failed"):
+        eng.generate_batch([s, t], 5, collect=True, logits_processors=[fails_later])
+    assert [(x.cache.state(), x.tokens, x.nodes) for x in (s, t)] == before
+    assert not s.cache.collecting and not t.cache.collecting and s._generation is None
