@@ -29,9 +29,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	mkdir -p build
 	# the whole story in context, then PECAN's graph and search on the same question
-	$(VENV)/bin/nodekv ask examples/lost_in_translation.txt "What race has captured Korvin?"
+	$(VENV)/bin/nodekv ask examples/lost_in_translation.txt "What race has captured Korvin?" --prompt narrativeqa
 	$(VENV)/bin/nodekv index examples/lost_in_translation.txt -o build/demo.pecan --export build/demo.html
-	$(VENV)/bin/nodekv ask build/demo.pecan "What race has captured Korvin?" --trace
+	$(VENV)/bin/nodekv ask build/demo.pecan "What race has captured Korvin?" --prompt narrativeqa --trace
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q

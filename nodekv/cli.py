@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from nodekv.engine.registry import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
+from nodekv.methods.prompts import PROMPTS, prompt_for
 
 MODEL_HELP = f"a registered name (`nodekv models`), HF directory or .gguf file (default: {DEFAULT_MODEL})"
 
@@ -70,7 +71,6 @@ def _index(args: argparse.Namespace) -> int:
 def _ask(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods import get
-    from nodekv.methods.prompts import prompt_for
 
     doc = Path(args.document)
     if not doc.is_file():
@@ -83,7 +83,8 @@ def _ask(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     eng = load_engine(args.model, dtype=args.dtype, threads=args.threads)
     t1 = time.perf_counter()
-    method = method_class(eng, prompt=replace(prompt_for(""), max_new_tokens=args.max_new_tokens), **options)
+    prompt = replace(prompt_for(args.prompt), max_new_tokens=args.max_new_tokens)
+    method = method_class(eng, prompt=prompt, **options)
     before = eng.flops.total
     with eng.flops.scope("index"):
         index = method.load_index(doc) if saved else method.index(text)
@@ -274,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--model", default=None, help=MODEL_HELP)
     ask.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ask.add_argument("--prompt", default="", choices=sorted(PROMPTS), metavar="DATASET",
+                     help="answer in this dataset's prompt, e.g. narrativeqa for a story (default: the generic "
+                          "document-QA one)")
     ask.add_argument("--max-new-tokens", type=int, default=64)
     ask.add_argument("--threads", type=int, default=None)
     ask.set_defaults(func=_ask)
