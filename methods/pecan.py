@@ -33,7 +33,7 @@ PROMPT_STYLES = ("paper", "restate")
 # App. E: the confidence threshold t_p the paper used per dataset with Llama-3.1-8B (t_n = 1 throughout).
 PAPER_T_P = {"narrativeqa": 0.5, "qasper": 0.98, "hotpotqa": 0.5, "musique": 0.55}
 # The options a graph depends on (the others only steer the search), so that ablations of the search share one index.
-INDEX_OPTIONS = ("chunk_tokens", "batch_tokens", "summary_tokens", "max_levels", "ip_graph")
+INDEX_OPTIONS = ("chunk_tokens", "batch_tokens", "summary_tokens", "max_levels", "ip_graph", "prime_summary")
 GRAPH_WRITERS = {".graphml": to_graphml, ".html": to_html}
 
 
@@ -59,8 +59,11 @@ class Pecan(Method, name="pecan", title="PECAN"):
         Option("dynamic", bool, True, "false: w/o dynamic progress control (no probes, fixed_nodes retrieved)"),
         Option("fixed_nodes", int, 4, "nodes retrieved beyond the top level when dynamic is false", low=0),
         Option("ip_graph", bool, True, "false: w/o IP graph (each batch summarised into one node, RAPTOR-like)"),
+        Option("prime_summary", bool, True, "the summary turn starts with '* ' (false: the paper's bare turn)"),
         Option("prompt_style", str, "paper", "restate: the probe and the answer turn repeat the question",
                choices=PROMPT_STYLES),
+        Option("candidates", str, "all", "all: every unvisited node is scored (§3.2.2); successors: children of "
+               "visited nodes first", choices=("all", "successors")),
     )
     can_save = True
     exports = {".graphml": "the graph as GraphML", ".html": "the graph drawn in an HTML page"}
@@ -113,7 +116,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
     def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
                probe: bool = True) -> Iterator[dict]:
         """Prefill the first turn and the query into the empty session `s`, then append nodes one at a time, top
-        level first, then by z + similarity; yield a step after each append: {"node", "level", "z", "r"}, plus
+        level first, then by z + similarity; yield a step after each append: {"node", "level", "r"}, for a picked
+        node also "z", "sim" and "by_sim" (the node similarity alone would have picked), plus
         "p_yes" from a rolled-back probe once the whole top level is in (when `probe`). Ends with a step
         {"stop": "budget" | "graph exhausted" | "context full"} unless the caller stops first; "context full" when
         the next node would leave no room in the window for the probe, the second turn and the answer."""
@@ -133,15 +137,16 @@ class Pecan(Method, name="pecan", title="PECAN"):
         visited, query_mass = [], []
         pending, n_top = list(graph.top_level), len(graph.top_level)
         while True:
+            why = {}
             if pending:
-                node, z = pending.pop(0), None
+                node = pending.pop(0)
             else:
                 picked = next_node(graph, visited, dict(zip(visited, positional_relevance(query_mass))), sim,
-                                   cfg.attention, cfg.embedding)
+                                   cfg.attention, cfg.embedding, successors_only=cfg.candidates == "successors")
                 if picked is None or len(visited) - n_top >= self._limit():
                     yield {"stop": "graph exhausted" if picked is None else "budget"}
                     return
-                node, z = picked
+                node, why = picked.node, {"z": picked.z, "sim": picked.similarity, "by_sim": picked.by_similarity}
             ids = tok.encode("* " + graph.nodes[node].text.strip() + "\n")
             if len(s) + len(ids) > room:
                 yield {"stop": "context full"}
@@ -149,7 +154,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
             s.append(ids, node_id=node, collect=True)
             visited.append(node)
             query_mass.append(float(s.token_mass(node)[:, 1].mean()) / q_len)  # node -> query, token-to-node mean
-            step = {"node": node, "level": graph.nodes[node].level, "z": z, "r": query_mass[-1]}
+            step = {"node": node, "level": graph.nodes[node].level, **why, "r": query_mass[-1]}
             if probe and not pending:  # probes start once the whole top level is in
                 step["p_yes"] = s.probe(["Yes", "No"], tokens=probe_ids)["Yes"]
             yield step
@@ -195,7 +200,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
                 lines.append(f"stop: {step['stop']}")
                 continue
             node = index.graph.nodes[step["node"]]
-            z = "" if step["z"] is None else f" z={step['z']:.3f}"
+            z = f" z={step['z']:.2e} sim={step['sim']:.3f}" if "z" in step else ""
             p = f" p_yes={step['p_yes']:.3f}" if "p_yes" in step else ""
             lines.append(f"  #{node.id} L{node.level}{z} r={step['r']:.4f}{p}  {' '.join(node.text.split())[:70]}")
         return lines

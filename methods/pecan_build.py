@@ -3,8 +3,10 @@
 Level-1 nodes are chunks of ~300 tokens; nodes are batched in order while the batch fits in s tokens (capped by the
 window); each batch is summarised into bullet-point information points (IPs), generated with decode-time attention
 collection, and each IP becomes a node one level up with edges to the batch's nodes (token-to-node mean attention
-over the IP's tokens, normalised). Stopping rule: levels repeat until a level fits in one batch (its summary is the
-top level), or a level does not shrink, or `max_levels` is reached. A batch whose summary yields no usable point
+over the IP's tokens, normalised). Stopping rule (§3.1): levels repeat until a level fits in one batch of s tokens
+(its summary is the top level) or `max_levels` is reached. Size is measured in tokens, not nodes: a batch of long
+chunks often gives more, much shorter IPs, and counting nodes would stop there with a top level of many batches,
+which the search then appends in document order until the window is full. A batch whose summary yields no usable point
 (empty, or only repeats and loops) has its nodes carried up unchanged; when no batch of a level yields one, the
 level below is the top.
 """
@@ -19,7 +21,7 @@ from .pecan_graph import Graph, edge_weights, looping, parse_ips
 from .retrieval import text_chunk_spans
 
 # Part of every index's key: bump it when a change here changes the graphs built from the same options.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 
 SUMMARY_PROMPT = (
     "Summary the following information. Each segment is separated by a new line symbol.\n\n{}\nSplit your summary "
@@ -28,6 +30,9 @@ SUMMARY_PROMPT = (
     "summary points. In each summary point, try to avoid using pronouns like he/she/they and instead use full names. "
     "Generate in the format of:\n* summary point\n* summary point\n* summary point\n\nDo not provide any explanation "
     "and start the summary directly.")
+
+
+PRIMER = "* "  # the start of the summary's first bullet, when prime_summary
 
 
 class GraphBuilder:
@@ -59,19 +64,33 @@ class GraphBuilder:
                 if not ips:  # the level must still cover this batch: its nodes go up unchanged
                     log.append(f"level {depth} batch of nodes {batch[0]}..{batch[-1]}: inputs carried up")
                 upper += ips or [self._carry(graph, i, depth) for i in batch]
-            log.append(f"level {depth}: {len(upper)} nodes from {len(level)} in {len(batches)} batches")
-            if len(batches) == 1 or not upper or len(upper) >= len(level):
+            sizes = self._tokens(graph, level), self._tokens(graph, upper)
+            log.append(f"level {depth}: {len(upper)} nodes ({sizes[1]} tokens) from {len(level)} ({sizes[0]} tokens) "
+                       f"in {len(batches)} batches")
+            if len(batches) == 1:
                 break
+            if sizes[1] >= sizes[0]:
+                log.append(f"level {depth}: did not shrink in tokens")
             level = upper
+        else:
+            log.append(f"max_levels {cfg.max_levels} reached: the top level spans "
+                       f"{len(self._batches(graph, level, budget))} batches")
         return graph, log
 
     def _summary_pieces(self) -> list[str]:
         return chat_pieces(self.engine, [{"role": "user", "content": SUMMARY_PROMPT}])
 
+    def _input_ids(self, graph: Graph, i: int) -> list[int]:
+        """Node i as an input of a summary: one bullet, as Table A1 shows them."""
+        return self.engine.tokenizer.encode("* " + " ".join(graph.nodes[i].text.split()) + "\n")
+
+    def _tokens(self, graph: Graph, level: list[int]) -> int:
+        return sum(len(self._input_ids(graph, i)) for i in level)
+
     def _batches(self, graph: Graph, level: list[int], budget: int) -> list[list[int]]:
-        tok, batches, size = self.engine.tokenizer, [[]], 0
+        batches, size = [[]], 0
         for i in level:
-            n = len(tok.encode(graph.nodes[i].text + "\n"))
+            n = len(self._input_ids(graph, i))
             if batches[-1] and size + n > budget:
                 batches.append([])
                 size = 0
@@ -88,13 +107,14 @@ class GraphBuilder:
         with eng.session() as s:
             s.append(tok.encode(head, parse_special=True), node_id="head")
             for i in batch:
-                lengths.append(len(s.append(tok.encode(graph.nodes[i].text + "\n"), node_id=i)))
-            s.append(tok.encode(tail, parse_special=True), node_id="tail")
+                lengths.append(len(s.append(self._input_ids(graph, i), node_id=i)))
+            # priming the answer with the first bullet keeps small models from answering in prose or with a preamble
+            s.append(tok.encode(tail + PRIMER if cfg.prime_summary else tail, parse_special=True), node_id="tail")
             summary = s.generate(cfg.summary_tokens, node_id="summary", collect=True)
             text, generated = summary.text, summary.ids
             mass = s.token_mass("summary")[:, 1:1 + len(batch)] if generated else None
         if cfg.ip_graph:
-            ips, how, dropped = parse_ips(text)
+            ips, how, dropped = parse_ips(PRIMER + text if cfg.prime_summary else text)
             if dropped:
                 log.append(f"{where}: {dropped} repeated, looping or too-short points dropped, {len(ips)} kept")
         else:

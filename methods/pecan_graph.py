@@ -67,8 +67,13 @@ def positional_relevance(query_mass: list[float]) -> list[float]:
     return [m * (k + 2) for k, m in enumerate(query_mass)]
 
 
-_BULLET = re.compile(r"^\s*(?:[-*•·‣▪–—]|\d{1,3}[.)]|\(\d{1,3}\)|[a-zA-Z][.)])\s+(.*\S)\s*$")
+# a bullet or number, then possibly a number inside it ("* 1. ..." when the summary is primed with "* ")
+_BULLET = re.compile(r"^\s*(?:[-*•·‣▪–—]|\d{1,3}[.)]|\(\d{1,3}\)|[a-zA-Z][.)])\s+(?:\d{1,3}[.)]\s+)?(.*\S)\s*$")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'])")
+
+
+# the prompt's own format lines, which small models copy into their summaries
+PLACEHOLDERS = {"summary point", "summary point.", "information point"}
 
 
 def looping(text: str, n: int = 3, min_words: int = 12) -> bool:
@@ -93,23 +98,37 @@ def parse_ips(text: str, min_chars: int = 8) -> tuple[list[str], str, int]:
     ips, keys = [], set()
     for ip in found:
         key = " ".join(ip.lower().split())
-        if len(ip.strip()) >= min_chars and key not in keys and not looping(ip):
+        if len(ip.strip()) >= min_chars and key not in keys and not looping(ip) and key not in PLACEHOLDERS:
             keys.add(key)
             ips.append(ip.strip())
     return ips, how if ips else "empty", len(found) - len(ips)
 
 
+@dataclass(frozen=True)
+class Pick:
+    """The search's next node and why: its z (Eq. 1; 0 for a node no visited node points to), its similarity to
+    the query, and the node similarity alone would have picked among the same candidates."""
+
+    node: int
+    z: float
+    similarity: float
+    by_similarity: int
+
+
 def next_node(graph: Graph, visited: list[int], relevance: dict[int, float], similarity: dict[int, float],
-              attention: bool = True, embedding: bool = True) -> tuple[int, float] | None:
+              attention: bool = True, embedding: bool = True, successors_only: bool = False) -> Pick | None:
     """The unvisited node with the highest z_i (Eq. 1, when `attention`) + embedding similarity to the query (when
-    `embedding`), among the children of visited nodes, or among all unvisited nodes when no child is left.
-    Ties go to the lower id. None when every node is visited."""
+    `embedding`). Candidates are every unvisited node, as §3.2.2 scores all of V (a node no visited node points to
+    has z = 0 and can still be reached by similarity); `successors_only`: the children of visited nodes, or every
+    unvisited node when no child is left. Ties go to the lower id. None when every node is visited."""
     seen = set(visited)
     z = scores(graph, visited, relevance)
-    candidates = [i for i in z if i not in seen] or [i for i in graph.nodes if i not in seen]
+    unvisited = [i for i in graph.nodes if i not in seen]
+    candidates = (successors_only and [i for i in unvisited if i in z]) or unvisited
     if not candidates:
         return None
     total = {i: (z.get(i, 0.0) if attention else 0.0) + (similarity.get(i, 0.0) if embedding else 0.0)
              for i in candidates}
     best = min(candidates, key=lambda i: (-total[i], i))
-    return best, total[best]
+    by_similarity = min(candidates, key=lambda i: (-similarity.get(i, 0.0), i))
+    return Pick(best, z.get(best, 0.0), similarity.get(best, 0.0), by_similarity)

@@ -1,5 +1,6 @@
-"""PECAN on SmolLM2 over a tiny document: the index survives save/load with the same answer and trace, bad index
-files are refused with a clear error, empty documents are refused, and the graph exports."""
+"""PECAN on SmolLM2 (and on the default model where attention must be sharp) over a tiny document: the index
+survives save/load with the same answer and trace, bad index files are refused with a clear error, empty documents
+are refused, the graph exports, and the trace keeps z and similarity apart."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,13 @@ def built():
     eng = nodekv.load_engine("smollm2-135m")
     method = Pecan(eng, chunk_tokens=40, batch_tokens=120, summary_tokens=80, answer_tokens=24, node_budget=3)
     return eng, method, method.index(DOC)
+
+
+@pytest.fixture(scope="module")
+def default_engine():
+    import nodekv
+
+    return nodekv.load_engine()
 
 
 def test_graph_has_levels_and_normalised_edges(built):
@@ -89,14 +97,14 @@ CHOIR = ("The Hollin choir sings in the chapel on Sunday mornings. It has forty 
          "bought from a church in the city of York.")
 
 
-def test_the_ip_stating_a_planted_fact_points_to_its_chunk(built):
-    """Acceptance 2: the bell is mentioned in one chunk only; the IP that states it must weigh that chunk most.
-    SmolLM2's attention gives every chunk a baseline share that depends on its position (here the first chunk
-    gets ~0.27 from every IP, the planted third ~0.1), so the planted chunk's weight is checked against both the
-    other chunks and the weight the other IPs give it."""
+def test_the_ip_stating_a_planted_fact_points_to_its_chunk(default_engine):
+    """Acceptance 2: the bell is mentioned in one chunk only; the IP that states it must weigh that chunk most,
+    both against the other chunks and against the weight the other IPs give it. On the default model (qwen2.5-0.5b)
+    the stating IP gives its chunk ~0.65; SmolLM2-135M's attention is too diffuse for the check (with Table A1's
+    bulleted inputs every chunk gets ~0.25 from every IP)."""
     from nodekv.methods.pecan import Pecan
 
-    eng = built[0]
+    eng = default_engine
     index = Pecan(eng, chunk_tokens=40, batch_tokens=2000, summary_tokens=200).index(
         "\n\n".join([TOWN, FIELDS, BELL, CHOIR]) + "\n")
     chunks = sorted(i for i, n in index.graph.nodes.items() if n.level == 1)
@@ -191,3 +199,17 @@ def test_restated_prompts_leave_the_search_order_and_relevance_unchanged(built):
     assert len(steps[0]) >= 2 and steps[0] == steps[1]
     with pytest.raises(ValueError, match="prompt_style"):
         Pecan(eng, prompt_style="terse")
+
+
+def test_the_trace_carries_z_and_similarity_apart(built):
+    from nodekv.methods.pecan import Pecan
+
+    eng, method, index = built
+    question = "Who kept the lamps burning?"
+    answer = Pecan(eng, **{**dataclasses.asdict(method.config), "t_p": 1.0}).answer(index, question)
+    picked = [st for st in answer.trace if "z" in st]
+    assert picked
+    query = method.embedder.encode([question])[0]
+    for st in picked:
+        assert st["sim"] == pytest.approx(float(index.vectors[st["node"]] @ query), abs=1e-5)
+        assert st["z"] >= 0 and st["by_sim"] in index.graph.nodes

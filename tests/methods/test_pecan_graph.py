@@ -27,15 +27,26 @@ def test_scores_and_visit_order_by_hand():
     sim = {2: 0.1, 3: 0.0, 4: 0.3}
     order, visited = [], [0, 1]
     for _ in range(3):
-        best, total = next_node(g, visited, r, sim)
-        order.append((best, round(total, 6)))
-        visited.append(best)
-        r[best] = 0.05
+        picked = next_node(g, visited, r, sim)
+        order.append((picked.node, round(picked.z + picked.similarity, 6)))
+        visited.append(picked.node)
+        r[picked.node] = 0.05
     assert order == [(4, 0.5), (3, 0.26), (2, 0.24)]  # z + similarity
-    assert next_node(g, [0, 1], {0: 0.2, 1: 0.4}, sim, embedding=False) == (3, pytest.approx(0.26))
-    assert next_node(g, [0, 1], {0: 0.2, 1: 0.4}, sim, attention=False) == (4, pytest.approx(0.3))
+    by_z = next_node(g, [0, 1], {0: 0.2, 1: 0.4}, sim, embedding=False)
+    assert (by_z.node, by_z.z, by_z.similarity, by_z.by_similarity) == (3, pytest.approx(0.26), 0.0, 4)
+    assert next_node(g, [0, 1], {0: 0.2, 1: 0.4}, sim, attention=False).node == 4
     assert next_node(g, [0, 1, 2, 3, 4], r, sim) is None
     assert g.top_level == [0, 1] and g.parents(3) == {0: 0.3, 1: 0.5}
+
+
+def test_every_unvisited_node_is_a_candidate_as_in_the_paper():
+    g = toy()
+    g.add(1, "c3: points to nothing visited")  # node 5, no edge from ip a or ip b
+    r, sim = {0: 0.2, 1: 0.4}, {2: 0.1, 3: 0.0, 4: 0.3, 5: 0.9}
+    paper = next_node(g, [0, 1], r, sim)
+    assert (paper.node, paper.z, paper.similarity) == (5, 0.0, 0.9)  # reached by similarity alone (§3.2.2)
+    assert next_node(g, [0, 1], r, sim, successors_only=True).node == 4  # 0.2 + 0.3 among the children
+    assert next_node(g, [0, 1, 2, 3, 4], r, sim, successors_only=True).node == 5  # no child left: all unvisited
 
 
 def test_positional_relevance():
@@ -54,6 +65,9 @@ def test_positional_relevance():
      "sentences"),
     ("", [], "empty"),
     ("- ok\n- no", [], "empty"),
+    ("* summary point\n* The keeper lit the lamp.\n* Summary point", ["The keeper lit the lamp."], "bullets"),
+    ("* 1. The town lies on a river.\n2. Wheat grows north of it.", ["The town lies on a river.",
+                                                                  "Wheat grows north of it."], "bullets"),
 ])
 def test_parse_ips(text, ips, how):
     assert parse_ips(text)[:2] == (ips, how)
