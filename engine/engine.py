@@ -16,7 +16,7 @@ from .loader import load_checkpoint
 from .model import KVCache, Llama
 from .page_pool import PagePool, default_pool_pages
 from .registry import resolve_model
-from .generation import Generation, GenerationState, generate, step
+from .generation import Generation, GenerationState, check_one_engine, generate, step
 from .session import NodeSpan, Session, append_batch
 
 if TYPE_CHECKING:
@@ -81,6 +81,7 @@ class Engine:
     def append_batch(self, sessions: Sequence[Session], ids: Sequence[Sequence[int]],
                      node_ids: Sequence[Hashable | None] | None = None, collect: bool = False) -> list[NodeSpan]:
         """`Session.append` of ids[i] to sessions[i], all in one forward."""
+        check_one_engine(self, sessions)
         return append_batch(sessions, ids, node_ids, collect)
 
     def generate_batch(self, sessions: Sequence[Session], max_new_tokens: int, **options) -> list[Generation]:

@@ -200,9 +200,17 @@ def _token_mask(ids: Collection[int], vocab: int) -> torch.Tensor:
     return mask
 
 
+def check_one_engine(engine: "Engine", sessions: Sequence["Session"]) -> None:
+    """A batch runs one model: every session must be on `engine` (another engine's sessions hold another model's
+    keys and values)."""
+    if any(s.engine is not engine for s in sessions):
+        raise ValueError("every session of a batch must belong to the engine that runs it")
+
+
 def step(engine: "Engine", states: Sequence[GenerationState]) -> list[GenerationState]:
     """Advance every unfinished state by one token, all of them in one forward; returns those still running.
     If the forward fails, no state has advanced (every session is as it was before this step)."""
+    check_one_engine(engine, [st.session for st in states])
     chosen: list[tuple[GenerationState, int]] = []
     outs, flops = [], []
     try:
@@ -225,6 +233,7 @@ def generate(engine: "Engine", sessions: Sequence["Session"], max_new_tokens: in
     """Generate after each session, the sessions' decode steps batched as one forward per token; `options` as for
     `GenerationState`. Each state is seeded alike, so the results equal generating in each session alone. On an error
     every session is as it was before the call."""
+    check_one_engine(engine, sessions)
     states: list[GenerationState] = []
     try:
         for s in sessions:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Collection, Hashable, Sequence
 
 import torch
 
-from .generation import Generation, GenerationState, LogitsProcessor, generate
+from .generation import Generation, GenerationState, LogitsProcessor, check_one_engine, generate
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -222,13 +222,14 @@ class Session:
         return span
 
 
-def append_batch(sessions: Sequence[Session], ids: Sequence[Sequence[int]], node_ids: Sequence[Hashable | None] | None = None,
-                 collect: bool = False) -> list[NodeSpan]:
+def append_batch(sessions: Sequence[Session], ids: Sequence[Sequence[int]],
+                 node_ids: Sequence[Hashable | None] | None = None, collect: bool = False) -> list[NodeSpan]:
     """Prefill ids[i] as a new node of sessions[i], all in one forward (`Engine.run_batch`); on error every session
     is unchanged. collect: as in `Session.append`, for every session."""
-    if len(ids) != len(sessions) or (node_ids is not None and len(node_ids) != len(sessions)):
+    if not sessions or len(ids) != len(sessions) or (node_ids is not None and len(node_ids) != len(sessions)):
         raise ValueError(f"append_batch needs one id sequence (and node id) per session, got {len(sessions)} "
                          f"sessions and {len(ids)} id sequences")
+    check_one_engine(sessions[0].engine, sessions)
     for s in sessions:
         s._check_idle()
     node_ids = [s._new_node_id(n) for s, n in zip(sessions, node_ids or [None] * len(sessions))]

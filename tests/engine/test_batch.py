@@ -161,3 +161,16 @@ def test_bad_batches_name_the_problem(hf_tiny):
     with pytest.raises(ValueError, match="session is empty"):
         eng.generate_batch([s, t], 3)
     assert len(s) == 3 and s._generation is None and t._generation is None
+
+
+def test_a_batch_runs_one_engine(hf_tiny):
+    _, path = hf_tiny
+    eng, other = tiny_engine(path, pages=40, page_size=4), tiny_engine(path, pages=40, page_size=4)
+    s, t = eng.session(), other.session()
+    s.append([1, 2, 3])
+    t.append([1, 2, 3])
+    for call in (lambda: eng.append_batch([s, t], [[4], [4]]), lambda: eng.generate_batch([s, t], 2),
+                 lambda: eng.append_batch([], [])):
+        with pytest.raises(ValueError, match="belong to the engine|one id sequence"):
+            call()
+    assert (len(s), len(t)) == (3, 3) and s._generation is None
