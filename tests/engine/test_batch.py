@@ -3,6 +3,7 @@ different lengths, some forked from one base, prefill of several prompts, node m
 sessions joining and leaving between steps, exact pool refcounts, and failures that leave every session as it was."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -66,7 +67,7 @@ def test_batched_decode_on_quantised_weights_is_bit_identical(gguf_path):
     _, alone = make_sessions(eng, random.Random(5), 8)
     got = eng.generate_batch(batch, 12)
     want = [s.generate(12) for s in alone]
-    assert got == [w.__class__(**{**w.__dict__, "node_id": g.node_id}) for g, w in zip(got, want)]
+    assert got == [dataclasses.replace(w, node_id=g.node_id) for g, w in zip(got, want)]
     for sb, sa in zip(batch, alone):
         assert torch.equal(sb._last_logits(), sa._last_logits())
 
