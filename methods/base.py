@@ -82,8 +82,11 @@ class Method(ABC):
         return self.prompt or prompt_for("")
 
     @classmethod
-    def dataset_defaults(cls, dataset: str) -> dict:
-        """Options this method sets for `dataset` unless given explicitly (say, a paper's per-dataset values)."""
+    def dataset_defaults(cls, dataset: str, runs: Path | None = None, options: dict | None = None,
+                         model: str | None = None) -> dict[str, tuple[Any, str]]:
+        """Options this method sets for `dataset` unless given explicitly, each as (value, where it comes from): say,
+        a paper's per-dataset value, or a calibration kept in the run directory `runs` that holds for the run's
+        `options` and `model`."""
         return {}
 
     def index_key(self) -> dict:

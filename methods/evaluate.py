@@ -114,12 +114,17 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     if cfg.match is not None:
         cfg.options["k"], matched = match_k(engine, cfg, Path(cfg.match))
     method_class = get(cfg.method)
-    options = {**method_class.dataset_defaults(cfg.dataset), **cfg.options}
+    defaults = method_class.dataset_defaults(cfg.dataset, cfg.path.parent, cfg.options, str(engine.path))
+    options = {**{k: v for k, (v, _) in defaults.items()}, **cfg.options}
+    sources = {k: "--option" if k in cfg.options else source for k, (_, source) in defaults.items()}
+    for k, source in sources.items():
+        print(f"{cfg.label} {cfg.dataset}: {k}={options[k]} ({source})", file=sys.stderr)
     method = method_class(engine, prompt=prompt_for(cfg.dataset), **options)
     engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_done(cfg.path)}
-    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": options, **matched,
+    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": options,
+            "option_sources": sources, **matched,
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
     cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     for rid, why in loaded.problems:

@@ -8,6 +8,7 @@ embedding similarity to the query; the second-turn prompt then decodes the answe
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
@@ -27,8 +28,10 @@ SECOND_TURN = "Given the above information and question, answer the question as 
 # repeat a name), so the probe and the answer turn state it again; the cached prompt is the paper's either way
 RESTATED_PROBE = ("\n\nCan the question \"{}\" be answered by the information above? Response \"Yes\" or \"No\" "
                   "in one word.")
+# ... and the answer turn ends as the dataset's own prompt does (LongBench's closing instruction and the question)
 RESTATED_SECOND_TURN = "Given the above information, answer this question as concisely as you can.\n\nQuestion: {}"
 PROMPT_STYLES = ("paper", "restate")
+Z_SCALES = ("paper", "max")
 
 # App. E: the confidence threshold t_p the paper used per dataset with Llama-3.1-8B (t_n = 1 throughout).
 PAPER_T_P = {"narrativeqa": 0.5, "qasper": 0.98, "hotpotqa": 0.5, "musique": 0.55}
@@ -52,7 +55,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
         Option("max_levels", int, 5, "levels at most, the chunks' included", low=2),
         Option("t_n", int, 1, "stop patience: confident probes before the search stops", low=1),
         Option("t_p", float, 0.5, "confidence threshold on the normalised p(Yes)", low=0.0, high=1.0),
-        Option("node_budget", int, 12, "nodes retrieved beyond the top level", low=0),
+        Option("node_budget", int, 0, "nodes retrieved beyond the top level at most; 0: no budget, the window is "
+               "the limit (the paper's rule)", low=0),
         Option("answer_tokens", int, 64, "answer budget when no dataset prompt gives one", low=1),
         Option("attention", bool, True, "false: w/o attention-guided retrieval (embedding similarity only)"),
         Option("embedding", bool, True, "false: w/o embedding similarity"),
@@ -64,6 +68,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
                choices=PROMPT_STYLES),
         Option("candidates", str, "all", "all: every unvisited node is scored (§3.2.2); successors: children of "
                "visited nodes first", choices=("all", "successors")),
+        Option("z_scale", str, "paper", "max: z divided by the largest z among the candidates, so that it weighs like "
+               "cosine similarity; paper: Eq. (1) as it is", choices=Z_SCALES),
     )
     can_save = True
     exports = {".graphml": "the graph as GraphML", ".html": "the graph drawn in an HTML page"}
@@ -83,9 +89,25 @@ class Pecan(Method, name="pecan", title="PECAN"):
         return self._embedder
 
     @classmethod
-    def dataset_defaults(cls, dataset: str) -> dict:
-        """Options the paper set per dataset (App. E's t_p), for the datasets it evaluated; explicit options win."""
-        return {"t_p": PAPER_T_P[dataset]} if dataset in PAPER_T_P else {}
+    def dataset_defaults(cls, dataset: str, runs: Path | None = None, options: dict | None = None,
+                         model: str | None = None) -> dict[str, tuple[float, str]]:
+        """t_p from `nodekv calibrate`'s file in `runs` when there is one for this dataset, model, prompt style,
+        patience and index options; else App. E's t_p for the datasets the paper evaluated (tuned there for
+        Llama-3.1-8B). Explicit options win over both."""
+        found = {"t_p": (PAPER_T_P[dataset], "App. E (tuned for Llama-3.1-8B)")} if dataset in PAPER_T_P else {}
+        run = cls.configure(**{k: v for k, v in (options or {}).items() if k != "t_p"})
+        path = calibration_path(runs, dataset, run.prompt_style) if runs is not None else None
+        if path is None or not path.is_file():
+            return found
+        calibration = json.loads(path.read_text())
+        made_for = cls.configure(**{k: v for k, v in calibration["options"].items() if k != "t_p"})
+        differ = [k for k in (*INDEX_OPTIONS, "prompt_style", "t_n") if getattr(run, k) != getattr(made_for, k)]
+        if model is not None and calibration.get("model") != model:
+            differ.append("model")
+        if differ:
+            why = f"{path} was made for another {', '.join(differ)}"
+            return {k: (v, f"{source}; {why}") for k, (v, source) in found.items()}
+        return {"t_p": (calibration["t_p"], f"calibrated on {len(calibration['dev_ids'])} dev records ({path})")}
 
     def index_key(self) -> dict:
         return {"build_version": BUILD_VERSION, **{k: v for k, v in asdict(self.config).items() if k in INDEX_OPTIONS}}
@@ -128,7 +150,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
         probe_ids = tok.encode(probe_tail, parse_special=True)
         if cfg.prompt_style == "restate":
             probe_ids = tok.encode(RESTATED_PROBE.format(question)) + probe_ids
-        room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids(question))
+        room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids(question, options))
                                             + self._answer_budget())
         sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
         s.append(tok.encode(head, parse_special=True), node_id="head")
@@ -142,8 +164,10 @@ class Pecan(Method, name="pecan", title="PECAN"):
                 node = pending.pop(0)
             else:
                 picked = next_node(graph, visited, dict(zip(visited, positional_relevance(query_mass))), sim,
-                                   cfg.attention, cfg.embedding, successors_only=cfg.candidates == "successors")
-                if picked is None or len(visited) - n_top >= self._limit():
+                                   cfg.attention, cfg.embedding, successors_only=cfg.candidates == "successors",
+                                   z_scale=cfg.z_scale)
+                limit = self._limit()
+                if picked is None or (limit is not None and len(visited) - n_top >= limit):
                     yield {"stop": "graph exhausted" if picked is None else "budget"}
                     return
                 node, why = picked.node, {"z": picked.z, "sim": picked.similarity, "by_sim": picked.by_similarity}
@@ -161,14 +185,19 @@ class Pecan(Method, name="pecan", title="PECAN"):
 
     def respond(self, s, question: str, options: tuple[str, ...] = ()) -> tuple[str, int]:
         """Append the second turn (Table A2) to a searched session and decode the answer: (text, tokens)."""
-        s.append(self._second_turn_ids(_with_options(question, options)), node_id="second turn")
+        s.append(self._second_turn_ids(question, options), node_id="second turn")
         stops = None if self.prompt is None else list(self.prompt.stop) or None
         gen = s.generate(self._answer_budget(), stop=stops, node_id="answer")
         return gen.text.strip(), len(gen.ids)
 
-    def _second_turn_ids(self, question: str) -> list[int]:
+    def _second_turn_ids(self, question: str, options: tuple[str, ...] = ()) -> list[int]:
         eng = self.search_engine
-        turn = SECOND_TURN if self.config.prompt_style == "paper" else RESTATED_SECOND_TURN.replace("{}", question)
+        if self.config.prompt_style == "paper":
+            turn = SECOND_TURN
+        elif self.prompt is not None:
+            turn = self.prompt.instruction(question, options)
+        else:
+            turn = RESTATED_SECOND_TURN.replace("{}", _with_options(question, options))
         tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
                                  {"role": "user", "content": turn}])[-1]
         return eng.tokenizer.encode(tail, parse_special=True)
@@ -205,8 +234,16 @@ class Pecan(Method, name="pecan", title="PECAN"):
             lines.append(f"  #{node.id} L{node.level}{z} r={step['r']:.4f}{p}  {' '.join(node.text.split())[:70]}")
         return lines
 
-    def _limit(self) -> int:
-        return self.config.node_budget if self.config.dynamic else self.config.fixed_nodes
+    def _limit(self) -> int | None:
+        """Nodes beyond the top level at most; None: the window is the only limit."""
+        if not self.config.dynamic:
+            return self.config.fixed_nodes
+        return self.config.node_budget or None
+
+
+def calibration_path(runs: str | Path, dataset: str, prompt_style: str) -> Path:
+    """Where `nodekv calibrate` keeps the t_p of a dataset and prompt style (probes differ between styles)."""
+    return Path(runs) / f"pecan-calibration-{dataset}-{prompt_style}.json"
 
 
 def _with_options(question: str, options: tuple[str, ...]) -> str:

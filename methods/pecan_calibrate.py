@@ -22,7 +22,7 @@ from ..engine.engine import Engine
 from .data import Record, load_dataset
 from .metrics import score
 from .evaluate import IndexStore
-from .pecan import Pecan
+from .pecan import Pecan, calibration_path
 from .pecan_store import PecanIndex
 from .prompts import prompt_for
 
@@ -108,7 +108,8 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
               target_nodes: float | None = None, out: str | Path = "runs", data_dir: str | None = None,
               options: dict | None = None, progress: bool = True) -> dict:
     """Sweep the dev records `dev` = (first, count) of `dataset` (by default after the 30 an evaluation uses),
-    choose t_p for `objective`, and write <out>/pecan-calibration-<dataset>.json with the choice, the options it
+    choose t_p for `objective`, and write <out>/pecan-calibration-<dataset>-<prompt style>.json (which `nodekv eval`
+    then uses by default) with the choice, the options it
     holds for, the dev record ids and the whole table. Indexes are shared with `nodekv eval` (<out>/indexes)."""
     check_objective(objective, target_nodes)
     first, count = dev
@@ -134,7 +135,7 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
               "chosen": best, "options": {**options, "t_p": best["t_p"]}, "dev_ids": [r.id for r in records],
               "model": str(engine.path), "table": rows,
               "sweeps": [[asdict(p) for p in points] for points in sweeps]}
-    path = Path(out) / f"pecan-calibration-{dataset}.json"
+    path = calibration_path(out, dataset, method.config.prompt_style)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     result["path"] = str(path)

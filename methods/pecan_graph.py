@@ -116,18 +116,25 @@ class Pick:
 
 
 def next_node(graph: Graph, visited: list[int], relevance: dict[int, float], similarity: dict[int, float],
-              attention: bool = True, embedding: bool = True, successors_only: bool = False) -> Pick | None:
+              attention: bool = True, embedding: bool = True, successors_only: bool = False,
+              z_scale: str = "paper") -> Pick | None:
     """The unvisited node with the highest z_i (Eq. 1, when `attention`) + embedding similarity to the query (when
     `embedding`). Candidates are every unvisited node, as §3.2.2 scores all of V (a node no visited node points to
     has z = 0 and can still be reached by similarity); `successors_only`: the children of visited nodes, or every
-    unvisited node when no child is left. Ties go to the lower id. None when every node is visited."""
+    unvisited node when no child is left. `z_scale="max"` divides z by its largest value among the candidates
+    (Eq. 1's z is a product of mean attentions, orders of magnitude below a cosine similarity); the Pick keeps the
+    unscaled z. Ties go to the lower id. None when every node is visited."""
+    if z_scale not in ("paper", "max"):
+        raise ValueError(f"z_scale must be 'paper' or 'max', not {z_scale!r}")
     seen = set(visited)
     z = scores(graph, visited, relevance)
     unvisited = [i for i in graph.nodes if i not in seen]
     candidates = (successors_only and [i for i in unvisited if i in z]) or unvisited
     if not candidates:
         return None
-    total = {i: (z.get(i, 0.0) if attention else 0.0) + (similarity.get(i, 0.0) if embedding else 0.0)
+    top = max((z.get(i, 0.0) for i in candidates), default=0.0) if z_scale == "max" else 1.0
+    scale = 1.0 / top if top > 0 else 1.0
+    total = {i: (scale * z.get(i, 0.0) if attention else 0.0) + (similarity.get(i, 0.0) if embedding else 0.0)
              for i in candidates}
     best = min(candidates, key=lambda i: (-total[i], i))
     by_similarity = min(candidates, key=lambda i: (-similarity.get(i, 0.0), i))

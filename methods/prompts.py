@@ -31,7 +31,8 @@ _QMSUM = ("You are given a meeting transcript and a query containing a question 
 _SUMMARY = ("You are given a long document and an instruction about it.\n\nDocument:\n{context}\n\nNow, follow the "
             "instruction based on the above document.\n\nInstruction: {question}\nAnswer:")
 _CHOICE = ("Read the document and answer the multiple-choice question with the letter of the correct option only."
-           "\n\nDocument:\n{context}\n\nQuestion: {question}\n{options}\nAnswer:")
+           "\n\nDocument:\n{context}\n\nAnswer the multiple-choice question with the letter of the correct option "
+           "only.\n\nQuestion: {question}\n{options}\nAnswer:")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class PromptSpec:
     def render(self, context: str, question: str, options: tuple[str, ...] = ()) -> str:
         letters = "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))
         return self.template.format(context=context, question=question, options=letters)
+
+    def instruction(self, question: str, options: tuple[str, ...] = ()) -> str:
+        """The template's part after the context (LongBench's closing instruction and the question), for a turn
+        that follows a context already in the conversation."""
+        return PromptSpec(self.template.split("{context}", 1)[-1].lstrip(), self.max_new_tokens).render(
+            "", question, options)
 
 
 PROMPTS: dict[str, PromptSpec] = {

@@ -4,7 +4,7 @@ written as Markdown and as a PNG plot of F1 against TFLOPs."""
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean
 
@@ -35,6 +35,21 @@ def summarize(path: Path) -> dict:
                index_tflops_doc=mean(f for f, _ in docs.values()) / 1e12,
                index_tflops_doc_8b=mean(f for _, f in docs.values()) / 1e12,
                truncated=sum(bool(r.get("truncated")) for r in ok))
+    out.update(_search_stats([step for r in ok for step in r.get("trace", [])]))
+    out["settings"] = {k: f"{meta['options'][k]} ({source})" for k, source in meta.get("option_sources", {}).items()}
+    return out
+
+
+def _search_stats(steps: list[dict]) -> dict:
+    """How searches stopped (steps {"stop": why}) and, for searches that pick nodes by z + similarity (steps with
+    "z", "sim" and "by_sim"), how often z changed the pick from the similarity-only one, and both terms' ranges."""
+    stops = Counter(step["stop"] for step in steps if "stop" in step)
+    picks = [step for step in steps if "by_sim" in step]
+    out = {"stops": dict(stops)} if stops else {}
+    if picks:
+        out.update(picks=len(picks), z_changed=sum(step["by_sim"] != step["node"] for step in picks),
+                   z_range=(min(p["z"] for p in picks), max(p["z"] for p in picks)),
+                   sim_range=(min(p["sim"] for p in picks), max(p["sim"] for p in picks)))
     return out
 
 
@@ -53,6 +68,25 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
                      f"{f('rouge_l')} | {f('accuracy')} | {f('nodes')} | {f('query_tflops', '{:.4f}')} | "
                      f"{f('query_tflops_8b', '{:.2f}')} | {ratio} | {f('index_tflops_doc_8b', '{:.2f}')} | "
                      f"{s.get('truncated', '-')} | {f('wall_s', '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def searches(summaries: list[dict]) -> str:
+    """Markdown: per search run, its defaulted settings and where they came from, how its searches stopped, and how
+    often z (Eq. 1) changed the similarity-only pick, with the ranges of both terms over the picks."""
+    lines = ["| dataset | method | settings | stops | picks | z changed the pick | z range | similarity range |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+        if "stops" not in s:
+            continue
+        settings = "; ".join(f"{k}={v}" for k, v in s["settings"].items()) or "-"
+        stops = ", ".join(f"{why} {n}" for why, n in sorted(s["stops"].items()))
+        if "picks" in s:
+            (z0, z1), (s0, s1) = s["z_range"], s["sim_range"]
+            picks = f"{s['picks']} | {s['z_changed']} | {z0:.1e}..{z1:.1e} | {s0:.2f}..{s1:.2f}"
+        else:
+            picks = "0 | - | - | -"
+        lines.append(f"| {s['dataset']} | {s['method']} | {settings} | {stops} | {picks} |")
     return "\n".join(lines)
 
 
@@ -101,6 +135,7 @@ def report(runs: list[Path], out_dir: Path, reference: str | None = None) -> str
         raise FileNotFoundError(f"no run files (*.jsonl) in {', '.join(map(str, runs))}")
     summaries = [summarize(f) for f in files]
     text = ("## Quality and query cost\n\n" + table(summaries, reference) +
+            "\n\n## How the searches went\n\n" + searches(summaries) +
             "\n\n## Index + query TFLOPs per query for 1, 2, 4, 8 queries per document (8B projection)\n\n" +
             amortization(summaries) + "\n")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -213,3 +213,28 @@ def test_the_trace_carries_z_and_similarity_apart(built):
     for st in picked:
         assert st["sim"] == pytest.approx(float(index.vectors[st["node"]] @ query), abs=1e-5)
         assert st["z"] >= 0 and st["by_sim"] in index.graph.nodes
+
+
+def test_without_a_node_budget_the_search_reads_the_whole_graph(built):
+    """node_budget=0 (the default) leaves the window as the only limit, as in the paper; a budget still cuts."""
+    from nodekv.methods.pecan import Pecan
+
+    eng, method, index = built
+    config = {**dataclasses.asdict(method.config), "t_p": 1.0}
+    unlimited = Pecan(eng, **{**config, "node_budget": 0}).answer(index, "Who kept the lamps burning?")
+    assert sorted(unlimited.nodes) == sorted(index.graph.nodes) and unlimited.trace[-1] == {"stop": "graph exhausted"}
+    one = Pecan(eng, **{**config, "node_budget": 1}).answer(index, "Who kept the lamps burning?")
+    assert len(one.nodes) == len(index.graph.top_level) + 1 and one.trace[-1] == {"stop": "budget"}
+    assert Pecan.Config().node_budget == 0
+
+
+def test_the_restated_answer_turn_ends_as_the_dataset_prompt_does(built):
+    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.prompts import prompt_for
+
+    eng, method, _ = built
+    question = "Who kept the lamps burning?"
+    turn = eng.tokenizer.decode(Pecan(eng, prompt=prompt_for("hotpotqa"), prompt_style="restate")
+                                ._second_turn_ids(question))
+    assert "Only give me the answer and do not output any other words.\n\nQuestion: " + question + "\nAnswer:" in turn
+    assert question not in eng.tokenizer.decode(Pecan(eng, prompt=prompt_for("hotpotqa"))._second_turn_ids(question))

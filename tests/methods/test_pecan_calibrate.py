@@ -2,6 +2,8 @@
 equals what a real search with that threshold does (nodes, query FLOPs, answer)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nodekv.methods.pecan_calibrate import Point, choose, outcome, table, thresholds
@@ -58,3 +60,25 @@ def test_sweep_points_are_what_a_search_with_that_threshold_does():
         expected = outcome(points, t)
         assert (len(answer.nodes), answer.flops) == (expected.nodes, expected.flops)
         assert score(record, answer.text)["f1"] == expected.quality
+
+
+def test_eval_takes_t_p_from_a_calibration_that_holds_for_the_run(tmp_path):
+    from nodekv.methods.pecan import Pecan, calibration_path
+
+    def write(style, options, model="m.gguf", t_p=0.31):
+        calibration_path(tmp_path, "hotpotqa", style).write_text(json.dumps(
+            {"t_p": t_p, "options": {**options, "t_p": t_p}, "model": model, "dev_ids": ["a", "b"]}))
+
+    t_p, source = Pecan.dataset_defaults("hotpotqa", tmp_path, {}, "m.gguf")["t_p"]
+    assert t_p == 0.5 and "App. E" in source  # no calibration yet: the paper's value
+    write("restate", {"prompt_style": "restate"})
+    assert Pecan.dataset_defaults("hotpotqa", tmp_path, {}, "m.gguf")["t_p"][0] == 0.5  # made for another style
+    t_p, source = Pecan.dataset_defaults("hotpotqa", tmp_path, {"prompt_style": "restate", "attention": "false"},
+                                         "m.gguf")["t_p"]
+    assert t_p == 0.31 and "calibrated on 2 dev records" in source  # ablations of the search share it
+    for run, model, why in [({"prompt_style": "restate", "batch_tokens": 1024}, "m.gguf", "batch_tokens"),
+                            ({"prompt_style": "restate", "t_n": 2}, "m.gguf", "t_n"),
+                            ({"prompt_style": "restate"}, "other.gguf", "model")]:
+        t_p, source = Pecan.dataset_defaults("hotpotqa", tmp_path, run, model)["t_p"]
+        assert t_p == 0.5 and f"made for another {why}" in source
+    assert Pecan.dataset_defaults("qmsum", tmp_path, {}, "m.gguf") == {}  # no paper value, no calibration

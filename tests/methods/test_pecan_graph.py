@@ -94,3 +94,16 @@ def test_bad_pecan_options_are_refused_by_name():
                              ({"node_budget": 2.5}, "node_budget must be int")]:
         with pytest.raises(ValueError, match=message):
             Pecan(None, **options)
+
+
+def test_max_scaled_z_weighs_like_similarity():
+    """Eq. (1)'s z is tiny beside cosine similarity; z_scale="max" divides it by the candidates' largest z."""
+    g = toy()
+    r, sim = {0: 0.002, 1: 0.004}, {2: 0.30, 3: 0.10, 4: 0.31}
+    # z = {2: 0.0014, 3: 0.0006 + 0.002 = 0.0026, 4: 0.002}: the paper's sum follows similarity (4, then 2)
+    assert next_node(g, [0, 1], r, sim).node == 4
+    scaled = next_node(g, [0, 1], r, sim, z_scale="max")  # 2: 0.538 + 0.30, 3: 1 + 0.10, 4: 0.769 + 0.31
+    assert (scaled.node, scaled.z, scaled.by_similarity) == (3, pytest.approx(0.0026), 4)
+    assert next_node(g, [0, 1], {}, sim, z_scale="max").node == 4  # no attention yet: similarity decides
+    with pytest.raises(ValueError, match="z_scale"):
+        next_node(g, [0, 1], r, sim, z_scale="softmax")

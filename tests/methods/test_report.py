@@ -1,0 +1,25 @@
+"""`nodekv eval report`'s search table from hand-written run files: stop reasons, how often z changed the pick,
+the ranges of z and similarity, and where a defaulted setting came from."""
+import json
+
+from nodekv.methods.report import report
+
+
+def _record(rid, trace):
+    return {"id": rid, "question": "q", "references": ["a"], "document": "d", "prediction": "a",
+            "metrics": {"f1": 1.0}, "nodes": [s["node"] for s in trace if "node" in s], "query_flops": 10 ** 12,
+            "query_flops_8b": 2 * 10 ** 12, "index_flops": 0, "index_flops_8b": 0, "wall_s": 1.0, "trace": trace}
+
+
+def test_search_table_counts_stops_and_picks_that_z_changed(tmp_path):
+    rows = [_record("1", [{"node": 0}, {"node": 3, "z": 0.002, "sim": 0.4, "by_sim": 3}, {"stop": "yes"}]),
+            _record("2", [{"node": 0}, {"node": 5, "z": 0.02, "sim": 0.1, "by_sim": 4},
+                          {"node": 4, "z": 0.0, "sim": 0.3, "by_sim": 4}, {"stop": "graph exhausted"}]),
+            _record("3", [{"node": 0}, {"stop": "yes"}])]
+    (tmp_path / "pecan-hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "pecan-hotpotqa.meta.json").write_text(json.dumps(
+        {"method": "pecan", "dataset": "hotpotqa", "options": {"t_p": 0.42},
+         "option_sources": {"t_p": "calibrated on 10 dev records"}}))
+    text = report([tmp_path], tmp_path / "out")
+    assert ("| hotpotqa | pecan | t_p=0.42 (calibrated on 10 dev records) | graph exhausted 1, yes 2 | 3 | 1 | "
+            "0.0e+00..2.0e-02 | 0.10..0.40 |") in text
