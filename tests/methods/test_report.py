@@ -23,3 +23,13 @@ def test_search_table_counts_stops_and_picks_that_z_changed(tmp_path):
     text = report([tmp_path], tmp_path / "out")
     assert ("| hotpotqa | pecan | t_p=0.42 (calibrated on 10 dev records) | graph exhausted 1, yes 2 | 3 | 1 | "
             "0.0e+00..2.0e-02 | 0.10..0.40 |") in text
+
+
+def test_failure_categories_by_hand():
+    from nodekv.bench.pecan_failures import classify
+
+    doc = "Sharyn McCrumb is an American writer. Lu Su was a general."
+    assert classify(1.0, ["American"], "", doc) == "right"
+    assert classify(0.0, ["American"], "Sharyn McCrumb is an American writer.", doc) == "answer turn"
+    assert classify(0.0, ["the American"], "Lu Su was a general.", doc) == "search"  # articles are normalised away
+    assert classify(0.0, ["no"], "Lu Su was not a general.", doc + " Nobody knows.") == "not verbatim"  # words

@@ -1,0 +1,72 @@
+"""Where PECAN's wrong answers go wrong, read off its traces: for each answered record of a PECAN run file, whether
+a reference answer (LongBench-normalised) occurs in the nodes the search read, in the graph's top level, or only
+in chunks the search never reached.
+
+    right          F1 >= 0.5
+    answer turn    wrong, though a reference occurs in the nodes that were read
+    search         wrong; a reference occurs in the document's chunks, but not in any node that was read
+    not verbatim   wrong; no reference occurs verbatim in the document (yes/no questions, paraphrased answers)
+
+    python -m nodekv.bench.pecan_failures build/issue12/pecan-prompt_style=restate-hotpotqa.jsonl [--records]
+
+The indexes are read from the run directory's index store (<run dir>/indexes), as `nodekv eval` left them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+CATEGORIES = ("right", "answer turn", "search", "not verbatim")
+
+
+def classify(f1: float, references: list[str], read: str, document: str) -> str:
+    from nodekv.methods.metrics import normalize_answer
+
+    if f1 >= 0.5:
+        return "right"
+    refs = [f" {normalize_answer(r)} " for r in references if normalize_answer(r)]  # whole words only
+    if any(r in f" {normalize_answer(read)} " for r in refs):
+        return "answer turn"
+    if any(r in f" {normalize_answer(document)} " for r in refs):
+        return "search"
+    return "not verbatim"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from nodekv import load_engine
+    from nodekv.methods.evaluate import IndexStore, read_done
+    from nodekv.methods.pecan import Pecan
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="PECAN run files (<label>-<dataset>.jsonl)")
+    ap.add_argument("--records", action="store_true", help="one line per record as well")
+    args = ap.parse_args(argv)
+    eng = load_engine(None, threads=1)
+    print("| run | n | " + " | ".join(CATEGORIES) + " | reference in the top level |")
+    print("|---|---|" + "---|" * (len(CATEGORIES) + 1))
+    for path in args.runs:
+        meta = json.loads(path.with_suffix(".meta.json").read_text())
+        method = Pecan(eng, **meta["options"])
+        store = IndexStore.for_method(path.parent / "indexes", eng, method)
+        counts, in_top, lines = Counter(), 0, []
+        for r in (r for r in read_done(path) if "error" not in r):
+            graph = store.get(method, r["document"])[0].graph
+            read = "\n".join(graph.nodes[i].text for i in r["nodes"])
+            document = "\n".join(n.text for n in graph.nodes.values() if n.level == 1)
+            kind = classify(r["metrics"]["f1"], r["references"], read, document)
+            counts[kind] += 1
+            top = classify(0.0, r["references"], "\n".join(graph.nodes[i].text for i in graph.top_level), "")
+            in_top += top == "answer turn"
+            lines.append(f"  {kind:12s} f1={r['metrics']['f1']:.2f} nodes={len(r['nodes']):2d} "
+                         f"{r['prediction'][:50]!r} <- {r['references']}")
+        n = sum(counts.values())
+        print(f"| {meta['method']} {meta['dataset']} | {n} | " + " | ".join(str(counts[c]) for c in CATEGORIES)
+              + f" | {in_top} |")
+        if args.records:
+            print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
