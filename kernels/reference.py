@@ -50,7 +50,7 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_tab
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v [T, kv_heads, hd] at positions end - T .. end - 1 of one layer's pages."""
     P = k_pages.shape[3]
-    pos = torch.arange(end - k.shape[0], end)
+    pos = torch.arange(end - k.shape[0], end, device=block_table.device)
     pages, rows = block_table[pos // P].long(), pos % P
     k_pages[layer, pages, :, rows] = k.to(k_pages.dtype)
     v_pages[layer, pages, :, rows] = v.to(v_pages.dtype)
@@ -84,23 +84,29 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         # 4-D inputs: with 3-D ones torch falls back to its (T x T-materialising) math kernel
         # from an empty cache the mask is plain causal: is_causal takes SDPA's flash path, an explicit mask does not
         fresh = n == end
-        mask = None if n == 1 or fresh else torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        mask = None if n == 1 or fresh else _visible(end, start, end, q.device)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None].to(q.dtype),
                                              values[None].to(q.dtype), attn_mask=mask, is_causal=fresh and n > 1,
                                              enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, H * hd)
     Hkv = keys.shape[0]
     G = H // Hkv
-    node_of_key = torch.repeat_interleave(torch.arange(node_bounds.shape[0] - 1), node_bounds.diff().long())
+    node_of_key = torch.repeat_interleave(torch.arange(node_bounds.shape[0] - 1, device=q.device),
+                                          node_bounds.diff().long().to(q.device))
     kf, vf = keys.float(), values.float()
-    out = torch.empty(n, H, hd, dtype=torch.float32)
+    out = torch.empty(n, H, hd, dtype=torch.float32, device=q.device)
     chunk = max(1, SCORE_CHUNK_BYTES // (4 * H * end))
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
         qc = q[c0:c1].float().view(c1 - c0, Hkv, G, hd).permute(1, 2, 0, 3)  # [Hkv, G, c, hd]
         scores = (qc @ kf[:, None].transpose(-1, -2)) / math.sqrt(hd)  # [Hkv, G, c, end]
-        visible = torch.arange(end)[None, :] <= torch.arange(start + c0, start + c1)[:, None]
+        visible = _visible(end, start + c0, start + c1, q.device)
         p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[c0:c1] = (p @ vf[:, None]).permute(2, 0, 1, 3).reshape(c1 - c0, H, hd)
         mass[c0:c1].index_add_(1, node_of_key, p.sum((0, 1)))
     return out.reshape(n, H * hd).to(q.dtype)
+
+
+def _visible(end: int, first: int, last: int, device: torch.device) -> torch.Tensor:
+    """Causal mask [last - first, end] of queries at positions first .. last - 1 over keys [0, end)."""
+    return torch.arange(end, device=device)[None, :] <= torch.arange(first, last, device=device)[:, None]

@@ -10,6 +10,10 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 if not torch.cuda.is_available():  # Triton kernels run (slowly, single-threaded) in its interpreter on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the Triton tests on CPU tensors need the interpreter; on a GPU, tests/kernels/test_triton_cuda.py runs the kernels
+needs_triton_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                              reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+MODEL_BACKENDS = ["torch", "cpu", pytest.param("triton", marks=needs_triton_interpreter)]  # engines on CPU tensors
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import new_cache, tiny_hf_model
+from conftest import MODEL_BACKENDS, new_cache, tiny_hf_model
 from nodekv.engine.loader import load_checkpoint
 from nodekv.engine.model import Llama
 
@@ -92,7 +92,7 @@ def test_prefill_without_logits_keeps_the_cache_exact(save_hf):
     assert (got - ref[13:]).abs().max() <= 1e-4 * ref.abs().max()
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("backend", MODEL_BACKENDS)
 def test_every_backend_matches_hf(backend, save_hf):
     """The torch reference (bf16's path), the C++ kernels and the Triton kernels (in Triton's interpreter here)
     compute the same forward, through prefill, chunked prefill and single-token steps."""

@@ -8,12 +8,10 @@ import random
 import pytest
 import torch
 
-from conftest import refs_held, tiny_engine
+from conftest import MODEL_BACKENDS, refs_held, tiny_engine
 from numerics import hf_attention
 from nodekv.engine.errors import ContextOverflowError, PoolExhaustedError, SessionReleasedError
 from nodekv.engine.flops import forward_flops
-
-BACKENDS = ["torch", "cpu", "triton"]
 
 
 def hf_logits(hf, ids):
@@ -151,7 +149,7 @@ def test_random_operations_never_leak_pages(hf_tiny):
     assert pool.n_free == pool.n_pages and not any(pool.refcount)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", MODEL_BACKENDS)
 def test_node_mass_matches_hf_attention(hf_tiny, backend):
     hf, path = hf_tiny
     eng = tiny_engine(path, backend=backend, page_size=8)
@@ -176,7 +174,7 @@ def test_node_mass_matches_hf_attention(hf_tiny, backend):
     assert masked[2, 3] == 0 and torch.equal(masked[2, :3], m.sum[2, :3])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", MODEL_BACKENDS)
 def test_decode_time_mass_matches_hf_attention(hf_tiny, backend):
     hf, path = hf_tiny
     eng = tiny_engine(path, backend=backend, page_size=8)

@@ -5,12 +5,15 @@ import pytest
 import torch
 
 from nodekv.kernels import reference
+from conftest import needs_triton_interpreter
 from paged_cases import brute_force, make_case
 
 # backend name -> module whose paged_attention is tested (Triton runs under TRITON_INTERPRET=1 on CPU, see conftest)
 MODULES = {"reference": "nodekv.kernels.reference", "cpu": "nodekv.kernels.cpu_ops",
            "triton": "nodekv.kernels.triton_attention"}
 BACKENDS = {name: lambda *a, _m=mod: importlib.import_module(_m).paged_attention(*a) for name, mod in MODULES.items()}
+# parameters of the tests below: the CPU tensors here reach Triton only through its interpreter
+NAMES = [pytest.param(n, marks=needs_triton_interpreter) if n == "triton" else n for n in BACKENDS]
 
 SHAPES = [  # (n queries, T new tokens, end, H, Hkv, hd, page size, nodes)
     (1, 1, 1, 4, 2, 16, 8, 1),        # first token
@@ -25,7 +28,7 @@ SHAPES = [  # (n queries, T new tokens, end, H, Hkv, hd, page size, nodes)
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NAMES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matches_brute_force(backend, shape):
     n, T, end, H, Hkv, hd, P, N = shape
@@ -40,7 +43,7 @@ def test_matches_brute_force(backend, shape):
                                atol=1e-5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NAMES)
 def test_mass_accumulates_and_writes_land_in_the_table_pages(backend):
     case = make_case(4, 4, 30, page_size=8, n_nodes=3)
     pages_before = case.k_pages.clone()
@@ -57,7 +60,7 @@ def test_mass_accumulates_and_writes_land_in_the_table_pages(backend):
     assert torch.equal(case.k_pages[~touched], pages_before[~touched])  # nothing else written
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NAMES)
 def test_without_mass_or_writes(backend):
     case = make_case(6, 6, 33, n_nodes=2)
     reference.write_kv(case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new, case.v_new)

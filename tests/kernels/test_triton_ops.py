@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 from nodekv.kernels import reference
 from paged_cases import brute_force, make_case
+from conftest import needs_triton_interpreter
 from numerics import assert_close, gen
 
 tro = pytest.importorskip("nodekv.kernels.triton_ops", exc_type=ImportError)
+pytestmark = needs_triton_interpreter
 
 
 

@@ -1,0 +1,107 @@
+"""The Triton kernels compiled for a real GPU, in float32 and bfloat16 (the interpreter runs fp32 only), at model
+head shapes and lengths the interpreter is too slow for, including the split-KV decode path chosen from the SM
+count. Skipped without CUDA.
+
+Bounds as in flash-attention's tests: against a float64 oracle, a kernel's max error must stay within a small
+multiple of the error of plain torch (`nodekv.kernels.reference`) computing the same thing in the same dtype on
+the same GPU. Node mass is accumulated in fp32 whatever the inputs, and must sum to the head count per query.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nodekv.kernels import reference
+from numerics import gen
+from paged_cases import PagedCase, brute_force, make_case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DTYPES = [torch.float32, torch.bfloat16]
+FACTOR = 4.0
+
+
+def _within(got: torch.Tensor, exact: torch.Tensor, torch_same_dtype: torch.Tensor, what: str) -> None:
+    eps = torch.finfo(got.dtype).eps
+    torch_err = (torch_same_dtype.double().cpu() - exact).abs().max().item()
+    floor = eps * exact.abs().max().item()
+    err = (got.double().cpu() - exact).abs().max().item()
+    assert err <= FACTOR * max(torch_err, floor), f"{what}: max |err| {err:.3g} vs torch {torch_err:.3g}"
+
+
+def _on(case: PagedCase, dtype: torch.dtype) -> PagedCase:
+    c = lambda t: t.to("cuda", dtype)  # noqa: E731
+    return PagedCase(c(case.q), c(case.k_pages), c(case.v_pages), case.layer, case.block_table.cuda(), case.end,
+                     c(case.k_new), c(case.v_new), case.node_bounds.cuda())
+
+
+def _as_cpu_dtype(case: PagedCase, dtype: torch.dtype) -> PagedCase:
+    """The problem rounded to `dtype`, on the CPU in float32: the oracle sees exactly the kernel's inputs."""
+    r = lambda t: t.to(dtype).float()  # noqa: E731
+    return PagedCase(r(case.q), r(case.k_pages), r(case.v_pages), case.layer, case.block_table, case.end,
+                     r(case.k_new), r(case.v_new), case.node_bounds)
+
+
+SHAPES = [  # (n queries, T new tokens, end, H, Hkv, hd, page size, nodes)
+    (1, 1, 4096, 14, 2, 64, 16, 40),     # qwen2.5-0.5b decode over a long prompt (split-KV)
+    (1, 1, 8192, 32, 8, 128, 16, 80),    # llama-3.1-8b decode (split-KV)
+    (40, 40, 3000, 14, 2, 64, 16, 25),   # a probe appended to a long prompt
+    (300, 300, 300, 9, 3, 64, 64, 6),    # prefill from empty, SmolLM2 heads
+    (256, 512, 2048, 32, 8, 128, 16, 30),  # last rows of a chunk (last-layer pruning), 8B heads
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_paged_attention_and_node_mass_on_cuda(shape, dtype):
+    from nodekv.kernels import triton_attention
+
+    n, T, end, H, Hkv, hd, P, N = shape
+    rounded = _as_cpu_dtype(make_case(n, T, end, H, Hkv, hd, P, N), dtype)
+    exact_out, exact_mass = brute_force(rounded)
+    gpu = _on(rounded, dtype)
+    mass = torch.zeros(n, N, device="cuda")
+    out = triton_attention.paged_attention(gpu.q, gpu.k_pages, gpu.v_pages, gpu.layer, gpu.block_table, end,
+                                           gpu.k_new, gpu.v_new, gpu.node_bounds, mass)
+    ref_gpu = _on(rounded, dtype)
+    ref_mass = torch.zeros(n, N, device="cuda")
+    ref_out = reference.paged_attention(ref_gpu.q, ref_gpu.k_pages, ref_gpu.v_pages, ref_gpu.layer,
+                                        ref_gpu.block_table, end, ref_gpu.k_new, ref_gpu.v_new, ref_gpu.node_bounds,
+                                        ref_mass)
+    assert out.dtype == dtype and mass.dtype == torch.float32
+    _within(out, exact_out, ref_out, "out")
+    _within(mass, exact_mass, ref_mass, "mass")
+    torch.testing.assert_close(mass.sum(1).double().cpu(), torch.full((n,), float(H), dtype=torch.float64),
+                               atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_elementwise_ops_on_cuda(dtype):
+    from nodekv.kernels import triton_ops as tro
+
+    t, d, inter, hd, n_qk = 37, 896, 4864, 64, 16
+    x = (torch.randn(t, d, generator=gen(1)) * 3).to(dtype)
+    delta = torch.randn(t, d, generator=gen(2)).to(dtype)
+    w = torch.randn(d, generator=gen(3)).to(dtype)
+    exact = F.rms_norm(x.double(), (d,), w.double(), 1e-6)
+    xc, dc, wc = x.cuda(), delta.cuda(), w.cuda()
+    _within(tro.rms_norm(xc, wc, 1e-6), exact, reference.rms_norm(xc, wc, 1e-6), "rms_norm")
+    summed = (x.cuda() + dc).cpu()  # the residual stream as the GPU adds it in `dtype`
+    xs = xc.clone()
+    y = tro.add_rms_norm_(xs, dc, wc, 1e-6)
+    assert torch.equal(xs.cpu(), summed)
+    _within(y, F.rms_norm(summed.double(), (d,), w.double(), 1e-6),
+            reference.add_rms_norm_(xc.clone(), dc, wc, 1e-6), "add_rms_norm_")
+
+    gate_up = (torch.randn(t, 2 * inter, generator=gen(4)) * 4).to(dtype)
+    exact = F.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()
+    _within(tro.silu_mul(gate_up.cuda()), exact, reference.silu_mul(gate_up.cuda()), "silu_mul")
+
+    qk = (torch.randn(t, n_qk, hd, generator=gen(5)) * 2).to(dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).double() / hd))
+    freqs = torch.arange(5, 5 + t, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([freqs.cos(), freqs.cos()], -1), torch.cat([-freqs.sin(), freqs.sin()], -1)
+    exact = reference.rope(qk.double(), cos, sin)
+    cos32, sin32 = cos.float().cuda(), sin.float().cuda()
+    _within(tro.rope(qk.cuda(), cos32, sin32).to(dtype), exact, reference.rope(qk.cuda(), cos32, sin32).to(dtype),
+            "rope")
