@@ -87,6 +87,18 @@ def table(sweeps: list[list[Point]], t_n: int = 1) -> list[dict]:
     return rows
 
 
+def probe_auc(sweeps: list[list[Point]], right: float = 0.5) -> float | None:
+    """How well p(Yes) tells a step whose answer is right (quality >= `right`) from one whose answer is wrong: the
+    probability that a right step's p(Yes) is above a wrong step's (ties count half). 0.5 is no signal; None when
+    every step is right or every step is wrong."""
+    points = [p for sweep in sweeps for p in sweep]
+    good = [p.p_yes for p in points if p.quality >= right]
+    bad = [p.p_yes for p in points if p.quality < right]
+    if not good or not bad:
+        return None
+    return sum((g > b) + 0.5 * (g == b) for g in good for b in bad) / (len(good) * len(bad))
+
+
 def check_objective(objective: str, target_nodes: float | None) -> None:
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown calibration objective {objective!r}; known: {', '.join(OBJECTIVES)}")
@@ -132,7 +144,8 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
     rows = table(sweeps, method.config.t_n)
     best = choose(rows, objective, target_nodes)
     result = {"dataset": dataset, "t_p": best["t_p"], "objective": objective, "target_nodes": target_nodes,
-              "chosen": best, "options": {**options, "t_p": best["t_p"]}, "dev_ids": [r.id for r in records],
+              "chosen": best, "probe_auc": probe_auc(sweeps), "options": {**options, "t_p": best["t_p"]},
+              "dev_ids": [r.id for r in records],
               "model": str(engine.path), "table": rows,
               "sweeps": [[asdict(p) for p in points] for points in sweeps]}
     path = calibration_path(out, dataset, method.config.prompt_style)

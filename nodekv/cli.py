@@ -214,7 +214,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         if id(r) in shown or r == result["chosen"]:
             mark = " chosen" if r == result["chosen"] else ""
             print(f"| {r['t_p']:.4f} | {r['nodes']:.2f} | {r['f1']:.1f} | {r['query_tflops']:.4f} |{mark}")
-    print(f"\nt_p = {result['t_p']} for {args.dataset} ({args.objective}) -> {result['path']}")
+    auc = result["probe_auc"]
+    print(f"\np(Yes) tells a right answer (F1 >= 0.5) from a wrong one with AUC "
+          f"{'-' if auc is None else f'{auc:.2f}'} (0.5: no signal)")
+    print(f"t_p = {result['t_p']} for {args.dataset} ({args.objective}) -> {result['path']}")
     print(f"use: nodekv eval --method pecan --dataset {args.dataset} --option t_p={result['t_p']}")
     return 0
 

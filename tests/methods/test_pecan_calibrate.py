@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nodekv.methods.pecan_calibrate import Point, choose, outcome, table, thresholds
+from nodekv.methods.pecan_calibrate import Point, choose, outcome, probe_auc, table, thresholds
 
 A = [Point(2, 0.30, 100, 0.0), Point(3, 0.60, 200, 0.5), Point(4, 0.70, 300, 1.0)]
 B = [Point(1, 0.55, 50, 1.0), Point(2, 0.20, 90, 0.0)]
@@ -82,3 +82,11 @@ def test_eval_takes_t_p_from_a_calibration_that_holds_for_the_run(tmp_path):
         t_p, source = Pecan.dataset_defaults("hotpotqa", tmp_path, run, model)["t_p"]
         assert t_p == 0.5 and f"made for another {why}" in source
     assert Pecan.dataset_defaults("qmsum", tmp_path, {}, "m.gguf") == {}  # no paper value, no calibration
+
+
+def test_probe_auc_by_hand():
+    # right steps' p(Yes): 0.60, 0.70, 0.55; wrong ones: 0.30, 0.20 -> every pair ordered: 1.0
+    assert probe_auc([A, B]) == 1.0
+    flipped = [[Point(1, 0.9, 1, 0.0), Point(2, 0.1, 2, 1.0)], [Point(1, 0.5, 1, 1.0), Point(2, 0.5, 2, 0.0)]]
+    assert probe_auc(flipped) == (0 + 0 + 0 + 0.5) / 4  # right {0.1, 0.5} vs wrong {0.9, 0.5}
+    assert probe_auc([[Point(1, 0.3, 1, 1.0)]]) is None
