@@ -31,7 +31,8 @@ demo: $(STAMP)
 	# the whole story in context, then PECAN's graph and search on the same question
 	$(VENV)/bin/nodekv ask examples/lost_in_translation.txt "What race has captured Korvin?" --prompt narrativeqa
 	$(VENV)/bin/nodekv index examples/lost_in_translation.txt -o build/demo.pecan --export build/demo.html
-	$(VENV)/bin/nodekv ask build/demo.pecan "What race has captured Korvin?" --prompt narrativeqa --option prompt_style=restate --trace
+	# on the 0.5B model p(Yes) carries no signal (README), so a node budget ends the search
+	$(VENV)/bin/nodekv ask build/demo.pecan "What race has captured Korvin?" --prompt narrativeqa --option prompt_style=restate --option node_budget=12 --trace
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
