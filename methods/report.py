@@ -29,12 +29,16 @@ def summarize(path: Path) -> dict:
     if not ok:
         return out
     out.update({m: 100 * mean(r["metrics"].get(m, 0.0) for r in ok) for m in metric_names})
+    # an index built without the 8B projection set (model FLOPs > 0, projected 0) has no projected cost
+    projected = [f8 for f, f8 in docs.values() if f8 > 0 or f == 0]
     out.update(nodes=mean(len(r["nodes"]) for r in ok), wall_s=mean(r["wall_s"] for r in ok),
                query_tflops=mean(r["query_flops"] for r in ok) / 1e12,
                query_tflops_8b=mean(r["query_flops_8b"] for r in ok) / 1e12,
                index_tflops_doc=mean(f for f, _ in docs.values()) / 1e12,
-               index_tflops_doc_8b=mean(f for _, f in docs.values()) / 1e12,
+               index_docs_8b=len(projected),
                truncated=sum(bool(r.get("truncated")) for r in ok))
+    if projected:
+        out["index_tflops_doc_8b"] = mean(projected) / 1e12
     out.update(_search_stats([step for r in ok for step in r.get("trace", [])]))
     out["settings"] = {k: f"{meta['options'][k]} ({source})" for k, source in meta.get("option_sources", {}).items()}
     return out
@@ -57,16 +61,19 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
     """Markdown: one row per (dataset, method); ratio = query TFLOPs over the reference method's on that dataset."""
     ref = {s["dataset"]: s.get("query_tflops_8b") for s in summaries if s["method"] == reference}
     head = ("| dataset | method | n | failed | skipped | F1 | ROUGE-L | acc | nodes | query TFLOPs (model) | "
-            "query TFLOPs (8B) | ratio | index TFLOPs/doc (8B) | truncated | s/query |")
+            "query TFLOPs (8B) | ratio | index TFLOPs/doc (model) | index TFLOPs/doc (8B) | truncated | s/query |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in sorted(summaries, key=lambda s: (s["dataset"], s.get("query_tflops_8b", 0))):
         def f(key, fmt="{:.1f}"):
             return fmt.format(s[key]) if key in s else "-"
         r = ref.get(s["dataset"])
+        index_8b = f("index_tflops_doc_8b", "{:.2f}")
+        if s.get("index_docs_8b", s["docs"]) < s["docs"]:
+            index_8b += f" ({s['index_docs_8b']} of {s['docs']} docs)"
         ratio = f"{s['query_tflops_8b'] / r:.2f}" if r and "query_tflops_8b" in s else "-"
         lines.append(f"| {s['dataset']} | {s['method']} | {s['n']} | {s['errors']} | {s['skipped']} | {f('f1')} | "
                      f"{f('rouge_l')} | {f('accuracy')} | {f('nodes')} | {f('query_tflops', '{:.4f}')} | "
-                     f"{f('query_tflops_8b', '{:.2f}')} | {ratio} | {f('index_tflops_doc_8b', '{:.2f}')} | "
+                     f"{f('query_tflops_8b', '{:.2f}')} | {ratio} | {f('index_tflops_doc', '{:.4f}')} | {index_8b} | "
                      f"{s.get('truncated', '-')} | {f('wall_s', '{:.2f}')} |")
     return "\n".join(lines)
 
@@ -94,7 +101,7 @@ def amortization(summaries: list[dict]) -> str:
     """Table A4: (index TFLOPs per document / q + query TFLOPs) for q = 1, 2, 4, 8 queries per document (8B)."""
     lines = ["| dataset | method | 1 | 2 | 4 | 8 |", "|---|---|---|---|---|---|"]
     for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
-        if "query_tflops_8b" not in s:
+        if "query_tflops_8b" not in s or "index_tflops_doc_8b" not in s:
             continue
         cells = " | ".join(f"{s['index_tflops_doc_8b'] / q + s['query_tflops_8b']:.2f}" for q in (1, 2, 4, 8))
         lines.append(f"| {s['dataset']} | {s['method']} | {cells} |")

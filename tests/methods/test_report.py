@@ -33,3 +33,11 @@ def test_failure_categories_by_hand():
     assert classify(0.0, ["American"], "Sharyn McCrumb is an American writer.", doc) == "answer turn"
     assert classify(0.0, ["the American"], "Lu Su was a general.", doc) == "search"  # articles are normalised away
     assert classify(0.0, ["no"], "Lu Su was not a general.", doc + " Nobody knows.") == "not verbatim"  # words
+
+
+def test_an_index_without_a_projected_cost_is_left_out_of_the_8b_mean(tmp_path):
+    rows = [{**_record("1", []), "document": "a", "index_flops": 10 ** 12, "index_flops_8b": 2 * 10 ** 13},
+            {**_record("2", []), "document": "b", "index_flops": 10 ** 12, "index_flops_8b": 0}]
+    (tmp_path / "pecan-musique.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report([tmp_path], tmp_path / "out")
+    assert "| 1.0000 | 20.00 (1 of 2 docs) |" in text  # model cost over both documents, 8B over the one projected
