@@ -7,9 +7,10 @@ in chunks the search never reached.
     search         wrong; a reference occurs in the document's chunks, but not in any node that was read
     not verbatim   wrong; no reference occurs verbatim in the document (yes/no questions, paraphrased answers)
 
-    python -m nodekv.bench.pecan_failures build/issue12/pecan-prompt_style=restate-hotpotqa.jsonl [--records]
+    python -m nodekv.bench.pecan_failures RUN.jsonl... [--records] [--indexes DIR]
 
-The indexes are read from the run directory's index store (<run dir>/indexes), as `nodekv eval` left them.
+The indexes are read from the run directory's index store (<run dir>/indexes, as `nodekv eval` left them) or from
+--indexes DIR.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="PECAN run files (<label>-<dataset>.jsonl)")
     ap.add_argument("--records", action="store_true", help="one line per record as well")
+    ap.add_argument("--indexes", type=Path, default=None, help="the index store (default: <run dir>/indexes)")
     args = ap.parse_args(argv)
     eng = load_engine(None, threads=1)
     print("| run | n | " + " | ".join(CATEGORIES) + " | reference in the top level |")
@@ -49,10 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.runs:
         meta = json.loads(path.with_suffix(".meta.json").read_text())
         method = Pecan(eng, **meta["options"])
-        store = IndexStore.for_method(path.parent / "indexes", eng, method)
+        store = IndexStore.for_method(args.indexes or path.parent / "indexes", eng, method)
         counts, in_top, lines = Counter(), 0, []
         for r in (r for r in read_done(path) if "error" not in r):
-            graph = store.get(method, r["document"])[0].graph
+            found = store.get(method, r["document"])
+            if found is None:
+                raise SystemExit(f"no index of document {r['document']} in {store.root} (--indexes DIR)")
+            graph = found[0].graph
             read = "\n".join(graph.nodes[i].text for i in r["nodes"])
             document = "\n".join(n.text for n in graph.nodes.values() if n.level == 1)
             kind = classify(r["metrics"]["f1"], r["references"], read, document)
