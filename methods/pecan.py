@@ -17,7 +17,7 @@ from ..engine.engine import Engine
 from .base import Answer, Method, chat_pieces
 from .options import Option
 from .pecan_build import BUILD_VERSION, GraphBuilder
-from .pecan_graph import next_node, positional_relevance
+from .pecan_graph import Z_SCALES, next_node, positional_relevance
 from .pecan_store import PecanIndex, load, save, to_graphml, to_html
 from .prompts import PromptSpec
 
@@ -28,10 +28,10 @@ SECOND_TURN = "Given the above information and question, answer the question as 
 # repeat a name), so the probe and the answer turn state it again; the cached prompt is the paper's either way
 RESTATED_PROBE = ("\n\nCan the question \"{}\" be answered by the information above? Response \"Yes\" or \"No\" "
                   "in one word.")
-# ... and the answer turn ends as the dataset's own prompt does (LongBench's closing instruction and the question)
+# ... and the answer turn restates it: with the dataset prompt's closing instruction and question where there is a
+# dataset prompt (PromptSpec.instruction), else with this turn
 RESTATED_SECOND_TURN = "Given the above information, answer this question as concisely as you can.\n\nQuestion: {}"
 PROMPT_STYLES = ("paper", "restate")
-Z_SCALES = ("paper", "max")
 
 # App. E: the confidence threshold t_p the paper used per dataset with Llama-3.1-8B (t_n = 1 throughout).
 PAPER_T_P = {"narrativeqa": 0.5, "qasper": 0.98, "hotpotqa": 0.5, "musique": 0.55}

@@ -120,9 +120,9 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
               target_nodes: float | None = None, out: str | Path = "runs", data_dir: str | None = None,
               options: dict | None = None, progress: bool = True) -> dict:
     """Sweep the dev records `dev` = (first, count) of `dataset` (by default after the 30 an evaluation uses),
-    choose t_p for `objective`, and write <out>/pecan-calibration-<dataset>-<prompt style>.json (which `nodekv eval`
-    then uses by default) with the choice, the options it
-    holds for, the dev record ids and the whole table. Indexes are shared with `nodekv eval` (<out>/indexes)."""
+    choose t_p for `objective`, and write <out>/pecan-calibration-<dataset>-<prompt style>.json with the choice, the
+    options it holds for, the dev record ids and the whole table; `nodekv eval` in <out> then uses it by default.
+    Indexes are shared with `nodekv eval` (<out>/indexes)."""
     check_objective(objective, target_nodes)
     first, count = dev
     if first < 0 or count < 1:

@@ -104,6 +104,9 @@ def parse_ips(text: str, min_chars: int = 8) -> tuple[list[str], str, int]:
     return ips, how if ips else "empty", len(found) - len(ips)
 
 
+Z_SCALES = ("paper", "max")  # how z enters the pick: Eq. (1) as it is, or divided by the candidates' largest z
+
+
 @dataclass(frozen=True)
 class Pick:
     """The search's next node and why: its z (Eq. 1; 0 for a node no visited node points to), its similarity to
@@ -124,8 +127,8 @@ def next_node(graph: Graph, visited: list[int], relevance: dict[int, float], sim
     unvisited node when no child is left. `z_scale="max"` divides z by its largest value among the candidates
     (Eq. 1's z is a product of mean attentions, orders of magnitude below a cosine similarity); the Pick keeps the
     unscaled z. Ties go to the lower id. None when every node is visited."""
-    if z_scale not in ("paper", "max"):
-        raise ValueError(f"z_scale must be 'paper' or 'max', not {z_scale!r}")
+    if z_scale not in Z_SCALES:
+        raise ValueError(f"z_scale must be one of {', '.join(Z_SCALES)}, not {z_scale!r}")
     seen = set(visited)
     z = scores(graph, visited, relevance)
     unvisited = [i for i in graph.nodes if i not in seen]

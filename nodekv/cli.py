@@ -218,7 +218,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"\np(Yes) tells a right answer (F1 >= 0.5) from a wrong one with AUC "
           f"{'-' if auc is None else f'{auc:.2f}'} (0.5: no signal)")
     print(f"t_p = {result['t_p']} for {args.dataset} ({args.objective}) -> {result['path']}")
-    print(f"use: nodekv eval --method pecan --dataset {args.dataset} --option t_p={result['t_p']}")
+    print(f"`nodekv eval --method pecan --dataset {args.dataset} --out {args.out}` with the same options uses it")
     return 0
 
 
