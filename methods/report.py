@@ -121,14 +121,18 @@ def plot(summaries: list[dict], path: Path) -> bool:
     for s in summaries:
         if "query_tflops_8b" in s:
             by_dataset[s["dataset"]].append(s)
-    fig, axes = plt.subplots(1, max(1, len(by_dataset)), figsize=(5 * max(1, len(by_dataset)), 4), squeeze=False)
+    # runs are told apart by marker and colour in a legend under each panel: long run labels overlap as annotations
+    most = max((len(rows) for rows in by_dataset.values()), default=1)
+    fig, axes = plt.subplots(1, max(1, len(by_dataset)), figsize=(6 * max(1, len(by_dataset)), 4 + 0.22 * most),
+                             squeeze=False)
     for ax, (dataset, rows) in zip(axes[0], sorted(by_dataset.items())):
         key = "f1" if all("f1" in r for r in rows) else "rouge_l"
-        for r in rows:
-            ax.scatter(r["query_tflops_8b"], r.get(key, 0))
-            ax.annotate(r["method"], (r["query_tflops_8b"], r.get(key, 0)), fontsize=8)
+        for k, r in enumerate(sorted(rows, key=lambda r: r["method"])):
+            ax.scatter(r["query_tflops_8b"], r.get(key, 0), marker="osD^v<>ph*"[k % 10], s=40,
+                       label=f"{r['method']} (n={r['n']})")
         ax.set(title=dataset, xlabel="query TFLOPs (llama-3.1-8b projection)", ylabel=key.upper())
         ax.set_xscale("log")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
