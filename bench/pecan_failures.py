@@ -22,17 +22,20 @@ from pathlib import Path
 CATEGORIES = ("right", "answer turn", "search", "not verbatim")
 
 
-def classify(f1: float, references: list[str], read: str, document: str) -> str:
+def mentions(text: str, references: list[str]) -> bool:
+    """Whether a reference, LongBench-normalised, occurs in the normalised text as whole words."""
     from nodekv.methods.metrics import normalize_answer
 
+    words = f" {normalize_answer(text)} "
+    return any(f" {normalize_answer(r)} " in words for r in references if normalize_answer(r))
+
+
+def classify(f1: float, references: list[str], read: str, document: str) -> str:
     if f1 >= 0.5:
         return "right"
-    refs = [f" {normalize_answer(r)} " for r in references if normalize_answer(r)]  # whole words only
-    if any(r in f" {normalize_answer(read)} " for r in refs):
+    if mentions(read, references):
         return "answer turn"
-    if any(r in f" {normalize_answer(document)} " for r in refs):
-        return "search"
-    return "not verbatim"
+    return "search" if mentions(document, references) else "not verbatim"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,8 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             document = "\n".join(n.text for n in graph.nodes.values() if n.level == 1)
             kind = classify(r["metrics"]["f1"], r["references"], read, document)
             counts[kind] += 1
-            top = classify(0.0, r["references"], "\n".join(graph.nodes[i].text for i in graph.top_level), "")
-            in_top += top == "answer turn"
+            in_top += mentions("\n".join(graph.nodes[i].text for i in graph.top_level), r["references"])
             lines.append(f"  {kind:12s} f1={r['metrics']['f1']:.2f} nodes={len(r['nodes']):2d} "
                          f"{r['prediction'][:50]!r} <- {r['references']}")
         n = sum(counts.values())
