@@ -15,6 +15,7 @@ from .kv_cache import PagedKVCache
 from .loader import load_checkpoint
 from .model import KVCache, Llama
 from .page_pool import PagePool, default_pool_pages
+from .prefix_cache import PrefixCache
 from .registry import resolve_model
 from .generation import Generation, GenerationState, check_one_engine, generate, step
 from .session import NodeSpan, Session, append_batch
@@ -26,7 +27,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 class Engine:
-    """A model ready to run: `session()` for cached prompts, `forward_logits` for scoring, `flops` for cost."""
+    """A model ready to run: `session()` for cached prompts, `prefixes.fork(ids)` for a session that starts with a
+    shared prompt prefilled once, `forward_logits` for scoring, `flops` for cost."""
 
     def __init__(self, model: Llama, tokenizer: Tokenizer, pool: PagePool, path: Path | None = None):
         self.model = model
@@ -35,6 +37,7 @@ class Engine:
         self.pool = pool
         self.path = path
         self.flops = FlopAccount()
+        self.prefixes = PrefixCache(self)  # few-shot and instruction prompts prefilled once, forked per use
 
     def session(self) -> Session:
         """An empty session on this engine's page pool."""

@@ -66,12 +66,14 @@ def per_example_convention(c: ModelConfig, tokens: int) -> int:
 class FlopAccount:
     """Running totals of FLOPs and tokens, also per named scope (scopes may nest; each level is charged).
 
+    `saved`: FLOPs not run because a cached prompt prefix was forked instead of prefilled again (`PrefixCache`).
     `project_to` names other configs (e.g. the llama-3.1-8b preset) whose FLOPs for the same forwards (same token
     counts) are accumulated alongside: `projected[name]` and `projected_scopes[name][scope]`."""
 
     total: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    saved: int = 0
     scopes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     project_to: dict[str, ModelConfig] = field(default_factory=dict)
     projected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -105,7 +107,7 @@ class FlopAccount:
             self._active.pop()
 
     def reset(self) -> None:
-        self.total = self.prefill_tokens = self.decode_tokens = 0
+        self.total = self.prefill_tokens = self.decode_tokens = self.saved = 0
         self.scopes.clear()
         self.projected.clear()
         self.projected_scopes.clear()

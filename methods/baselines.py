@@ -76,11 +76,9 @@ class DenseTopK(TopK, name="dense"):
         self._embedder = embedder
 
     def search_index(self, chunks: list[str]) -> DenseIndex:
-        if self._embedder is None:
-            from .embedder import Embedder
+        from .embedder import Embedder
 
-            self._embedder = Embedder()
-        return DenseIndex(chunks, self._embedder)
+        return DenseIndex(chunks, self._embedder or Embedder.shared())
 
 
 def _check_document(document: str) -> str:

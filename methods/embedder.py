@@ -7,6 +7,8 @@ tokens (1_Pooling/config.json) -> L2 normalisation (the `Normalize` module).
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from pathlib import Path
@@ -125,6 +127,12 @@ class Embedder:
         return x
 
     @torch.inference_mode()
+    @staticmethod
+    @functools.cache
+    def shared() -> "Embedder":
+        """The packaged model, loaded once per process and shared by every method that embeds."""
+        return Embedder()
+
     def encode(self, texts: list[str], batch_size: int = 64) -> torch.Tensor:
         """Embeddings [len(texts), dim] float32, in the order of `texts`. Texts are batched by similar
         token counts (longest first) so little compute goes to padding; a batch holds at most `batch_size`

@@ -82,11 +82,9 @@ class Pecan(Method, name="pecan", title="PECAN"):
 
     @property
     def embedder(self):
-        if self._embedder is None:
-            from .embedder import Embedder
+        from .embedder import Embedder
 
-            self._embedder = Embedder()
-        return self._embedder
+        return self._embedder or Embedder.shared()
 
     @classmethod
     def dataset_defaults(cls, dataset: str, runs: Path | None = None, options: dict | None = None,

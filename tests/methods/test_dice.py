@@ -1,0 +1,251 @@
+"""DICE: both algorithms' control flow against a scripted LLM (what is asked, retrieved and written into T, when
+the loop ends, and how broken output ends it), retrieval (recall, re-rank, document order), chunking, and on the
+real SmolLM2 the FLOPs of the shared few-shot prefix (charged once per engine, by the FLOP formula)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nodekv.engine.flops import FlopAccount, forward_flops
+from nodekv.methods.dice import (Budget, Dice, Retrieved, constrained_decoding, iterative_qa, word_chunks)
+from nodekv.methods.dice_prompts import THOUGHTS
+
+BUDGET = Budget(max_iterations=5, step_tokens=16, answer_tokens=8, step_room=100)
+
+
+class ScriptedThought:
+    """T as a list of text pieces; every model output comes from `script`, in order."""
+
+    def __init__(self, script, opening="", room=10_000):
+        self.pieces, self.script, self.room_left, self.closed, self.inserts = [opening], iter(script), room, False, []
+
+    def choose(self, labels):
+        label = next(self.script)
+        assert label in labels, f"scripted {label!r} is not one of {labels}"
+        self.pieces.append(label)
+        return label
+
+    def generate(self, max_tokens, stop):
+        text, ended = next(self.script)
+        self.pieces.append(text + (stop if ended else ""))
+        return text, ended
+
+    def generate_after(self, insert, max_tokens, stop):
+        self.inserts.append(insert)
+        return next(self.script)
+
+    def write(self, text):
+        self.pieces.append(text)
+
+    def mark(self):
+        return len(self.pieces)
+
+    def rollback(self, mark):
+        del self.pieces[mark:]
+
+    def room(self):
+        return self.room_left
+
+    def close(self):
+        self.closed = True
+
+    @property
+    def text(self):
+        return "".join(self.pieces)
+
+
+class ScriptedLM:
+    def __init__(self, script, facts=None, room=10_000):
+        self.script, self.facts, self.room, self.extracted, self.thoughts = script, facts or {}, room, [], []
+
+    def thought(self, algorithm, question, opening=""):
+        self.thoughts.append(ScriptedThought(self.script, opening, self.room))
+        return self.thoughts[-1]
+
+    def relevance(self, question, passages):
+        return [0.0] * len(passages)
+
+    def extract(self, question, reference, max_tokens):
+        self.extracted.append((question, reference))
+        return self.facts[question]
+
+
+class Retriever:
+    """Records each query; returns the chunk whose number is the query's length (something checkable)."""
+
+    def __init__(self):
+        self.queries = []
+
+    def __call__(self, query):
+        self.queries.append(query)
+        return Retrieved([len(query)], f"passage for {query}", [{"chunk": len(query), "dense": 1.0}])
+
+
+def test_algorithm1_plans_retrieves_extracts_and_writes_subquestion_and_fact_into_T():
+    lm = ScriptedLM(["Subquestion:", (" Who is A's spouse?", True),
+                     "Subquestion:", (" Where was B born?", True),
+                     "Final answer:", (" Paris", True)],
+                    facts={"Who is A's spouse?": "A's spouse is B.", "Where was B born?": "B was born in Paris."})
+    retrieve = Retriever()
+    run = iterative_qa(lm, retrieve, "Where was A's spouse born?", BUDGET)
+    t = lm.thoughts[0]
+    assert retrieve.queries == ["Who is A's spouse?", "Where was B born?"]  # each sub-question, as planned
+    assert lm.extracted == [("Who is A's spouse?", "passage for Who is A's spouse?"),
+                            ("Where was B born?", "passage for Where was B born?")]
+    assert t.text == ("Subquestion: Who is A's spouse?\nFact: A's spouse is B.\n"
+                      "Subquestion: Where was B born?\nFact: B was born in Paris.\nFinal answer: Paris\n")
+    assert (run.answer, run.stop, run.chunks) == ("Paris", "terminated", [17, 18])
+    assert [s.get("fact") for s in run.trace] == ["A's spouse is B.", "B was born in Paris.", None]
+    assert run.trace[-1] == {"stop": "terminated", "answer": "Paris"} and t.closed
+
+
+def test_algorithm2_retrieves_with_the_draft_and_writes_the_step_decoded_after_the_reference():
+    lm = ScriptedLM(["Thought:", (" A's spouse is Carl.", True), (" A's spouse is B.", True),
+                     "Thought:", (" B was born in Rome.", True), (" B was born in Paris.", True),
+                     "Answer:", (" Paris", True)])
+    retrieve = Retriever()
+    run = constrained_decoding(lm, retrieve, "Where was A's spouse born?", BUDGET)
+    t = lm.thoughts[0]
+    assert retrieve.queries == ["A's spouse is Carl.", "B was born in Rome."]  # the drafts are the queries
+    assert t.inserts == ["Reference: passage for A's spouse is Carl.\nThought:",
+                         "Reference: passage for B was born in Rome.\nThought:"]
+    # T keeps the edited thoughts only: the drafts are rolled back and no reference stays
+    assert t.text == (f"{THOUGHTS}\nThought: A's spouse is B.#\nThought: B was born in Paris.#\nAnswer: Paris\n")
+    assert (run.answer, run.stop) == ("Paris", "terminated")
+    assert [s.get("thought") for s in run.trace[:2]] == ["A's spouse is B.", "B was born in Paris."]
+
+
+@pytest.mark.parametrize("algorithm", [1, 2])
+def test_endless_steps_stop_at_M_and_still_answer(algorithm):
+    m = 3
+    step = "Subquestion:" if algorithm == 1 else "Thought:"
+    script = []
+    for i in range(m):
+        script += [step, (f" step {i}?", True)] + ([] if algorithm == 1 else [(f" edited {i}", True)])
+    script += [(" 42", True)]
+    lm = ScriptedLM(script, facts={f"step {i}?": f"fact {i}" for i in range(m)})
+    retrieve = Retriever()
+    run = (iterative_qa if algorithm == 1 else constrained_decoding)(
+        lm, retrieve, "q?", Budget(m, 16, 8, 100))
+    assert len(retrieve.queries) == m and (run.answer, run.stop) == ("42", "max_iterations")
+    label = "Final answer:" if algorithm == 1 else "Answer:"
+    assert lm.thoughts[0].text.endswith(f"{label} 42\n")  # the algorithm wrote the answer label itself
+
+
+@pytest.mark.parametrize("algorithm", [1, 2])
+@pytest.mark.parametrize("broken", [(" Whereabouts of", False), ("  ", True)], ids=["no line end or '#'", "empty"])
+def test_a_step_that_breaks_the_format_is_rolled_back_and_the_answer_decoded(algorithm, broken):
+    step = "Subquestion:" if algorithm == 1 else "Thought:"
+    first = [step, (" Who is A?", True)] + ([] if algorithm == 1 else [(" A is B.", True)])
+    lm = ScriptedLM(first + [step, broken, (" B", True)], facts={"Who is A?": "A is B."})
+    retrieve = Retriever()
+    run = (iterative_qa if algorithm == 1 else constrained_decoding)(lm, retrieve, "q?", BUDGET)
+    assert (run.answer, run.stop) == ("B", "format") and len(retrieve.queries) == 1
+    assert run.trace[1]["broken"] == "format"
+    assert broken[0] not in lm.thoughts[0].text.replace(" B\n", "")  # the broken step is not in T
+
+
+@pytest.mark.parametrize("algorithm", [1, 2])
+def test_a_repeated_step_ends_the_loop(algorithm):
+    step = "Subquestion:" if algorithm == 1 else "Thought:"
+    edit = [] if algorithm == 1 else [(" A is B.", True)]
+    lm = ScriptedLM([step, (" Who is A?", True), *edit, step, (" who is a", True), (" B", True)],
+                    facts={"Who is A?": "A is B."})
+    retrieve = Retriever()
+    run = (iterative_qa if algorithm == 1 else constrained_decoding)(lm, retrieve, "q?", BUDGET)
+    assert (run.answer, run.stop, len(retrieve.queries)) == ("B", "repeated", 1)
+
+
+def test_no_answer_falls_back_to_the_last_fact_and_a_full_window_stops_before_a_step():
+    lm = ScriptedLM(["Subquestion:", (" Who is A?", True), "Final answer:", ("", False)], facts={"Who is A?": "A is B."})
+    run = iterative_qa(lm, Retriever(), "q?", BUDGET)
+    assert (run.answer, run.stop) == ("A is B.", "terminated")
+    lm = ScriptedLM([(" B", True)], room=50)  # less room than a step needs: no step, straight to the answer
+    run = constrained_decoding(lm, Retriever(), "q?", BUDGET)
+    assert (run.answer, run.stop, run.trace) == ("B", "window", [{"stop": "window", "answer": "B"}])
+
+
+def test_an_edited_step_that_breaks_the_format_keeps_the_draft():
+    lm = ScriptedLM(["Thought:", (" A is B.", True), (" A is", False), "Answer:", (" B", True)])
+    run = constrained_decoding(lm, Retriever(), "q?", BUDGET)
+    assert run.trace[0]["thought"] == "A is B." and run.trace[0]["unfinished_edit"] == "A is"
+    assert "Thought: A is B.#\n" in lm.thoughts[0].text
+
+
+KEYWORDS = ["alpha", "beta", "gamma", "delta", "epsilon"]
+
+
+class KeywordEmbedder:
+    """Bag of the five keywords: cosine similarity counts shared keywords."""
+
+    def encode(self, texts, batch_size=64):
+        return torch.tensor([[float(t.split().count(k)) + 1e-3 for k in KEYWORDS] for t in texts])
+
+
+class RelevanceLM(ScriptedLM):
+    def __init__(self, scores):
+        super().__init__([])
+        self.scores, self.asked = scores, []
+
+    def relevance(self, question, passages):
+        self.asked.append(list(passages))
+        return [self.scores[p.split()[0]] for p in passages]
+
+
+def test_retrieval_recalls_by_bi_encoder_reranks_by_the_llm_and_keeps_document_order():
+    engine = SimpleNamespace(flops=FlopAccount())
+    chunks = " ".join(f"{k} {i}" for i, k in enumerate(KEYWORDS))
+    lm = RelevanceLM({"alpha": -2.0, "beta": -0.5, "gamma": -0.1, "delta": -0.2, "epsilon": -0.05})
+    dice = Dice(engine, embedder=KeywordEmbedder(), lm=lm, chunk_words=2, recall_k=4, top_k=2)
+    index = dice.index(chunks)
+    assert index.chunks == ["alpha 0", "beta 1", "gamma 2", "delta 3", "epsilon 4"]
+    got = dice.retrieve(index, "alpha beta gamma")
+    assert lm.asked == [["alpha 0", "beta 1", "gamma 2", "delta 3"]]  # recall: the 4 closest (ties: index order)
+    assert got.chunks == [2, 3] and got.text == "gamma 2\ndelta 3"    # re-ranked best 2, in document order
+    assert [s["rerank"] for s in got.scores] == [-0.1, -0.2]
+    dice = Dice(engine, embedder=KeywordEmbedder(), lm=lm, chunk_words=2, top_k=2, rerank=False)
+    assert dice.retrieve(index, "gamma beta").chunks == [1, 2] and len(lm.asked) == 1
+
+
+def test_word_chunks_hold_at_most_n_words_and_never_cross_a_blank_line():
+    doc = "Passage 1:\nTitle one\n" + " ".join(f"w{i}" for i in range(7)) + "\n\n  \nPassage 2:\nshort"
+    assert word_chunks(doc, 4) == ["Passage 1: Title one", "w0 w1 w2 w3", "w4 w5 w6", "Passage 2: short"]
+
+
+def test_bad_input_is_refused_with_a_message():
+    engine = SimpleNamespace(flops=FlopAccount())
+    with pytest.raises(ValueError, match="DICE option algorithm must be one of 1, 2"):
+        Dice(engine, algorithm=3)
+    with pytest.raises(ValueError, match="document is empty"):
+        Dice(engine, embedder=KeywordEmbedder(), lm=ScriptedLM([])).index("  \n ")
+    dice = Dice(engine, embedder=KeywordEmbedder(), lm=ScriptedLM([]))
+    with pytest.raises(ValueError, match="multiple-choice"):
+        dice.answer(dice.index("alpha"), "q?", options=("a", "b"))
+
+
+DOC = ("Passage 1:\nMarie Curie\nMarie Curie was born in Warsaw. She was married to Pierre Curie.\n\n"
+       "Passage 2:\nPierre Curie\nPierre Curie was a French physicist born in Paris.\n\n"
+       "Passage 3:\nWarsaw\nWarsaw is the capital of Poland.")
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("algorithm", [1, 2])
+def test_the_second_question_is_not_charged_for_the_shared_prefixes(algorithm):
+    """Run the same question twice on one engine: the second run costs exactly the prefill FLOPs of the shared
+    prefixes (by the FLOP formula, from their token counts) less, and gives the same answer."""
+    import nodekv
+
+    eng = nodekv.load_engine("smollm2-135m")
+    dice = Dice(eng, algorithm=algorithm, max_iterations=2, recall_k=3, top_k=2, step_tokens=24)
+    index = dice.index(DOC)
+    first = dice.answer(index, "Where was Marie Curie's husband born?")
+    prefixes = [len(s) for s in eng.prefixes._sessions.values()]
+    assert len(prefixes) == (3 if algorithm == 1 else 2)  # planning, relevance (and extraction for Alg. 1)
+    second = dice.answer(index, "Where was Marie Curie's husband born?")
+    assert len(eng.prefixes) == len(prefixes)
+    assert first.flops - second.flops == sum(forward_flops(eng.config, n) for n in prefixes)
+    assert (second.text, second.trace[:-1]) == (first.text, first.trace[:-1])
+    assert second.trace[-1]["prefix_flops_saved"] > first.trace[-1]["prefix_flops_saved"]
+    assert second.trace[-1]["stop"] in ("terminated", "max_iterations", "format", "repeated", "window")
