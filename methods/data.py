@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Union
 
-TASKS = ("qa", "summary", "multiple_choice")
+TASKS = ("qa", "summary", "multiple_choice", "variables")
 
 # dataset name (= file stem) -> task
 DATASET_TASKS: dict[str, str] = {
@@ -68,7 +68,7 @@ class Record:
     question: str
     references: tuple[str, ...]
     options: tuple[str, ...] = ()  # multiple choice only: option texts, in letter order A, B, C, ...
-    task: str = "qa"  # "qa" | "summary" | "multiple_choice"
+    task: str = "qa"  # "qa" | "summary" | "multiple_choice" | "variables" (variable tracking: the names are the references)
 
 
 @dataclass
@@ -283,7 +283,12 @@ _PARSERS: dict[str, Callable[[str, dict, int], Iterator[Item]]] = {
 
 
 def load_dataset(name: str, data_dir: Union[str, Path, None] = None, limit: int | None = None) -> LoadResult:
-    """Good records of dataset `name` (at most `limit`) and the (id, reason) of each record skipped."""
+    """Good records of dataset `name` (at most `limit`) and the (id, reason) of each record skipped. Variable
+    tracking names (`variable_tracking`) are generated, not read."""
+    from .variable_tracking import is_variable_tracking, records
+
+    if is_variable_tracking(name):
+        return LoadResult(records(name, limit))
     path = find_dataset_file(name, data_dir)
     parse = _PARSERS[name]
     result = LoadResult()

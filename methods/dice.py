@@ -12,7 +12,8 @@ choice between "Thought:" and "Answer:") or drafts a step s_i; the draft is the 
 dropped and the step decoded again with the retrieved passages inserted before it (in a fork, so T keeps only
 thoughts, as in Fig. 4b); decoding then goes on from T.
 
-Both end cleanly on broken output: a step that does not end (no line break, no "#") or is empty ("format"), a step
+Both end cleanly on broken output: a step that does not end (no line break; for a thought, neither "#" nor a line
+break) or is empty ("format"), a step
 equal to an earlier one ("repeated"), M reached ("max_iterations") or a window too full for another step
 ("window"); T is rolled back to before the broken step and the answer decoded from there.
 """
@@ -30,12 +31,13 @@ from .prompts import PromptSpec
 from .retrieval import DenseIndex
 
 STOP_REASONS = ("terminated", "max_iterations", "format", "repeated", "window")
+STEP_ENDS = [STEP_END, "\n"]  # a thought ends at its "#"; small models often end the line without it
 
 
 class ThoughtLike(Protocol):
     def choose(self, labels: Sequence[str]) -> str: ...
-    def generate(self, max_tokens: int, stop: str) -> tuple[str, bool]: ...
-    def generate_after(self, insert: str, max_tokens: int, stop: str) -> tuple[str, bool]: ...
+    def generate(self, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]: ...
+    def generate_after(self, insert: str, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]: ...
     def write(self, text: str) -> None: ...
     def mark(self): ...
     def rollback(self, mark) -> None: ...
@@ -94,7 +96,7 @@ def iterative_qa(lm: LM, retrieve: Callable[[str], Retrieved], question: str, bu
             if t.choose([SUBQUESTION, FINAL_ANSWER]) == FINAL_ANSWER:
                 stop = "terminated"
                 break
-            sub, ended = t.generate(budget.step_tokens, "\n")
+            sub, ended = t.generate(budget.step_tokens, ["\n"])
             sub = sub.strip()
             broken = "format" if not ended or not sub else "repeated" if _key(sub) in seen else None
             if broken:
@@ -128,7 +130,7 @@ def constrained_decoding(lm: LM, retrieve: Callable[[str], Retrieved], question:
             if t.choose([THOUGHT, ANSWER]) == ANSWER:
                 stop = "terminated"
                 break
-            draft, ended = t.generate(budget.step_tokens, STEP_END)
+            draft, ended = t.generate(budget.step_tokens, STEP_ENDS)
             draft = draft.strip()
             t.rollback(mark)  # the draft only queries; the step is decoded again with what it retrieves
             broken = "format" if not ended or not draft else "repeated" if _key(draft) in seen else None
@@ -137,7 +139,7 @@ def constrained_decoding(lm: LM, retrieve: Callable[[str], Retrieved], question:
                 trace.append({"step": i, "draft": draft, "broken": broken})
                 break
             got = retrieve(draft)
-            step, ended = t.generate_after(REFERENCE.format(got.text) + THOUGHT, budget.step_tokens, STEP_END)
+            step, ended = t.generate_after(REFERENCE.format(got.text) + THOUGHT, budget.step_tokens, STEP_ENDS)
             step = step.strip()
             entry = {"step": i, "draft": draft, "retrieved": got.scores}
             if not ended or not step:  # the edited step broke the format: keep the draft
@@ -158,7 +160,7 @@ ALGORITHMS = {1: iterative_qa, 2: constrained_decoding}
 
 def _final(t: ThoughtLike, budget: Budget, fallback: str) -> str:
     """The answer decoded after the answer label, up to the line's end; `fallback` if nothing fits or comes."""
-    text, _ = t.generate(budget.answer_tokens, "\n") if t.room() > 0 else ("", False)
+    text, _ = t.generate(budget.answer_tokens, ["\n"]) if t.room() > 0 else ("", False)
     return text.strip() or fallback
 
 

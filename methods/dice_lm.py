@@ -25,12 +25,13 @@ class Thought:
         """The label the model puts next, constrained to `labels` (its tokens stay in T)."""
         return self.session.generate(max(len(self._encode(x)) for x in labels), choices=list(labels)).text
 
-    def generate(self, max_tokens: int, stop: str) -> tuple[str, bool]:
-        """Decode into T until `stop` (kept in T, cut from the text) or `max_tokens`; (text, whether it stopped)."""
+    def generate(self, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]:
+        """Decode into T until a `stop` string (kept in T, cut from the text) or `max_tokens`; (text, whether it
+        stopped)."""
         gen = self.session.generate(min(max_tokens, self.room()), stop=stop)
         return gen.text, gen.finish_reason == "stop"
 
-    def generate_after(self, insert: str, max_tokens: int, stop: str) -> tuple[str, bool]:
+    def generate_after(self, insert: str, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]:
         """As `generate`, with `insert` prefilled first, in a fork: T is unchanged."""
         with self.session.fork() as fork:
             fork.append(self._encode(insert))

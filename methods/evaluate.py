@@ -2,10 +2,11 @@
 
 Each line holds the record's id, question, prediction, references, metrics, the nodes the answer used, the
 query-dependent and indexing FLOPs measured on the model (and projected to the llama-3.1-8b preset for the same
-token counts), wall time, and the document's hash (so a report counts each document's index once). A document
-is indexed once however many questions it has; methods that can save indexes (PECAN) keep them under
-<out>/indexes, keyed by document, method, model and the options the index depends on, so a rerun, a resumed run
-or a run that changes only search options (PECAN's search ablations) reuses them. Killing a run and starting it
+token counts), the prefill FLOPs that shared prompt prefixes saved the query, wall time, and the document's hash
+(so a report counts each document's index once). A document is indexed once however many questions it has;
+methods that can save indexes (PECAN) keep them under <out>/indexes, keyed by document, method, model and the
+options the index depends on, so a rerun, a resumed run or a run that changes only search options (PECAN's search
+ablations) reuses them. Killing a run and starting it
 again skips the records already written (a torn last line is dropped), so the final file is the same as an
 uninterrupted run's.
 """
@@ -195,7 +196,7 @@ def _evaluate(engine: Engine, method: Method, record, indexes: dict, store: Inde
             indexes.clear()  # records come grouped by document: keep one index alive
             indexes[doc] = store.build_or_load(method, record.document)
         built, index_flops, index_flops_8b, index_s = indexes[doc]
-        before, before_8b, t = acc.total, acc.projected[PROJECT_TO], time.perf_counter()
+        before, before_8b, saved, t = acc.total, acc.projected[PROJECT_TO], acc.saved, time.perf_counter()
         with acc.scope("query"):
             answer = method.answer(built, record.question, record.options)
         wall = time.perf_counter() - t
@@ -203,6 +204,7 @@ def _evaluate(engine: Engine, method: Method, record, indexes: dict, store: Inde
         return {**line, "error": f"{type(e).__name__}: {e}"}
     return {**line, "prediction": answer.text, "metrics": score(record, answer.text), "nodes": answer.nodes,
             "query_flops": acc.total - before, "query_flops_8b": acc.projected[PROJECT_TO] - before_8b,
+            "query_flops_saved": acc.saved - saved,
             "index_flops": index_flops, "index_flops_8b": index_flops_8b, "index_s": round(index_s, 3),
             "wall_s": round(wall, 3), "prompt_tokens": answer.prompt_tokens,
             "generated_tokens": answer.generated_tokens, "truncated": answer.truncated, "trace": answer.trace}

@@ -9,6 +9,10 @@ normalises to nothing scores 0.
 ROUGE is Google's ``rouge-score`` package with the Porter stemmer: F-measures of rouge1, rouge2 and rougeL
 (summary-level LCS without sentence splitting, i.e. not rougeLsum), each the maximum over the references.
 
+Variable tracking (RULER) scores the set of variable names (five capital letters) in the prediction against the
+chain's: em when the sets are equal, f1 of the two sets, recall as RULER's string_match_all (the share of the
+chain's names the prediction contains).
+
 ``parse_choice`` reads the chosen option letter from free text; the rule is in its docstring.
 ``score(record, prediction)`` picks the metrics by ``record.task``.
 """
@@ -127,6 +131,17 @@ def choice_accuracy(prediction: str, answer: str, n_options: int = 4) -> float:
     return float(parse_choice(prediction, n_options) == answer.strip().upper())
 
 
+_VARIABLE = re.compile(r"\b[A-Z]{5}\b")
+
+
+def variables_score(prediction: str, names: Sequence[str]) -> dict[str, float]:
+    """em, f1 and recall of the variable names in `prediction` against `names` (rule in the module docstring)."""
+    found, want = set(_VARIABLE.findall(prediction)), set(names)
+    hit = len(found & want)
+    return {"em": float(found == want), "f1": 2 * hit / (len(found) + len(want)),
+            "recall": sum(n in prediction for n in want) / len(want)}
+
+
 # ----------------------------------------------------------------------------------------------- by record
 
 def score(record, prediction: str) -> dict[str, float]:
@@ -134,6 +149,7 @@ def score(record, prediction: str) -> dict[str, float]:
 
     qa: f1 and em (max over references), rouge_l (max over references).
     summary: rouge1, rouge2, rougeL (each max over references).
+    variables: em, f1, recall (`variables_score`).
     multiple_choice: accuracy (parsed letter vs the reference letter) and, for comparability with QA,
     f1 = max qa_f1_score of the prediction against the letter, the correct option's text, and
     "(<letter>) <text>" (L-Eval's answer format).
@@ -153,4 +169,6 @@ def score(record, prediction: str) -> dict[str, float]:
             targets += [record.options[idx], f"({letter}) {record.options[idx]}"]
         return {"accuracy": choice_accuracy(prediction, letter, len(record.options) or 4),
                 "f1": max(qa_f1_score(prediction, t) for t in targets)}
+    if record.task == "variables":
+        return variables_score(prediction, refs)
     raise ValueError(f"record {record.id!r}: unknown task {record.task!r}")

@@ -73,5 +73,9 @@ PROMPTS: dict[str, PromptSpec] = {
 
 
 def prompt_for(dataset: str) -> PromptSpec:
-    """The dataset's prompt; unknown names get the generic document-QA prompt."""
+    """The dataset's prompt (RULER's for variable tracking); unknown names get the generic document-QA prompt."""
+    from .variable_tracking import TEMPLATE, is_variable_tracking
+
+    if is_variable_tracking(dataset):
+        return PromptSpec(TEMPLATE, 64)  # the names may come one per line
     return PROMPTS.get(dataset, PromptSpec(_DOC_QA, 64))

@@ -34,6 +34,7 @@ def summarize(path: Path) -> dict:
     out.update(nodes=mean(len(r["nodes"]) for r in ok), wall_s=mean(r["wall_s"] for r in ok),
                query_tflops=mean(r["query_flops"] for r in ok) / 1e12,
                query_tflops_8b=mean(r["query_flops_8b"] for r in ok) / 1e12,
+               saved_tflops=mean(r.get("query_flops_saved", 0) for r in ok) / 1e12,
                index_tflops_doc=mean(f for f, _ in docs.values()) / 1e12,
                index_docs_8b=len(projected),
                truncated=sum(bool(r.get("truncated")) for r in ok))
@@ -60,8 +61,9 @@ def _search_stats(steps: list[dict]) -> dict:
 def table(summaries: list[dict], reference: str | None = None) -> str:
     """Markdown: one row per (dataset, method); ratio = query TFLOPs over the reference method's on that dataset."""
     ref = {s["dataset"]: s.get("query_tflops_8b") for s in summaries if s["method"] == reference}
-    head = ("| dataset | method | n | failed | skipped | F1 | ROUGE-L | acc | nodes | query TFLOPs (model) | "
-            "query TFLOPs (8B) | ratio | index TFLOPs/doc (model) | index TFLOPs/doc (8B) | truncated | s/query |")
+    head = ("| dataset | method | n | failed | skipped | F1 | EM | ROUGE-L | acc | nodes | query TFLOPs (model) | "
+            "prefix TFLOPs saved (model) | query TFLOPs (8B) | ratio | index TFLOPs/doc (model) | "
+            "index TFLOPs/doc (8B) | truncated | s/query |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in sorted(summaries, key=lambda s: (s["dataset"], s.get("query_tflops_8b", 0))):
         def f(key, fmt="{:.1f}"):
@@ -72,8 +74,8 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
             index_8b += f" ({s['index_docs_8b']} of {s['docs']} docs)"
         ratio = f"{s['query_tflops_8b'] / r:.2f}" if r and "query_tflops_8b" in s else "-"
         lines.append(f"| {s['dataset']} | {s['method']} | {s['n']} | {s['errors']} | {s['skipped']} | {f('f1')} | "
-                     f"{f('rouge_l')} | {f('accuracy')} | {f('nodes')} | {f('query_tflops', '{:.4f}')} | "
-                     f"{f('query_tflops_8b', '{:.2f}')} | {ratio} | {f('index_tflops_doc', '{:.4f}')} | {index_8b} | "
+                     f"{f('em')} | {f('rouge_l')} | {f('accuracy')} | {f('nodes')} | {f('query_tflops', '{:.4f}')} | "
+                     f"{f('saved_tflops', '{:.4f}')} | {f('query_tflops_8b', '{:.2f}')} | {ratio} | {f('index_tflops_doc', '{:.4f}')} | {index_8b} | "
                      f"{s.get('truncated', '-')} | {f('wall_s', '{:.2f}')} |")
     return "\n".join(lines)
 

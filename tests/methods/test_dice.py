@@ -29,7 +29,7 @@ class ScriptedThought:
 
     def generate(self, max_tokens, stop):
         text, ended = next(self.script)
-        self.pieces.append(text + (stop if ended else ""))
+        self.pieces.append(text + (stop[0] if ended else ""))
         return text, ended
 
     def generate_after(self, insert, max_tokens, stop):
