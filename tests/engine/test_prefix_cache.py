@@ -1,0 +1,34 @@
+"""Engine.prefixes: a prompt prefix prefilled once and forked; later forks are charged nothing for it (the skipped
+prefill, by the FLOP formula, goes to flops.saved) and continue exactly as a session that prefilled it."""
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_engine
+from nodekv.engine.flops import forward_flops
+
+
+def test_forks_of_a_cached_prefix_run_no_forward_and_continue_like_a_fresh_prefill(hf_tiny):
+    _, path = hf_tiny
+    eng = tiny_engine(path)
+    prefix, rest = list(range(1, 21)), [30, 31, 32]
+    a = eng.prefixes.fork(prefix)
+    charged = eng.flops.total
+    assert charged == forward_flops(eng.config, len(prefix)) and eng.flops.saved == 0
+    b = eng.prefixes.fork(prefix)
+    assert eng.flops.total == charged and eng.flops.saved == forward_flops(eng.config, len(prefix))
+    assert a.tokens == b.tokens == prefix and [n.node_id for n in b.nodes] == ["prefix"]
+    b.append(rest)
+    fresh = eng.session()
+    fresh.append(prefix)
+    fresh.append(rest)
+    torch.testing.assert_close(b.probe(["<5>", "<6>"], tokens=[7]), fresh.probe(["<5>", "<6>"], tokens=[7]),
+                               rtol=0, atol=0)
+    assert a.tokens == prefix  # a fork's append leaves the cached prefix and its other forks alone
+    for s in (a, b, fresh):
+        s.release()
+    c = eng.prefixes.fork(prefix)  # the prefix outlives its forks
+    assert len(eng.prefixes) == 1 and c.tokens == prefix
+    c.release()
+    eng.prefixes.clear()
+    assert len(eng.prefixes) == 0 and sum(eng.pool.refcount) == 0
