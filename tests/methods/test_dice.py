@@ -249,3 +249,24 @@ def test_the_second_question_is_not_charged_for_the_shared_prefixes(algorithm):
     assert (second.text, second.trace[:-1]) == (first.text, first.trace[:-1])
     assert second.trace[-1]["prefix_flops_saved"] > first.trace[-1]["prefix_flops_saved"]
     assert second.trace[-1]["stop"] in ("terminated", "max_iterations", "format", "repeated", "window")
+
+
+@pytest.mark.model
+def test_dice_runs_through_ask_and_eval_on_variable_tracking(tmp_path, capsys):
+    import json
+
+    from nodekv.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC)
+    assert main(["ask", str(doc), "Where was Marie Curie's husband born?", "--method", "dice", "--option",
+                 "algorithm=1", "--option", "max_iterations=1", "--trace", "--model", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    assert "A: " in out and "stopped: " in out and "method     dice" in out
+    runs = tmp_path / "runs"
+    assert main(["eval", "--method", "dice", "--dataset", "variable_tracking_2hop_2k", "--limit", "1", "--option",
+                 "max_iterations=2", "--out", str(runs), "--model", "smollm2-135m"]) == 0
+    row = json.loads((runs / "dice-max_iterations=2-variable_tracking_2hop_2k.jsonl").read_text())
+    assert "error" not in row and set(row["metrics"]) == {"em", "f1", "recall"}
+    assert row["trace"][-1]["stop"] in ("terminated", "max_iterations", "format", "repeated", "window")
+    assert row["query_flops"] > 0 and row["query_flops_saved"] >= 0 and row["index_flops"] == 0
