@@ -1,177 +1,21 @@
-"""DICE, dynamic in-context editing (dice.txt §3): plan, retrieve and edit the reasoning thread T step by step.
+"""DICE, dynamic in-context editing (dice.txt §3), as a method: chunks, retrieval and the two algorithms
+(`dice_algorithms`) on the engine (`dice_lm`).
 
 Retrieval (§3.1): the document is cut into chunks of at most 80 words; a sub-question or drafted step recalls the
 top chunks by bi-encoder (all-MiniLM-L6-v2), the LLM re-ranks them (log p("Yes") that the passage is relevant:
 the engine replaces the paper's cross-encoder) and the best `top_k` feed the step, in document order.
-
-Algorithm 1 (§3.2), iterative QA with fact extraction: T ← Q; for i = 1..M: the model either ends (a constrained
-choice between the labels "Subquestion:" and "Final answer:") or plans q_i; c_i* = Retrieve(q_i); f_i =
-LLM(P_e + q_i + c_i*); T ← T + q_i + f_i; the answer is LLM(T).
-Algorithm 2 (§3.3), knowledge-constrained decoding: T ← Q; for i = 1..M: the model either answers (a constrained
-choice between "Thought:" and "Answer:") or drafts a step s_i; the draft is the retrieval query; the draft is
-dropped and the step decoded again with the retrieved passages inserted before it (in a fork, so T keeps only
-thoughts, as in Fig. 4b); decoding then goes on from T.
-
-Both end cleanly on broken output: a step that does not end (no line break; for a thought, neither "#" nor a line
-break) or is empty ("format"), a step
-equal to an earlier one ("repeated"), M reached ("max_iterations") or a window too full for another step
-("window"); T is rolled back to before the broken step and the answer decoded from there.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass
 
 from ..engine.engine import Engine
 from .base import Answer, Method
-from .dice_prompts import (ANSWER, FACT, FINAL_ANSWER, REFERENCE, STEP_END, SUBQUESTION, THOUGHT, THOUGHTS)
+from .dice_algorithms import ALGORITHMS, LM, Budget, Retrieved
 from .options import Option
 from .prompts import PromptSpec
 from .retrieval import DenseIndex
-
-STOP_REASONS = ("terminated", "max_iterations", "format", "repeated", "window")
-STEP_ENDS = [STEP_END, "\n"]  # a thought ends at its "#"; small models often end the line without it
-
-
-class ThoughtLike(Protocol):
-    def choose(self, labels: Sequence[str]) -> str: ...
-    def generate(self, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]: ...
-    def generate_after(self, insert: str, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]: ...
-    def write(self, text: str) -> None: ...
-    def mark(self): ...
-    def rollback(self, mark) -> None: ...
-    def room(self) -> int: ...
-    def close(self) -> None: ...
-
-
-class LM(Protocol):
-    """What the algorithms ask of the LLM (`dice_lm.EngineLM` on the engine; a scripted fake in tests)."""
-
-    def thought(self, algorithm: int, question: str, opening: str = "") -> ThoughtLike: ...
-    def relevance(self, question: str, passages: Sequence[str]) -> list[float]: ...
-    def extract(self, question: str, reference: str, max_tokens: int) -> str: ...
-
-
-@dataclass
-class Retrieved:
-    """The chunks that feed one step, in document order, with their bi-encoder and re-rank scores."""
-
-    chunks: list[int]
-    text: str
-    scores: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class Reasoning:
-    """How one question went: the answer, why the loop stopped, the chunks read and one trace entry per step."""
-
-    answer: str
-    stop: str
-    chunks: list[int]
-    trace: list[dict]
-
-
-@dataclass
-class Budget:
-    """Limits of one run: M, tokens of a step (sub-question, thought, fact), of the answer, and the window room a
-    step needs before it starts."""
-
-    max_iterations: int
-    step_tokens: int
-    answer_tokens: int
-    step_room: int
-
-
-def iterative_qa(lm: LM, retrieve: Callable[[str], Retrieved], question: str, budget: Budget) -> Reasoning:
-    """Algorithm 1."""
-    t = lm.thought(1, question)
-    trace, seen, stop = [], set(), "max_iterations"
-    try:
-        for i in range(1, budget.max_iterations + 1):
-            if t.room() < budget.step_room:
-                stop = "window"
-                break
-            mark = t.mark()
-            if t.choose([SUBQUESTION, FINAL_ANSWER]) == FINAL_ANSWER:
-                stop = "terminated"
-                break
-            sub, ended = t.generate(budget.step_tokens, ["\n"])
-            sub = sub.strip()
-            broken = "format" if not ended or not sub else "repeated" if _key(sub) in seen else None
-            if broken:
-                t.rollback(mark)
-                stop = broken
-                trace.append({"step": i, "subquestion": sub, "broken": broken})
-                break
-            seen.add(_key(sub))
-            got = retrieve(sub)
-            fact = lm.extract(sub, got.text, budget.step_tokens)
-            t.write(f"{FACT} {fact}\n")
-            trace.append({"step": i, "subquestion": sub, "retrieved": got.scores, "fact": fact})
-        if stop != "terminated":
-            t.write(FINAL_ANSWER)
-        answer = _final(t, budget, fallback=next((s["fact"] for s in reversed(trace) if "fact" in s), ""))
-    finally:
-        t.close()
-    return _reasoning(answer, stop, trace)
-
-
-def constrained_decoding(lm: LM, retrieve: Callable[[str], Retrieved], question: str, budget: Budget) -> Reasoning:
-    """Algorithm 2."""
-    t = lm.thought(2, question, opening=f"{THOUGHTS}\n")
-    trace, seen, stop = [], set(), "max_iterations"
-    try:
-        for i in range(1, budget.max_iterations + 1):
-            if t.room() < budget.step_room:
-                stop = "window"
-                break
-            mark = t.mark()
-            if t.choose([THOUGHT, ANSWER]) == ANSWER:
-                stop = "terminated"
-                break
-            draft, ended = t.generate(budget.step_tokens, STEP_ENDS)
-            draft = draft.strip()
-            t.rollback(mark)  # the draft only queries; the step is decoded again with what it retrieves
-            broken = "format" if not ended or not draft else "repeated" if _key(draft) in seen else None
-            if broken:
-                stop = broken
-                trace.append({"step": i, "draft": draft, "broken": broken})
-                break
-            got = retrieve(draft)
-            step, ended = t.generate_after(REFERENCE.format(got.text) + THOUGHT, budget.step_tokens, STEP_ENDS)
-            step = step.strip()
-            entry = {"step": i, "draft": draft, "retrieved": got.scores}
-            if not ended or not step:  # the edited step broke the format: keep the draft
-                step, entry["unfinished_edit"] = draft, step
-            seen.update((_key(draft), _key(step)))
-            t.write(f"{THOUGHT} {step}{STEP_END}\n")
-            trace.append({**entry, "thought": step})
-        if stop != "terminated":
-            t.write(ANSWER)
-        answer = _final(t, budget, fallback=next((s["thought"] for s in reversed(trace) if "thought" in s), ""))
-    finally:
-        t.close()
-    return _reasoning(answer, stop, trace)
-
-
-ALGORITHMS = {1: iterative_qa, 2: constrained_decoding}
-
-
-def _final(t: ThoughtLike, budget: Budget, fallback: str) -> str:
-    """The answer decoded after the answer label, up to the line's end; `fallback` if nothing fits or comes."""
-    text, _ = t.generate(budget.answer_tokens, ["\n"]) if t.room() > 0 else ("", False)
-    return text.strip() or fallback
-
-
-def _reasoning(answer: str, stop: str, trace: list[dict]) -> Reasoning:
-    chunks = sorted({s["chunk"] for step in trace for s in step.get("retrieved", ())})
-    return Reasoning(answer, stop, chunks, trace + [{"stop": stop, "answer": answer}])
-
-
-def _key(text: str) -> str:
-    """A step's identity for the repeat check: words, lower-cased."""
-    return " ".join(re.findall(r"\w+", text.lower()))
 
 
 def word_chunks(document: str, words: int) -> list[str]:

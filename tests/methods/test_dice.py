@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nodekv.engine.flops import FlopAccount, forward_flops
-from nodekv.methods.dice import (Budget, Dice, Retrieved, constrained_decoding, iterative_qa, word_chunks)
+from nodekv.methods.dice import Dice, word_chunks
+from nodekv.methods.dice_algorithms import STOP_REASONS, Budget, Retrieved, constrained_decoding, iterative_qa
 from nodekv.methods.dice_prompts import THOUGHTS
 
 BUDGET = Budget(max_iterations=5, step_tokens=16, answer_tokens=8, step_room=100)
@@ -248,7 +249,7 @@ def test_the_second_question_is_not_charged_for_the_shared_prefixes(algorithm):
     assert first.flops - second.flops == sum(forward_flops(eng.config, n) for n in prefixes)
     assert (second.text, second.trace[:-1]) == (first.text, first.trace[:-1])
     assert second.trace[-1]["prefix_flops_saved"] > first.trace[-1]["prefix_flops_saved"]
-    assert second.trace[-1]["stop"] in ("terminated", "max_iterations", "format", "repeated", "window")
+    assert second.trace[-1]["stop"] in STOP_REASONS
 
 
 @pytest.mark.model
@@ -268,5 +269,5 @@ def test_dice_runs_through_ask_and_eval_on_variable_tracking(tmp_path, capsys):
                  "max_iterations=2", "--out", str(runs), "--model", "smollm2-135m"]) == 0
     row = json.loads((runs / "dice-max_iterations=2-variable_tracking_2hop_2k.jsonl").read_text())
     assert "error" not in row and set(row["metrics"]) == {"em", "f1", "recall"}
-    assert row["trace"][-1]["stop"] in ("terminated", "max_iterations", "format", "repeated", "window")
+    assert row["trace"][-1]["stop"] in STOP_REASONS
     assert row["query_flops"] > 0 and row["query_flops_saved"] >= 0 and row["index_flops"] == 0
