@@ -50,6 +50,8 @@ class Dice(Method, name="dice", title="DICE"):
         Option("recall_k", int, 10, "bi-encoder candidates re-ranked by the LLM", low=1),
         Option("rerank", bool, True, "re-rank the recalled chunks by the LLM's relevance probe"),
         Option("step_tokens", int, 64, "token budget of a sub-question, a thought or a fact", low=1),
+        Option("prompt_style", str, "paper", "restate: the answer is the reply to a new turn that states the question "
+               "again with the dataset's answer instruction", choices=("paper", "restate")),
     )
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, embedder=None,
@@ -93,7 +95,8 @@ class Dice(Method, name="dice", title="DICE"):
         answer_tokens = self.answer_prompt.max_new_tokens
         budget = Budget(c.max_iterations, c.step_tokens, answer_tokens,
                         step_room=3 * c.step_tokens + answer_tokens + 2 * c.top_k * c.chunk_words)
-        run = ALGORITHMS[c.algorithm](self.lm, lambda q: self.retrieve(index, q), question, budget)
+        answer_turn = self.answer_prompt.instruction(question) if c.prompt_style == "restate" else None
+        run = ALGORITHMS[c.algorithm](self.lm, lambda q: self.retrieve(index, q), question, budget, answer_turn)
         run.trace[-1]["prefix_flops_saved"] = acc.saved - saved
         return Answer(run.answer, run.chunks, run.trace, acc.total - before, acc.prefill_tokens - prefill,
                       acc.decode_tokens - decode)

@@ -30,6 +30,7 @@ class ThoughtLike(Protocol):
     def generate(self, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]: ...
     def generate_after(self, insert: str, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]: ...
     def write(self, text: str) -> None: ...
+    def ask(self, text: str) -> None: ...
     def mark(self): ...
     def rollback(self, mark) -> None: ...
     def room(self) -> int: ...
@@ -74,8 +75,9 @@ class Budget:
     step_room: int
 
 
-def iterative_qa(lm: LM, retrieve: Callable[[str], Retrieved], question: str, budget: Budget) -> Reasoning:
-    """Algorithm 1."""
+def iterative_qa(lm: LM, retrieve: Callable[[str], Retrieved], question: str, budget: Budget,
+                 answer_turn: str | None = None) -> Reasoning:
+    """Algorithm 1; `answer_turn`: as in `_reason`."""
 
     def step(t: ThoughtLike, mark, seen: set) -> dict:
         sub, ended = t.generate(budget.step_tokens, ["\n"])
@@ -90,11 +92,12 @@ def iterative_qa(lm: LM, retrieve: Callable[[str], Retrieved], question: str, bu
         t.write(f"{FACT} {fact}\n")
         return {"subquestion": sub, "retrieved": got.scores, "fact": fact}
 
-    return _reason(lm.thought(1, question), (SUBQUESTION, FINAL_ANSWER), step, budget)
+    return _reason(lm.thought(1, question), (SUBQUESTION, FINAL_ANSWER), step, budget, answer_turn)
 
 
-def constrained_decoding(lm: LM, retrieve: Callable[[str], Retrieved], question: str, budget: Budget) -> Reasoning:
-    """Algorithm 2."""
+def constrained_decoding(lm: LM, retrieve: Callable[[str], Retrieved], question: str, budget: Budget,
+                         answer_turn: str | None = None) -> Reasoning:
+    """Algorithm 2; `answer_turn`: as in `_reason`."""
 
     def step(t: ThoughtLike, mark, seen: set) -> dict:
         draft, ended = t.generate(budget.step_tokens, STEP_ENDS)
@@ -114,17 +117,18 @@ def constrained_decoding(lm: LM, retrieve: Callable[[str], Retrieved], question:
         t.write(f"{THOUGHT} {thought}{STEP_END}\n")
         return {**entry, "thought": thought}
 
-    return _reason(lm.thought(2, question, opening=f"{THOUGHTS}\n"), (THOUGHT, ANSWER), step, budget)
+    return _reason(lm.thought(2, question, opening=f"{THOUGHTS}\n"), (THOUGHT, ANSWER), step, budget, answer_turn)
 
 
 ALGORITHMS = {1: iterative_qa, 2: constrained_decoding}
 
 
 def _reason(t: ThoughtLike, labels: tuple[str, str], step: Callable[[ThoughtLike, object, set], dict],
-            budget: Budget) -> Reasoning:
+            budget: Budget, answer_turn: str | None = None) -> Reasoning:
     """The loop both algorithms share: up to M times, stop if the window is too full, let the model choose between
     another step and the answer (labels), take the step (`step(t, mark before its label, keys of earlier steps)`,
-    a trace entry, "broken" in it when the step broke); then decode the answer after the answer label."""
+    a trace entry, "broken" in it when the step broke); then decode the answer after the answer label, or, given an
+    `answer_turn` (a user turn that restates the question), in the reply to that turn after T."""
     go_on, answer_label = labels
     trace, seen, stop = [], set(), "max_iterations"
     try:
@@ -135,12 +139,16 @@ def _reason(t: ThoughtLike, labels: tuple[str, str], step: Callable[[ThoughtLike
             mark = t.mark()
             if t.choose([go_on, answer_label]) == answer_label:
                 stop = "terminated"
+                if answer_turn is not None:
+                    t.rollback(mark)
                 break
             trace.append({"step": i, **step(t, mark, seen)})
             if "broken" in trace[-1]:
                 stop = trace[-1]["broken"]
                 break
-        if stop != "terminated":
+        if answer_turn is not None:
+            t.ask(answer_turn)
+        elif stop != "terminated":
             t.write(answer_label)
         said = [s[k] for s in trace for k in ("fact", "thought") if k in s]
         answer = _final(t, budget, fallback=said[-1] if said else "")

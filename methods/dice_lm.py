@@ -17,9 +17,10 @@ class Thought:
     """One question's reasoning T as a KV-cached session: the planning turn with its examples, the question, then
     the lines the algorithm writes and the model generates, each a node that can be rolled back."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, next_turn: tuple[list[int], list[int]]):
         self.session = session
         self._start = len(session.tokens)  # where the assistant's reply (T after the question) begins
+        self._next_turn = next_turn  # chat tokens that end the reply and open a user turn; that end it again
 
     def choose(self, labels: Sequence[str]) -> str:
         """The label the model puts next, constrained to `labels` (its tokens stay in T)."""
@@ -40,6 +41,11 @@ class Thought:
 
     def write(self, text: str) -> None:
         self.session.append(self._encode(text))
+
+    def ask(self, text: str) -> None:
+        """End the model's turn with T and add a user turn `text`; the model's reply comes next."""
+        open_turn, close_turn = self._next_turn
+        self.session.append(open_turn + self._encode(text) + close_turn)
 
     def mark(self) -> Hashable:
         return self.session.nodes[-1].node_id
@@ -75,6 +81,9 @@ class EngineLM:
         self._planning = {a: [tok.encode(p, parse_special=True) for p in user(planning_turn(a))] for a in (1, 2)}
         self._relevance = [tok.encode(p, parse_special=True) for p in user(RELEVANCE)]
         self._extract = [tok.encode(p, parse_special=True) for p in user(EXTRACT_FACT)]
+        turns = [{"role": "user", "content": "{}"}, {"role": "assistant", "content": "{}"},
+                 {"role": "user", "content": "{}"}]
+        self._next_turn = tuple(tok.encode(p, parse_special=True) for p in chat_pieces(engine, turns)[2:])
 
     def thought(self, algorithm: int, question: str, opening: str = "") -> Thought:
         """T for `question`: the algorithm's planning turn (shared prefix), the question, the reply's `opening`."""
@@ -85,7 +94,7 @@ class EngineLM:
         except BaseException:
             s.release()
             raise
-        return Thought(s)
+        return Thought(s, self._next_turn)
 
     def relevance(self, question: str, passages: Sequence[str]) -> list[float]:
         """log p("Yes") (normalised over "Yes"/"No") of each passage's relevance to `question`: the instruction is

@@ -40,6 +40,9 @@ class ScriptedThought:
     def write(self, text):
         self.pieces.append(text)
 
+    def ask(self, text):
+        self.pieces.append(f"[user] {text} [model] ")
+
     def mark(self):
         return len(self.pieces)
 
@@ -159,6 +162,18 @@ def test_a_repeated_step_ends_the_loop(algorithm):
     assert (run.answer, run.stop, len(retrieve.queries)) == ("B", "repeated", 1)
 
 
+@pytest.mark.parametrize("algorithm", [1, 2])
+def test_the_restated_answer_turn_replaces_the_answer_label(algorithm):
+    step, answer = ("Subquestion:", "Final answer:") if algorithm == 1 else ("Thought:", "Answer:")
+    edit = [] if algorithm == 1 else [(" A is B.", True)]
+    lm = ScriptedLM([step, (" Who is A?", True), *edit, answer, (" B", True)], facts={"Who is A?": "A is B."})
+    run = (iterative_qa if algorithm == 1 else constrained_decoding)(lm, Retriever(), "q?", BUDGET, "Q: who? A:")
+    text = lm.thoughts[0].text
+    assert (run.answer, run.stop) == ("B", "terminated")
+    assert text.endswith("A is B.#\n[user] Q: who? A: [model]  B\n" if algorithm == 2 else
+                         "Fact: A is B.\n[user] Q: who? A: [model]  B\n") and answer not in text
+
+
 def test_no_answer_falls_back_to_the_last_fact_and_a_full_window_stops_before_a_step():
     lm = ScriptedLM(["Subquestion:", (" Who is A?", True), "Final answer:", ("", False)], facts={"Who is A?": "A is B."})
     run = iterative_qa(lm, Retriever(), "q?", BUDGET)
@@ -261,7 +276,8 @@ def test_dice_runs_through_ask_and_eval_on_variable_tracking(tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC)
     assert main(["ask", str(doc), "Where was Marie Curie's husband born?", "--method", "dice", "--option",
-                 "algorithm=1", "--option", "max_iterations=1", "--trace", "--model", "smollm2-135m"]) == 0
+                 "algorithm=1", "--option", "max_iterations=1", "--option", "prompt_style=restate", "--trace",
+                 "--model", "smollm2-135m"]) == 0
     out = capsys.readouterr().out
     assert "A: " in out and "stopped: " in out and "method     dice" in out
     runs = tmp_path / "runs"
