@@ -126,13 +126,13 @@ class Embedder:
             x = F.layer_norm(x + h, (self.dim,), *lw["ln2"], self.eps)
         return x
 
-    @torch.inference_mode()
     @staticmethod
     @functools.cache
     def shared() -> "Embedder":
         """The packaged model, loaded once per process and shared by every method that embeds."""
         return Embedder()
 
+    @torch.inference_mode()
     def encode(self, texts: list[str], batch_size: int = 64) -> torch.Tensor:
         """Embeddings [len(texts), dim] float32, in the order of `texts`. Texts are batched by similar
         token counts (longest first) so little compute goes to padding; a batch holds at most `batch_size`
