@@ -71,7 +71,8 @@ def test_run_resume_and_report(tmp_path, capsys):
      {"t_p": 0.4, "mode": "fast"}),
 ])
 def test_options_and_labels(argv, label, options):
-    from nodekv.cli import build_parser, run_config
+    from nodekv.cli import build_parser
+    from nodekv.commands import run_config
 
     cfg = run_config(build_parser().parse_args(["eval", "--dataset", "hotpotqa", *argv]))
     assert (cfg.label, cfg.options, cfg.path.name) == (label, options, f"{label}-hotpotqa.jsonl")

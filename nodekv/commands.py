@@ -1,0 +1,201 @@
+"""What each `nodekv` subcommand does, given its parsed arguments (the parser is in cli.py): `index`, `ask`, `eval`
+(and its report), `calibrate`, `flops`, `models`. Each returns the process's exit status; input errors are
+ValueErrors naming the problem."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from nodekv.engine.registry import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
+from nodekv.methods.prompts import prompt_for
+
+
+def _saved_by(path: str | Path | None) -> str | None:
+    """The method whose saved indexes `path` is named like (DOCUMENT.<method>), if any."""
+    from nodekv.methods import get, names
+
+    name = Path(path).suffix[1:] if path else ""
+    return name if name in names() and get(name).can_save else None
+
+
+def _read_document(path: Path) -> str:
+    if not path.is_file():
+        raise ValueError(f"document {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"document {path} is empty (nothing to read)")
+    return text
+
+
+def index(args: argparse.Namespace) -> int:
+    from nodekv import load_engine
+    from nodekv.methods import get, names
+
+    name = args.method or _saved_by(args.output)
+    if name is None or not get(name).can_save:
+        problem = "name a --method" if name is None else f"{name} cannot save an index"
+        raise ValueError(f"{problem}; methods that can: {', '.join(n for n in names() if get(n).can_save)}")
+    method_class, options = get(name), dict(args.option)
+    method_class.configure(**options)  # bad options and exports fail before the model loads
+    for path in args.export:
+        if Path(path).suffix not in method_class.exports:
+            raise ValueError(f"{name} cannot export its index as {path}; formats: "
+                             f"{', '.join(method_class.exports) or 'none'}")
+    doc = Path(args.document)
+    text = _read_document(doc)
+    eng = load_engine(args.model, threads=args.threads)
+    method = method_class(eng, progress=True, **options)
+    before, t = eng.flops.total, time.perf_counter()
+    with eng.flops.scope("index"):
+        index = method.index(text)
+    out = Path(args.output or f"{doc}.{name}")
+    method.save_index(index, out)
+    summary, *notes = method.describe(index) or [""]
+    print(f"indexed {doc.name}: {summary + ', ' if summary else ''}{(eng.flops.total - before) / 1e12:.3f} TFLOPs, "
+          f"{time.perf_counter() - t:.1f}s -> {out}")
+    for line in notes:
+        print(f"  {line}")
+    for path in args.export:
+        method.export(index, path)
+    return 0
+
+
+def ask(args: argparse.Namespace) -> int:
+    from nodekv import load_engine
+    from nodekv.methods import get
+
+    doc = Path(args.document)
+    if not doc.is_file():
+        raise ValueError(f"document {doc} does not exist")
+    name = args.method or _saved_by(doc) or "full"
+    method_class, options = get(name), dict(args.option)
+    method_class.configure(**options)
+    saved = method_class.can_save and doc.suffix == f".{name}"
+    text = None if saved else _read_document(doc)
+    t0 = time.perf_counter()
+    eng = load_engine(args.model, dtype=args.dtype, threads=args.threads)
+    t1 = time.perf_counter()
+    prompt = replace(prompt_for(args.prompt), max_new_tokens=args.max_new_tokens)
+    method = method_class(eng, prompt=prompt, **options)
+    before = eng.flops.total
+    with eng.flops.scope("index"):
+        index = method.load_index(doc) if saved else method.index(text)
+    index_flops, t2 = eng.flops.total - before, time.perf_counter()
+    answer = method.answer(index, args.question)
+    t3 = time.perf_counter()
+    cut = ", cut in the middle to fit" if answer.truncated else ""
+    print(f"Q: {args.question}\nA: {answer.text}\n")
+    print(f"method     {name} on {eng.path.name} ({eng.config.n_layers} layers, d={eng.config.dim}, {args.dtype})")
+    print(f"nodes      {len(answer.nodes)} used; prompt {answer.prompt_tokens:,} tokens{cut}, "
+          f"generated {answer.generated_tokens}")
+    print(f"FLOPs      {answer.flops:,} ({answer.flops / 1e12:.4f} TFLOPs, query only); "
+          f"index {'loaded from ' + doc.name if saved else f'{index_flops / 1e12:.4f} TFLOPs'}")
+    tokens = answer.prompt_tokens + answer.generated_tokens
+    print(f"time       load {t1 - t0:.1f}s, index {t2 - t1:.1f}s, answer {t3 - t2:.2f}s "
+          f"({tokens / max(t3 - t2, 1e-9):,.0f} tok/s)")
+    if args.trace:
+        for line in method.trace_lines(index, answer.trace):
+            print(line)
+    return 0
+
+
+def flops(args: argparse.Namespace) -> int:
+    from nodekv.engine.config import preset
+    from nodekv.engine.flops import format_report
+    from nodekv.engine.loader import load_checkpoint
+
+    try:
+        config, name = preset(args.model), args.model
+    except ValueError:
+        if args.model not in MODELS and not Path(args.model).exists():
+            raise
+        config, name = load_checkpoint(resolve_model(args.model)).config, args.model
+    print(format_report(config, name, args.tokens, args.n_ctx))
+    return 0
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    if args.runs and args.runs[0] == "report":
+        from nodekv.methods.report import report
+
+        try:
+            print(report([Path(r) for r in args.runs[1:]] or [Path(args.out)], Path(args.out), args.reference))
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if args.runs:
+        print(f"error: unexpected arguments {args.runs}; did you mean `nodekv eval report RUN...`?", file=sys.stderr)
+        return 2
+    if not args.method or not args.dataset:
+        print("error: nodekv eval needs --method and --dataset (or `report RUN...`)", file=sys.stderr)
+        return 2
+    from nodekv import load_engine
+    from nodekv.methods import get
+    from nodekv.methods.data import DataNotFoundError
+    from nodekv.methods.evaluate import run
+
+    cfg = run_config(args)
+    try:
+        get(cfg.method).configure(**cfg.options)  # before the model loads
+        path = run(load_engine(args.model, threads=args.threads), cfg)
+    except (DataNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+def run_config(args: argparse.Namespace):
+    """The RunConfig that `nodekv eval` arguments describe: --option pairs, then --k."""
+    from nodekv.methods.evaluate import RunConfig
+
+    options = dict(args.option)
+    if args.k is not None:
+        options["k"] = args.k
+    return RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options, args.match, args.label)
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from nodekv import load_engine
+    from nodekv.methods.data import DataNotFoundError
+    from nodekv.methods.pecan_calibrate import calibrate
+
+    try:
+        result = calibrate(load_engine(args.model, threads=args.threads), args.dataset, (args.dev_start, args.dev),
+                           args.objective, args.target_nodes, args.out, args.data_dir, dict(args.option))
+    except (DataNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("| t_p | nodes | F1 | query TFLOPs |\n|---|---|---|---|")
+    rows = result["table"]  # shown at tenths of t_p and at the choice; the file has every distinct threshold
+    shown = {id(max((r for r in rows if r["t_p"] <= g / 10), key=lambda r: r["t_p"])) for g in range(11)}
+    for r in rows:
+        if id(r) in shown or r == result["chosen"]:
+            mark = " chosen" if r == result["chosen"] else ""
+            print(f"| {r['t_p']:.4f} | {r['nodes']:.2f} | {r['f1']:.1f} | {r['query_tflops']:.4f} |{mark}")
+    auc = result["probe_auc"]
+    print(f"\np(Yes) tells a right answer (F1 >= 0.5) from a wrong one with AUC "
+          f"{'-' if auc is None else f'{auc:.2f}'} (0.5: no signal)")
+    print(f"t_p = {result['t_p']} for {args.dataset} ({args.objective}) -> {result['path']}")
+    print(f"`nodekv eval --method pecan --dataset {args.dataset} --out {args.out}` with the same options uses it")
+    return 0
+
+
+def models(args: argparse.Namespace) -> int:
+    if args.assemble:
+        print(resolve_model(args.assemble))
+        return 0
+    for st in model_status():
+        spec, n = st.spec, len(st.spec.parts)
+        where = st.path or ("not assembled" if st.installed_parts == n else "not installed")
+        default = " (default)" if spec.name == DEFAULT_MODEL else ""
+        parts = f"{st.installed_parts}/{n}"
+        print(f"{spec.name + default:<24}{spec.title:<44}{spec.size / 1e6:>8.1f} MB  parts {parts:<6}{where}")
+        if st.install_command:
+            print(f"    install: {st.install_command}")
+    print(f"cache: {model_cache_dir()} (set {CACHE_ENV} to move it)")
+    return 0
