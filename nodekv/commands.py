@@ -1,5 +1,5 @@
 """What each `nodekv` subcommand does, given its parsed arguments (the parser is in cli.py): `index`, `ask`, `eval`
-(and its report), `calibrate`, `flops`, `models`. Each returns the process's exit status; input errors are
+(and its report), `calibrate`, `flops`, `graph`, `bench`, `models`. Each returns the process's exit status; input errors are
 ValueErrors naming the problem."""
 from __future__ import annotations
 
@@ -198,4 +198,58 @@ def models(args: argparse.Namespace) -> int:
         if st.install_command:
             print(f"    install: {st.install_command}")
     print(f"cache: {model_cache_dir()} (set {CACHE_ENV} to move it)")
+    return 0
+
+
+def graph(args: argparse.Namespace) -> int:
+    from nodekv import load_engine
+    from nodekv.methods import get, names
+
+    path = Path(args.index)
+    if not path.is_file():
+        raise ValueError(f"index {path} does not exist")
+    name = args.method or _saved_by(path)
+    if name is None or not get(name).can_save:
+        raise ValueError(f"{path} is not named like a saved index (DOCUMENT.<method>); name a --method: "
+                         f"{', '.join(n for n in names() if get(n).can_save)}")
+    method_class = get(name)
+    for out in args.export:
+        if Path(out).suffix not in method_class.exports:
+            raise ValueError(f"{name} cannot export its index as {out}; formats: "
+                             f"{', '.join(method_class.exports) or 'none'}")
+    method = method_class(load_engine(args.model, threads=args.threads))
+    index = method.load_index(path)
+    for out in args.export:
+        method.export(index, out)
+        print(f"{path.name} -> {out} ({method_class.exports[Path(out).suffix]})")
+    return 0
+
+
+def benchmarks() -> dict[str, str]:
+    """The runnable benchmarks under bench/ (modules with a `main`), each with its docstring's first sentence."""
+    import ast
+    import importlib.util
+
+    found = {}
+    for file in sorted(Path(importlib.util.find_spec("nodekv.bench").origin).parent.glob("*.py")):
+        tree = ast.parse(file.read_text())
+        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            paragraph = " ".join((ast.get_docstring(tree) or "").split("\n\n")[0].split())
+            found[file.stem] = paragraph.split(". ")[0].rstrip(".:") + "."
+    return found
+
+
+def bench(args: argparse.Namespace) -> int:
+    import runpy
+
+    found = benchmarks()
+    if args.name is None:
+        for name, doc in found.items():
+            print(f"{name:<18}{doc}")
+        print("run one: nodekv bench NAME [its arguments]; its --help says what it takes")
+        return 0
+    if args.name not in found:
+        raise ValueError(f"unknown benchmark {args.name!r}; known: {', '.join(found)}")
+    sys.argv = [f"nodekv bench {args.name}", *args.args]
+    runpy.run_module(f"nodekv.bench.{args.name}", run_name="__main__")
     return 0

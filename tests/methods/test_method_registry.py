@@ -231,3 +231,24 @@ def test_closed_book_runs_through_eval_and_ask(tmp_path, capsys):
                  "--model", "smollm2-135m"]) == 0
     out = capsys.readouterr().out
     assert "A: " in out and "method     closed-book" in out and "generated" in out
+
+
+def test_cli_graph_exports_a_saved_index_and_refuses_what_it_cannot(saver, engine, tmp_path, capsys):
+    saver.exports = {".txt": "the word count"}
+    saver.export = lambda self, index, path: Path(path).write_text(f"{index['words']} words")
+    saved = tmp_path / "doc.txt.test-saver"
+    saved.write_text(json.dumps({"words": 4}))
+    assert main(["graph", str(saved), "-o", str(tmp_path / "view.txt")]) == 0
+    assert (tmp_path / "view.txt").read_text() == "4 words" and "view.txt (the word count)" in capsys.readouterr().out
+    assert main(["graph", str(saved), "-o", str(tmp_path / "view.html")]) == 2
+    assert "test-saver cannot export its index as" in capsys.readouterr().err
+    assert main(["graph", str(tmp_path / "missing.test-saver"), "-o", str(tmp_path / "v.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_bench_lists_the_benchmarks_and_refuses_an_unknown_one(capsys):
+    assert main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "engine_speed" in out and "pecan_search" in out and "engine_runners" not in out  # helpers have no main
+    assert main(["bench", "nope"]) == 2
+    assert "unknown benchmark 'nope'; known: batch" in capsys.readouterr().err
