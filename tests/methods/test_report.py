@@ -35,6 +35,19 @@ def test_failure_categories_by_hand():
     assert classify(0.0, ["no"], "Lu Su was not a general.", doc + " Nobody knows.") == "not verbatim"  # words
 
 
+def test_dice_failure_categories_and_restated_first_steps_by_hand():
+    from nodekv.bench.dice_failures import classify, restates
+
+    doc = "Sharyn McCrumb is an American writer. Lu Su was a general."
+    assert classify(1.0, ["American"], "", "", doc) == "right"
+    assert classify(0.0, ["American"], "McCrumb is American.", "", doc) == "answer"
+    assert classify(0.0, ["American"], "McCrumb is Irish.", "Sharyn McCrumb is an American writer.", doc) == "extraction"
+    assert classify(0.0, ["American"], "", "Lu Su was a general.", doc) == "retrieval"
+    assert classify(0.0, ["Scottish"], "", "", doc) == "not verbatim"
+    assert restates("Who wrote the book?", "Who wrote the book about Mars?")
+    assert not restates("Who is the author of Bimbos?", "Where was the author of Bimbos born?")
+
+
 def test_an_index_without_a_projected_cost_is_left_out_of_the_8b_mean(tmp_path):
     rows = [{**_record("1", []), "document": "a", "index_flops": 10 ** 12, "index_flops_8b": 2 * 10 ** 13},
             {**_record("2", []), "document": "b", "index_flops": 10 ** 12, "index_flops_8b": 0}]
