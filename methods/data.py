@@ -68,7 +68,7 @@ class Record:
     question: str
     references: tuple[str, ...]
     options: tuple[str, ...] = ()  # multiple choice only: option texts, in letter order A, B, C, ...
-    task: str = "qa"  # "qa" | "summary" | "multiple_choice" | "variables" (variable tracking: the names are the references)
+    task: str = "qa"  # "qa" | "summary" | "multiple_choice" | "variables" (variable tracking)
 
 
 @dataclass

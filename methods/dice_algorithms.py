@@ -12,6 +12,8 @@ Fig. 4b); decoding then goes on from T.
 Both end cleanly on broken output: a step that does not end (no line break; for a thought, neither "#" nor a line
 break) or is empty ("format"), a step equal to an earlier one ("repeated"), M reached ("max_iterations") or a window
 too full for another step ("window"); T is rolled back to before the broken step and the answer decoded from there.
+The answer follows T's answer label, or, with an `answer_turn`, is the reply to that user turn (the question
+restated with the dataset's instruction).
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ STEP_ENDS = [STEP_END, "\n"]  # a thought ends at its "#"; small models often en
 
 
 class ThoughtLike(Protocol):
+    """A question's reasoning thread T (`dice_lm.Thought`): labels chosen, text generated or written into it, marks
+    to roll back to, and a new user turn (`ask`) for a restated answer turn."""
+
     def choose(self, labels: Sequence[str]) -> str: ...
     def generate(self, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]: ...
     def generate_after(self, insert: str, max_tokens: int, stop: Sequence[str]) -> tuple[str, bool]: ...

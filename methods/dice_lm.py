@@ -19,8 +19,7 @@ class Thought:
 
     def __init__(self, session: Session, next_turn: tuple[list[int], list[int]]):
         self.session = session
-        self._start = len(session.tokens)  # where the assistant's reply (T after the question) begins
-        self._next_turn = next_turn  # chat tokens that end the reply and open a user turn; that end it again
+        self._next_turn = next_turn  # chat tokens closing the reply and opening a user turn; closing that turn
 
     def choose(self, labels: Sequence[str]) -> str:
         """The label the model puts next, constrained to `labels` (its tokens stay in T)."""
@@ -56,9 +55,6 @@ class Thought:
     def room(self) -> int:
         """Tokens left in the context window."""
         return self.engine.config.max_seq_len - len(self.session)
-
-    def text(self) -> str:
-        return self.engine.tokenizer.decode(self.session.tokens[self._start:])
 
     def close(self) -> None:
         self.session.release()
