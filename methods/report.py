@@ -75,8 +75,9 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
         ratio = f"{s['query_tflops_8b'] / r:.2f}" if r and "query_tflops_8b" in s else "-"
         lines.append(f"| {s['dataset']} | {s['method']} | {s['n']} | {s['errors']} | {s['skipped']} | {f('f1')} | "
                      f"{f('em')} | {f('rouge_l')} | {f('accuracy')} | {f('nodes')} | {f('query_tflops', '{:.4f}')} | "
-                     f"{f('saved_tflops', '{:.4f}')} | {f('query_tflops_8b', '{:.2f}')} | {ratio} | {f('index_tflops_doc', '{:.4f}')} | {index_8b} | "
-                     f"{s.get('truncated', '-')} | {f('wall_s', '{:.2f}')} |")
+                     f"{f('saved_tflops', '{:.4f}')} | {f('query_tflops_8b', '{:.2f}')} | {ratio} | "
+                     f"{f('index_tflops_doc', '{:.4f}')} | {index_8b} | {s.get('truncated', '-')} | "
+                     f"{f('wall_s', '{:.2f}')} |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """What each `nodekv` subcommand does, given its parsed arguments (the parser is in cli.py): `index`, `ask`, `eval`
-(and its report), `calibrate`, `flops`, `graph`, `bench`, `models`. Each returns the process's exit status; input errors are
-ValueErrors naming the problem."""
+(and its report), `calibrate`, `flops`, `graph`, `bench`, `models`. Each returns the process's exit status; input
+errors are ValueErrors naming the problem."""
 from __future__ import annotations
 
 import argparse
