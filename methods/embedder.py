@@ -137,15 +137,38 @@ class Embedder:
         """Embeddings [len(texts), dim] float32, in the order of `texts`. Texts are batched by similar
         token counts (longest first) so little compute goes to padding; a batch holds at most `batch_size`
         texts and `MAX_BATCH_TOKENS` padded tokens."""
+        ids = self._checked_ids(texts, batch_size)
+        out = torch.empty(len(ids), self.dim, dtype=torch.float32)
+        for rows, h, mask in self._batches(ids, batch_size):
+            m = mask.unsqueeze(-1).to(h.dtype)
+            pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            out[torch.tensor(rows)] = F.normalize(pooled, p=2, dim=1) if self.normalize else pooled
+        return out
+
+    @torch.inference_mode()
+    def token_embeddings(self, texts: list[str], batch_size: int = 64) -> list[tuple[list[int], torch.Tensor]]:
+        """Per text, its word-piece ids ([CLS] and [SEP] included) and their last hidden states [n, dim] (what
+        BERTScore matches), batched as `encode` batches."""
+        ids = self._checked_ids(texts, batch_size)
+        out: list = [None] * len(ids)
+        for rows, h, _ in self._batches(ids, batch_size):
+            for r, i in enumerate(rows):
+                out[i] = (ids[i], h[r, :len(ids[i])].clone())
+        return out
+
+    def _checked_ids(self, texts: list[str], batch_size: int) -> list[list[int]]:
         if isinstance(texts, str):
             raise TypeError("encode expects a list of strings, not a str")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        ids = self.tokenize(texts)
-        out = torch.empty(len(ids), self.dim, dtype=torch.float32)
+        return self.tokenize(texts)
+
+    def _batches(self, ids: list[list[int]], batch_size: int):
+        """(text indices, hidden states [b, L, dim], mask [b, L]) per batch, longest texts first; a batch's padded
+        size stays under MAX_BATCH_TOKENS (cache-friendly)."""
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         s = 0
-        while s < len(order):  # longest first; a batch's padded size stays under MAX_BATCH_TOKENS (cache-friendly)
+        while s < len(order):
             rows_cap = max(1, min(batch_size, self.MAX_BATCH_TOKENS // len(ids[order[s]])))
             rows, s = order[s:s + rows_cap], s + rows_cap
             lens = torch.tensor([len(ids[i]) for i in rows])
@@ -154,8 +177,4 @@ class Embedder:
             for r, i in enumerate(rows):
                 batch[r, :len(ids[i])] = torch.tensor(ids[i], dtype=torch.long)
             mask = torch.arange(length)[None, :] < lens[:, None]
-            h = self._forward(batch, None if bool(mask.all()) else mask)
-            m = mask.unsqueeze(-1).to(h.dtype)
-            pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            out[torch.tensor(rows)] = F.normalize(pooled, p=2, dim=1) if self.normalize else pooled
-        return out
+            yield rows, self._forward(batch, None if bool(mask.all()) else mask), mask

@@ -254,3 +254,11 @@ def test_chunk_text_bad_input():
     for size in (0, -3, 1.5, None):
         with pytest.raises(ValueError):
             chunk_text(DOC, BytePairTokenizer(), size)
+
+
+def test_token_embeddings_mean_pool_to_the_sentence_embedding(embedder):
+    texts = ["A short one.", "A somewhat longer sentence about the lighthouse keeper of Port Ellen.", "x"]
+    got = embedder.token_embeddings(texts, batch_size=2)
+    for text, (ids, h), vec in zip(texts, got, embedder.encode(texts)):
+        assert ids == embedder.tokenize([text])[0] and h.shape == (len(ids), embedder.dim)
+        torch.testing.assert_close(torch.nn.functional.normalize(h.mean(0), dim=0), vec, rtol=1e-5, atol=1e-6)
