@@ -6,7 +6,8 @@ records, BERTScore node ranking, and the two training losses.
   softmax over i's in-edges; h'_i = Σ_j α_ij z_j. `GAT`: two layers, heads concatenated then ELU after the first,
   averaged after the last, so node embeddings live in the query encoder's space (E_q(q)ᵀ h ranks them).
 - `bertscore_f1`: BERTScore F1 (Zhang et al. 2019) with idf weights: greedy matching of L2-normalised token
-  embeddings, R = Σ_ref idf·max cos / Σ idf, P likewise over the candidate, F1 = 2PR / (P + R).
+  embeddings, R = Σ_ref idf·max cos / Σ idf, P likewise over the candidate, F1 = 2PR / (P + R);
+  `bertscore_ranking` orders the nodes by it against a query's source chunk (Eq. 4's M_i).
 - `info_nce` (Eq. 6) and `pairwise_rank_loss` (Eq. 7) with s(q, h) = exp(qᵀh / τ).
 
 Edge lists are [2, E] (source row 0, destination row 1); the graphs here have tens to hundreds of nodes.
@@ -92,3 +93,14 @@ def pairwise_rank_loss(q: torch.Tensor, nodes: torch.Tensor, ranking: torch.Tens
     above = torch.triu(torch.ones(ranking.shape[1], ranking.shape[1], dtype=torch.bool, device=q.device), 1)
     pairs = F.softplus(scores[:, None, :] - scores[:, :, None])  # [B, i, j]: j's score minus i's
     return (pairs * above).sum((1, 2)).mean()
+
+
+def bertscore_ranking(nodes: list[tuple[list[int], torch.Tensor]], sources: list[tuple[list[int], torch.Tensor]],
+                      idf: dict[int, float]) -> torch.Tensor:
+    """[len(sources), len(nodes)] node indices, best first, by BERTScore F1 of each node (candidate) against each
+    source chunk (reference): M_i of Eq. 4. Token lists are (ids, embeddings) as `Embedder.token_embeddings` gives
+    them; `idf` weighs tokens (unknown ones weigh 0); ties keep node order."""
+    weights = [torch.tensor([idf.get(t, 0.0) for t in ids]) for ids, _ in nodes]
+    f1 = torch.tensor([[bertscore_f1(emb, w, ref, torch.tensor([idf.get(t, 0.0) for t in ref_ids]))
+                        for (_, emb), w in zip(nodes, weights)] for ref_ids, ref in sources])
+    return torch.argsort(-f1, dim=1, stable=True)

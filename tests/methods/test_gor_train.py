@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nodekv.methods.gor_train import GAT, GATLayer, bertscore_f1, idf_weights, info_nce, pairwise_rank_loss
+from nodekv.methods.gor_train import (GAT, GATLayer, bertscore_f1, bertscore_ranking, idf_weights, info_nce,
+                                      pairwise_rank_loss)
 
 
 def dense_gat(layer: GATLayer, h: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
@@ -53,6 +54,19 @@ def test_bertscore_matches_a_double_loop():
     p = sum(ci[j] * max(cos(ref[i], cand[j]) for i in range(7)) for j in range(5)) / ci.sum()
     assert bertscore_f1(cand, ci, ref, ri) == pytest.approx(float(2 * p * r / (p + r)), rel=1e-5)
     assert bertscore_f1(ref, ri, ref, ri) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_bertscore_ranking_orders_nodes_by_f1_against_each_source():
+    torch.manual_seed(1)
+    nodes = [([1, 2, 3], torch.randn(3, 4)), ([2, 4], torch.randn(2, 4)), ([5], torch.randn(1, 4))]
+    sources = [nodes[1], ([1, 5], torch.randn(2, 4))]
+    idf = {1: 0.5, 2: 1.0, 3: 2.0, 4: 0.7, 5: 1.3}
+    ranking = bertscore_ranking(nodes, sources, idf)
+    for s, (ref_ids, ref) in enumerate(sources):
+        w = lambda ids: torch.tensor([idf[t] for t in ids])  # noqa: E731
+        f1 = [bertscore_f1(emb, w(ids), ref, w(ref_ids)) for ids, emb in nodes]
+        assert ranking[s].tolist() == sorted(range(3), key=lambda j: -f1[j])
+    assert ranking[0, 0] == 1  # a node scores best against itself
 
 
 def test_idf_is_log_of_smoothed_inverse_document_frequency():
