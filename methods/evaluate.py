@@ -80,8 +80,10 @@ def read_done(path: Path) -> list[dict]:
 
 def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sample: int = 10) -> tuple[int, dict]:
     """Top-X: the k whose predicted mean query FLOPs on cfg's records come closest to the mean of a reference run
-    (as Table 1 matches BM25/dense to PECAN). A prediction is one exact prefill of the k-chunk prompt plus the
-    reference's mean number of generated tokens decoded after it, over the first `sample` records."""
+    (as Table 1 matches BM25/dense to PECAN). A prediction is one exact prefill of the k-chunk prompt plus as many
+    decoded tokens as the reference's answers hold on average (their tokens and the line break that ends them:
+    not the reference's own generated tokens, which for DICE include its sub-questions and facts), over the first
+    `sample` records."""
     from ..engine.flops import forward_flops
 
     if not issubclass(get(cfg.method), TopK):
@@ -93,7 +95,7 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
     if not ref:
         raise ValueError(f"reference run {reference} has no answered records to match")
     target = sum(r["query_flops"] for r in ref) / len(ref)
-    gen = round(sum(r["generated_tokens"] for r in ref) / len(ref))
+    gen = round(sum(len(engine.tokenizer.encode(r["prediction"])) + 1 for r in ref) / len(ref))
     records = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit).records[:sample]
     method = get(cfg.method)(engine, prompt=prompt_for(cfg.dataset), **{**cfg.options, "k": k_max})
     c = engine.config
