@@ -10,18 +10,18 @@ the step decoded again with the retrieved passages inserted before it (in a fork
 Fig. 4b); decoding then goes on from T.
 
 Both end cleanly on broken output: a step that does not end (no line break; for a thought, neither "#" nor a line
-break) or is empty ("format"), a step equal to an earlier one ("repeated"), M reached ("max_iterations") or a window
-too full for another step ("window"); T is rolled back to before the broken step and the answer decoded from there.
-The answer follows T's answer label, or, with an `answer_turn`, is the reply to that user turn (the question
-restated with the dataset's instruction).
+break) or is empty ("format"), a step equal to an earlier one up to case, punctuation and articles ("repeated"), M
+reached ("max_iterations") or a window too full for another step ("window"); T is rolled back to before the broken
+step and the answer decoded from there. The answer follows T's answer label, or, with an `answer_turn`, is the reply
+to that user turn (the question restated with the dataset's instruction).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from .dice_prompts import (ANSWER, FACT, FINAL_ANSWER, REFERENCE, STEP_END, SUBQUESTION, THOUGHT, THOUGHTS)
+from .metrics import normalize_answer
 
 STOP_REASONS = ("terminated", "max_iterations", "format", "repeated", "window")
 STEP_ENDS = [STEP_END, "\n"]  # a thought ends at its "#"; small models often end the line without it
@@ -91,7 +91,7 @@ def iterative_qa(lm: LM, retrieve: Callable[[str], Retrieved], question: str, bu
         if broken:
             t.rollback(mark)
             return {"subquestion": sub, "broken": broken}
-        seen.add(_key(sub))
+        seen.add(normalize_answer(sub))
         got = retrieve(sub)
         fact = lm.extract(sub, got.text, budget.step_tokens)
         t.write(f"{FACT} {fact}\n")
@@ -118,7 +118,7 @@ def constrained_decoding(lm: LM, retrieve: Callable[[str], Retrieved], question:
         if not ended or not edited:  # the edited step broke the format: keep the draft
             entry["unfinished_edit"] = edited
         thought = edited if "unfinished_edit" not in entry else draft
-        seen.update((_key(draft), _key(thought)))
+        seen.update((normalize_answer(draft), normalize_answer(thought)))
         t.write(f"{THOUGHT} {thought}{STEP_END}\n")
         return {**entry, "thought": thought}
 
@@ -164,7 +164,7 @@ def _reason(t: ThoughtLike, labels: tuple[str, str], step: Callable[[ThoughtLike
 
 def _broken(step: str, ended: bool, seen: set) -> str | None:
     """Why a generated step cannot be used: "format" (it did not end, or is empty), "repeated"; None if it can."""
-    return "format" if not ended or not step else "repeated" if _key(step) in seen else None
+    return "format" if not ended or not step else "repeated" if normalize_answer(step) in seen else None
 
 
 def _final(t: ThoughtLike, budget: Budget, fallback: str) -> str:
@@ -176,8 +176,3 @@ def _final(t: ThoughtLike, budget: Budget, fallback: str) -> str:
 def _reasoning(answer: str, stop: str, trace: list[dict]) -> Reasoning:
     chunks = sorted({s["chunk"] for step in trace for s in step.get("retrieved", ())})
     return Reasoning(answer, stop, chunks, trace + [{"stop": stop, "answer": answer}])
-
-
-def _key(text: str) -> str:
-    """A step's identity for the repeat check: words, lower-cased."""
-    return " ".join(re.findall(r"\w+", text.lower()))

@@ -15,7 +15,6 @@ without a model; `engine_sampler` and `engine_responder` are the engine's.
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -23,6 +22,7 @@ import torch
 
 from ..engine.engine import Engine
 from .base import chat_pieces
+from .metrics import normalize_answer
 
 SIMULATION_PROMPT = (
     "You are a great questioner of any text, and are adept at asking valuable and insightful questions. Your goal is "
@@ -66,23 +66,22 @@ class RecordGraph:
         return torch.cat([e, e.flip(0)], dim=1)
 
 
-def _key(query: str) -> str:
-    return " ".join(re.findall(r"\w+", query.lower()))
-
-
 def simulate_queries(graph: RecordGraph, sample: Sampler, n: int, seed: int, max_attempts: int,
                      batch: int = 4) -> None:
     """Fill graph.queries / sources with up to `n` distinct queries, drawing at most `max_attempts` times."""
+    if not graph.chunks:
+        raise ValueError("the document has no chunks to simulate queries from")
     rng = random.Random(seed)
-    seen = {_key(q) for q in graph.queries}
+    seen = {normalize_answer(q) for q in graph.queries}
     while len(graph.queries) < n and graph.draws < max_attempts:
         draws = [rng.randrange(len(graph.chunks)) for _ in range(min(batch, max_attempts - graph.draws))]
         seeds = [seed * 1_000_003 + graph.draws + j for j in range(len(draws))]
         graph.draws += len(draws)
         for chunk, query in zip(draws, sample([(graph.chunks[c], s) for c, s in zip(draws, seeds)])):
             query = query.strip().split("\n")[0].strip()
-            if query and _key(query) and _key(query) not in seen and len(graph.queries) < n:
-                seen.add(_key(query))
+            key = normalize_answer(query)  # a repeat differs at most in case, punctuation and articles
+            if key and key not in seen and len(graph.queries) < n:
+                seen.add(key)
                 graph.queries.append(query)
                 graph.sources.append(chunk)
 
