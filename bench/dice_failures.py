@@ -21,7 +21,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from nodekv.bench.pecan_failures import mentions
+from nodekv.bench.pecan_failures import mentions, table_row
 
 CATEGORIES = ("right", "answer", "extraction", "retrieval", "not verbatim")
 
@@ -70,10 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             restated += restates(first, r["question"])
             lines.append(f"  {kind:12s} f1={r['metrics']['f1']:.2f} steps={len(trace)} "
                          f"{r['prediction'][:40]!r} <- {r['references']}")
-        n = sum(counts.values())
         stopped = ", ".join(f"{why} {k}" for why, k in sorted(stops.items()))
-        print(f"| {meta['method']} {meta['dataset']} | {n} | " + " | ".join(str(counts[c]) for c in CATEGORIES)
-              + f" | {steps / max(n, 1):.1f} | {restated} | {stopped} |")
+        print(table_row(meta, counts, CATEGORIES, f"{steps / max(sum(counts.values()), 1):.1f}", restated, stopped))
         if args.records:
             print("\n".join(lines))
 

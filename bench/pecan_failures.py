@@ -30,6 +30,12 @@ def mentions(text: str, references: list[str]) -> bool:
     return any(f" {normalize_answer(r)} " in words for r in references if normalize_answer(r))
 
 
+def table_row(meta: dict, counts: Counter, categories: tuple[str, ...], *extra) -> str:
+    """A run's Markdown row: its label and dataset, n, the count per category, then `extra` cells."""
+    cells = [f"{meta['method']} {meta['dataset']}", sum(counts.values()), *(counts[c] for c in categories), *extra]
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def classify(f1: float, references: list[str], read: str, document: str) -> str:
     if f1 >= 0.5:
         return "right"
@@ -68,9 +74,7 @@ def main(argv: list[str] | None = None) -> None:
             in_top += mentions("\n".join(graph.nodes[i].text for i in graph.top_level), r["references"])
             lines.append(f"  {kind:12s} f1={r['metrics']['f1']:.2f} nodes={len(r['nodes']):2d} "
                          f"{r['prediction'][:50]!r} <- {r['references']}")
-        n = sum(counts.values())
-        print(f"| {meta['method']} {meta['dataset']} | {n} | " + " | ".join(str(counts[c]) for c in CATEGORIES)
-              + f" | {in_top} |")
+        print(table_row(meta, counts, CATEGORIES, in_top))
         if args.records:
             print("\n".join(lines))
 
