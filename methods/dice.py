@@ -2,7 +2,8 @@
 (`dice_algorithms`) on the engine (`dice_lm`).
 
 Retrieval (§3.1): the document is cut into chunks of at most 80 words; a sub-question or drafted step recalls the
-top chunks by bi-encoder (all-MiniLM-L6-v2), the LLM re-ranks them (log p("Yes") that the passage is relevant:
+top chunks by bi-encoder (all-MiniLM-L6-v2; `recall=hybrid` fuses its ranking with BM25's, for exact tokens such as
+variable names and numbers), the LLM re-ranks them (log p("Yes") that the passage is relevant:
 the engine replaces the paper's cross-encoder) and the best `top_k` feed the step, in document order.
 """
 from __future__ import annotations
@@ -13,9 +14,10 @@ from dataclasses import dataclass
 from ..engine.engine import Engine
 from .base import Answer, Method
 from .dice_algorithms import ALGORITHMS, LM, Budget, Retrieved
+from .dice_prompts import EXAMPLE_SETS
 from .options import Option
 from .prompts import PromptSpec
-from .retrieval import DenseIndex
+from .retrieval import DenseIndex, HybridIndex
 
 
 def word_chunks(document: str, words: int) -> list[str]:
@@ -32,7 +34,7 @@ class DiceIndex:
     """The document's chunks and their bi-encoder index."""
 
     chunks: list[str]
-    search: DenseIndex
+    search: DenseIndex | HybridIndex
 
 
 class Dice(Method, name="dice", title="DICE"):
@@ -47,11 +49,15 @@ class Dice(Method, name="dice", title="DICE"):
         Option("max_iterations", int, 5, "M: sub-questions or steps at most", low=1),
         Option("chunk_words", int, 80, "words per chunk at most", low=1),
         Option("top_k", int, 3, "chunks that feed each step", low=1),
-        Option("recall_k", int, 10, "bi-encoder candidates re-ranked by the LLM", low=1),
+        Option("recall", str, "dense", "dense: the bi-encoder recalls (the paper); hybrid: its ranking fused with "
+               "BM25's", choices=("dense", "hybrid")),
+        Option("recall_k", int, 10, "recalled candidates re-ranked by the LLM", low=1),
         Option("rerank", bool, True, "re-rank the recalled chunks by the LLM's relevance probe"),
         Option("step_tokens", int, 64, "token budget of a sub-question, a thought or a fact", low=1),
         Option("prompt_style", str, "paper", "restate: the answer is the reply to a new turn that states the question "
                "again with the dataset's answer instruction", choices=("paper", "restate")),
+        Option("examples", str, "multihop", "few-shot examples: App. D's multi-hop questions, or chains of variable "
+               "assignments (variable tracking)", choices=tuple(EXAMPLE_SETS)),
     )
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, embedder=None,
@@ -64,7 +70,7 @@ class Dice(Method, name="dice", title="DICE"):
         if self._lm is None:
             from .dice_lm import EngineLM
 
-            self._lm = EngineLM(self.engine)
+            self._lm = EngineLM(self.engine, self.config.examples)
         return self._lm
 
     def index(self, document: str) -> DiceIndex:
@@ -73,17 +79,18 @@ class Dice(Method, name="dice", title="DICE"):
         if not isinstance(document, str) or not document.strip():
             raise ValueError("the document is empty: nothing to index")
         chunks = word_chunks(document, self.config.chunk_words)
-        return DiceIndex(chunks, DenseIndex(chunks, self._embedder or Embedder.shared()))
+        search = DenseIndex if self.config.recall == "dense" else HybridIndex
+        return DiceIndex(chunks, search(chunks, self._embedder or Embedder.shared()))
 
     def retrieve(self, index: DiceIndex, query: str) -> Retrieved:
-        """The `top_k` chunks for `query`: bi-encoder recall, LLM re-rank (ties: the bi-encoder's order), then
+        """The `top_k` chunks for `query`: dense or hybrid recall, LLM re-rank (ties: the bi-encoder's order), then
         document order."""
         c = self.config
         hits = index.search.search(query, c.recall_k if c.rerank else c.top_k)
         rerank = self.lm.relevance(query, [index.chunks[i] for i, _ in hits]) if c.rerank else [None] * len(hits)
         ranked = sorted(range(len(hits)), key=lambda j: -rerank[j] if c.rerank else j)[:c.top_k]
         chosen = sorted(ranked, key=lambda j: hits[j][0])
-        scores = [{"chunk": hits[j][0], "dense": round(hits[j][1], 4),
+        scores = [{"chunk": hits[j][0], c.recall: round(hits[j][1], 4),
                    **({"rerank": round(rerank[j], 4)} if c.rerank else {})} for j in chosen]
         return Retrieved([hits[j][0] for j in chosen], "\n".join(index.chunks[hits[j][0]] for j in chosen), scores)
 

@@ -1,5 +1,5 @@
 """DICE's prompts (dice.txt App. D): the five decomposition examples (three chains, two DAGs) written in each
-algorithm's format, the fact-extraction prompt P_e verbatim, and the relevance question of the re-ranker.
+algorithm's format, two variable-tracking chains in the same shape (the paper does not show its §4.2 prompts), the fact-extraction prompt P_e verbatim, and the relevance question of the re-ranker.
 
 App. D names the five example questions and shows one of them worked in each format (Fig. 4); the other four are
 worked here the same way. Alg. 1's example keeps the lines Algorithm 1 writes into T (sub-question, fact, final
@@ -39,6 +39,22 @@ EXAMPLES: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
      "Gigi"),
 )
 
+# Variable tracking (§4.2): follow the chain one assignment at a time until no variable takes the last one's value.
+VARIABLE_EXAMPLES: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
+    ("Find all variables that are assigned the value 52817.",
+     (("Which variable is assigned the value 52817?", "VAR QWERT = 52817."),
+      ("Which variable is assigned the value of VAR QWERT?", "VAR ZXCVB = VAR QWERT."),
+      ("Which variable is assigned the value of VAR ZXCVB?", "No variable is assigned the value of VAR ZXCVB.")),
+     "QWERT ZXCVB"),
+    ("Find all variables that are assigned the value 30946.",
+     (("Which variable is assigned the value 30946?", "VAR MNBVC = 30946."),
+      ("Which variable is assigned the value of VAR MNBVC?", "VAR POIUY = VAR MNBVC."),
+      ("Which variable is assigned the value of VAR POIUY?", "VAR LKJHG = VAR POIUY."),
+      ("Which variable is assigned the value of VAR LKJHG?", "No variable is assigned the value of VAR LKJHG.")),
+     "MNBVC POIUY LKJHG"),
+)
+EXAMPLE_SETS = {"multihop": EXAMPLES, "variables": VARIABLE_EXAMPLES}
+
 # Algorithm 1 (iterative QA with fact extraction): T is the question, then sub-question / fact pairs.
 SUBQUESTION, FACT, FINAL_ANSWER = "Subquestion:", "Fact:", "Final answer:"
 PLAN_INSTRUCTION = ("Answer a complex question step by step. Ask one simple subquestion at a time; after each, a fact "
@@ -74,8 +90,8 @@ def alg2_example(question: str, steps: tuple[tuple[str, str], ...], answer: str)
     return "\n".join(lines + [f"{ANSWER} {answer}"])
 
 
-def planning_turn(algorithm: int) -> str:
-    """The user turn of either algorithm, "{}" where the question goes."""
+def planning_turn(algorithm: int, examples: str = "multihop") -> str:
+    """The user turn of either algorithm with an `EXAMPLE_SETS` entry, "{}" where the question goes."""
     instruction, example = (PLAN_INSTRUCTION, alg1_example) if algorithm == 1 else (THOUGHT_INSTRUCTION, alg2_example)
-    shots = "\n\n".join(example(*e) for e in EXAMPLES)
+    shots = "\n\n".join(example(*e) for e in EXAMPLE_SETS[examples])
     return f"{instruction}\n\n{shots}\n\nQuestion: {{}}"

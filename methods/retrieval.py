@@ -1,4 +1,5 @@
-"""Retrieval building blocks: chunking a document by LLM tokens, BM25 (via `bm25s`) and dense (MiniLM) top-k.
+"""Retrieval building blocks: chunking a document by LLM tokens, BM25 (via `bm25s`), dense (MiniLM) and
+their reciprocal rank fusion, top-k.
 
 Every `search(query, k)` returns ``[(chunk_index, score), ...]``, best first, ties broken by the lower index,
 at most `k` (fewer when the corpus is smaller).
@@ -14,8 +15,8 @@ import torch
 
 from .embedder import Embedder, default_embedder_path
 
-__all__ = ["BM25Index", "DenseIndex", "Embedder", "chunk_text", "chunk_tokens", "default_embedder_path",
-           "similarity", "text_chunk_spans"]
+__all__ = ["BM25Index", "DenseIndex", "Embedder", "HybridIndex", "chunk_text", "chunk_tokens", "default_embedder_path",
+           "rank_fusion", "similarity", "text_chunk_spans"]
 
 
 class TextTokenizer(Protocol):
@@ -187,6 +188,41 @@ class DenseIndex:
         """Cosine similarity of every chunk with `query`, float32 [len(chunks)]."""
         _check_query(query)
         return similarity(self.embedder.encode([query])[0], self.vecs).numpy()
+
+    def search(self, query: str, k: int) -> list[tuple[int, float]]:
+        return _top_k(self.scores(query), k)
+
+
+RRF_K = 60  # Cormack, Clarke and Buettcher (SIGIR 2009), the usual constant
+
+
+def rank_fusion(rankings: Sequence[np.ndarray], n: int) -> np.ndarray:
+    """Reciprocal rank fusion: Σ over the rankings that hold chunk i of 1 / (RRF_K + its rank), ranks from 1; each
+    ranking is an array of chunk ids, best first. float32 [n]."""
+    fused = np.zeros(n, dtype=np.float64)
+    for ranking in rankings:
+        fused[np.asarray(ranking, dtype=np.int64)] += 1.0 / (RRF_K + np.arange(1, len(ranking) + 1))
+    return fused.astype(np.float32)
+
+
+class HybridIndex:
+    """Dense and BM25 rankings fused by reciprocal rank (`rank_fusion`). BM25 ranks only the chunks that share a
+    term with the query, so a query of rare exact tokens (a name, a number: what the bi-encoder blurs) lifts the
+    chunks that hold them, and a query with no indexed term falls back to the dense ranking alone."""
+
+    def __init__(self, chunks: Sequence[str], embedder: Embedder | None = None, batch_size: int = 64) -> None:
+        self.dense = DenseIndex(chunks, embedder, batch_size)
+        self.bm25 = BM25Index(self.dense.chunks)
+        self.chunks = self.dense.chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def scores(self, query: str) -> np.ndarray:
+        """The fused score of every chunk for `query`, float32 [len(chunks)]."""
+        dense, lexical = self.dense.scores(query), self.bm25.scores(query)
+        by_terms = np.argsort(-lexical, kind="stable")
+        return rank_fusion([np.argsort(-dense, kind="stable"), by_terms[lexical[by_terms] > 0]], len(self.chunks))
 
     def search(self, query: str, k: int) -> list[tuple[int, float]]:
         return _top_k(self.scores(query), k)

@@ -11,7 +11,7 @@ import torch
 from nodekv.engine.flops import FlopAccount, forward_flops
 from nodekv.methods.dice import Dice, word_chunks
 from nodekv.methods.dice_algorithms import STOP_REASONS, Budget, Retrieved, constrained_decoding, iterative_qa
-from nodekv.methods.dice_prompts import THOUGHTS
+from nodekv.methods.dice_prompts import THOUGHTS, planning_turn
 
 BUDGET = Budget(max_iterations=5, step_tokens=16, answer_tokens=8, step_room=100)
 
@@ -223,6 +223,26 @@ def test_retrieval_recalls_by_bi_encoder_reranks_by_the_llm_and_keeps_document_o
     assert [s["rerank"] for s in got.scores] == [-0.1, -0.2]
     dice = Dice(engine, embedder=KeywordEmbedder(), lm=lm, chunk_words=2, top_k=2, rerank=False)
     assert dice.retrieve(index, "gamma beta").chunks == [1, 2] and len(lm.asked) == 1
+
+
+def test_hybrid_recall_finds_an_exact_token_the_bi_encoder_cannot_see():
+    engine = SimpleNamespace(flops=FlopAccount())
+    chunks = "alpha 0 alpha 1 VAR QWERT beta 3"  # the keyword embedder sees no QWERT
+    dice = Dice(engine, embedder=KeywordEmbedder(), lm=ScriptedLM([]), chunk_words=2, top_k=2, rerank=False)
+    assert dice.retrieve(dice.index(chunks), "alpha QWERT").chunks == [0, 1]
+    hybrid = Dice(engine, embedder=KeywordEmbedder(), lm=ScriptedLM([]), chunk_words=2, top_k=2, rerank=False,
+                  recall="hybrid")
+    got = hybrid.retrieve(hybrid.index(chunks), "alpha QWERT")
+    assert got.chunks == [0, 2] and got.text == "alpha 0\nVAR QWERT" and set(got.scores[0]) == {"chunk", "hybrid"}
+
+
+def test_the_variable_tracking_examples_replace_app_d_in_either_format():
+    for algorithm in (1, 2):
+        multihop, variables = planning_turn(algorithm), planning_turn(algorithm, "variables")
+        assert "Rainn Wilson" in multihop and "VAR QWERT" not in multihop
+        assert "VAR QWERT = 52817." in variables and "Rainn Wilson" not in variables
+        assert variables.endswith("Question: {}")
+    assert "Thought: VAR ZXCVB = VAR QWERT.#" in planning_turn(2, "variables")
 
 
 def test_word_chunks_hold_at_most_n_words_and_never_cross_a_blank_line():

@@ -11,7 +11,7 @@ import torch
 
 from nodekv.engine.errors import ModelLoadError
 from nodekv.methods import embedder as embedder_mod
-from nodekv.methods.retrieval import (BM25Index, DenseIndex, Embedder, chunk_text, chunk_tokens, similarity,
+from nodekv.methods.retrieval import (BM25Index, DenseIndex, Embedder, HybridIndex, chunk_text, chunk_tokens, similarity,
                                       text_chunk_spans)
 
 SENTENCES = [
@@ -157,6 +157,19 @@ def test_similarity_and_dense_index_ranking():
     assert hits[0][1] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="empty query"):
         index.search(" ", 1)
+
+
+def test_hybrid_index_fuses_dense_and_bm25_ranks_by_hand():
+    # dense (cosine with "q" = [1, 0]): 0 > 3 > 2 > 1; BM25 for "zebra": only chunks 1 and 2 hold the term, 1 twice
+    texts = ["apple pear", "zebra zebra lion", "zebra plum kiwi fig", "pear lemon"]
+    table = {texts[0]: [1, 0], texts[1]: [0, 2], texts[2]: [3, 3], texts[3]: [2, 0.1], "zebra": [1, 0]}
+    index = HybridIndex(texts, _FakeEmbedder(table))
+    dense_rank, bm25_rank = {0: 1, 3: 2, 2: 3, 1: 4}, {1: 1, 2: 2}
+    expected = [1 / (60 + dense_rank[i]) + (1 / (60 + bm25_rank[i]) if i in bm25_rank else 0) for i in range(4)]
+    np.testing.assert_allclose(index.scores("zebra"), expected, rtol=1e-6)
+    assert [i for i, _ in index.search("zebra", 3)] == [1, 2, 0]  # a term holder outranks the dense leader
+    table["owl"] = [1, 0]
+    assert [i for i, _ in index.search("owl", 4)] == [0, 3, 2, 1]  # no term in the index: the dense ranking
 
 
 @pytest.mark.model
