@@ -8,7 +8,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Hashable
+from typing import Any, ClassVar, Hashable, Sequence
 
 from ..engine.engine import Engine
 from .options import Option, config_class
@@ -40,13 +40,15 @@ class Method(ABC):
     options as `options = (Option(...), ...)`. `Method(engine, **options)` checks and types them into
     `self.config`, a dataclass with one field per option (`Config`). `prompt` is the dataset's prompt (None: the
     method's own), `progress` asks for progress bars while indexing. A method that can save its indexes sets
-    `can_save` and overrides `save_index` / `load_index`; the CLI names its index files DOCUMENT.<name>."""
+    `can_save` and overrides `save_index` / `load_index`; the CLI names its index files DOCUMENT.<name>. A method
+    that learns from other documents (GoR's GAT) sets `learns_across_documents` and overrides `fit`."""
 
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""                   # how messages name the method (default: its name)
     options: ClassVar[tuple[Option, ...]] = ()
     Config: ClassVar[type]                      # made from `options` for each subclass
     can_save: ClassVar[bool] = False
+    learns_across_documents: ClassVar[bool] = False  # `nodekv eval` calls fit() with the other documents first
     exports: ClassVar[dict[str, str]] = {}      # file suffix -> what `export` writes in that format
 
     def __init_subclass__(cls, name: str | None = None, title: str | None = None, **kwargs: Any):
@@ -100,6 +102,11 @@ class Method(ABC):
     @abstractmethod
     def answer(self, index: Any, question: str, options: tuple[str, ...] = ()) -> Answer:
         """The answer to `question` from `index`; `options` are a multiple-choice question's choices."""
+
+    def fit(self, examples: Sequence[tuple[Any, Any]]) -> None:
+        """Learn from other documents before answering: (index, record) pairs, the record's question and
+        references included. With `learns_across_documents` set, `nodekv eval` calls it before each document's
+        questions with every other document of the run (leave-one-document-out), never the document answered."""
 
     def save_index(self, index: Any, path: str | Path) -> None:
         raise ValueError(f"{self.title} cannot save its index")

@@ -15,13 +15,14 @@ QMSum transcripts are ``"speaker: content"`` lines.
 
 Ids: the source's own id where it has one (``_id`` / ``id``); otherwise stable positional ids: the
 0-based line index (narrativeqa), ``"<doc>-<question>"`` for L-Eval files (one document, several
-instructions), ``"<meeting>-g<k>"`` / ``"<meeting>-s<k>"`` for QMSum's general / specific queries.
+instructions), ``"<meeting>-g<k>"`` / ``"<meeting>-s<k>"`` for QMSum's general / specific queries;
+``qmsum_general`` is QMSum's general queries alone (one per meeting: global summarisation, as GoR evaluates).
 
 Counts on the shared data (records / problems):
     hotpotqa 150/0, musique 150/0, 2wikimqa 131/19 (19 records have no context),
     quality 130/0 (11 docs), scientific_qa 133/0 (17 docs), multidoc_qa 119/0 (17 docs),
     natural_question 88/0 (16 docs), gov_report_summ 10/0, meeting_summ 135/0 (17 docs),
-    news_summ 9/0, tv_show_summ 10/0, multi_news 150/0, qmsum 272/0 (35 meetings), narrativeqa 40/0.
+    news_summ 9/0, tv_show_summ 10/0, multi_news 150/0, qmsum 272/0 (35 meetings), qmsum_general 35/0, narrativeqa 40/0.
 """
 from __future__ import annotations
 
@@ -49,8 +50,11 @@ DATASET_TASKS: dict[str, str] = {
     "tv_show_summ": "summary",
     "multi_news": "summary",
     "qmsum": "summary",
+    "qmsum_general": "summary",
     "narrativeqa": "qa",
 }
+# datasets read from another dataset's file (the name's records are a subset of that file's)
+FILES: dict[str, str] = {"qmsum_general": "qmsum"}
 DATASETS: tuple[str, ...] = tuple(DATASET_TASKS)
 
 # LongBench's instruction for multi_news, whose `input` is empty (its prompt ends "Now, write a one-page
@@ -93,15 +97,16 @@ def default_data_dir() -> Path:
 
 
 def find_dataset_file(name: str, data_dir: Union[str, Path, None] = None) -> Path:
-    """The file ``<name>.jsonl`` in any sub-folder of ``data_dir``."""
+    """The file ``<name>.jsonl`` (or the file `FILES` names) in any sub-folder of ``data_dir``."""
     if name not in DATASET_TASKS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
     root = Path(data_dir) if data_dir is not None else default_data_dir()
     if not root.is_dir():
         raise DataNotFoundError(f"data directory {root} does not exist (set {ENV_DATA_DIR} to another one)")
-    hits = sorted(root.rglob(f"{name}.jsonl"))
+    stem = FILES.get(name, name)
+    hits = sorted(root.rglob(f"{stem}.jsonl"))
     if not hits:
-        raise DataNotFoundError(f"dataset {name!r}: no {name}.jsonl under {root}")
+        raise DataNotFoundError(f"dataset {name!r}: no {stem}.jsonl under {root}")
     if len(hits) > 1:
         raise ValueError(f"dataset {name!r}: several files under {root}: {', '.join(map(str, hits))}")
     return hits[0]
@@ -248,7 +253,8 @@ def _parse_qmsum(dataset: str, raw: dict, index: int) -> Iterator[Item]:
             raise _Bad("transcript turn is not an object")
         lines.append(f"{_str(turn, 'speaker', allow_empty=True)}: {_str(turn, 'content', allow_empty=True)}")
     document = "\n".join(lines)
-    for kind, key in (("g", "general_query_list"), ("s", "specific_query_list")):
+    kinds = (("g", "general_query_list"),) + (() if dataset == "qmsum_general" else (("s", "specific_query_list"),))
+    for kind, key in kinds:
         for k, query in enumerate(_list(raw, key)):
             rid = f"{index}-{kind}{k}"
             try:
@@ -278,6 +284,7 @@ _PARSERS: dict[str, Callable[[str, dict, int], Iterator[Item]]] = {
                                  "gov_report_summ", "meeting_summ", "news_summ", "tv_show_summ")},
     "multi_news": _parse_longbench,
     "qmsum": _parse_qmsum,
+    "qmsum_general": _parse_qmsum,
     "narrativeqa": _parse_narrativeqa,
 }
 

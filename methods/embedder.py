@@ -74,6 +74,9 @@ class Embedder:
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.tokenizer.no_padding()  # tokenizer.json pads to 128 and truncates to 128: batches are padded here
         self.tokenizer.enable_truncation(self.max_length)
+        # what BERTScore weighs 0: the markers tokenize() adds, and padding
+        self.special_ids = frozenset(i for i in (self.tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
+                                     if i is not None)
 
         w = load_file(str(path / "model.safetensors"))
         w = {k.removeprefix("bert."): v.float() for k, v in w.items()}

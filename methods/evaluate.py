@@ -6,9 +6,10 @@ token counts), the prefill FLOPs that shared prompt prefixes saved the query, wa
 (so a report counts each document's index once). A document is indexed once however many questions it has;
 methods that can save indexes (PECAN) keep them under <out>/indexes, keyed by document, method, model and the
 options the index depends on, so a rerun, a resumed run or a run that changes only search options (PECAN's search
-ablations) reuses them. Killing a run and starting it
-again skips the records already written (a torn last line is dropped), so the final file is the same as an
-uninterrupted run's.
+ablations) reuses them. A method that learns across documents (GoR) has every document indexed first, then is fit
+on all the other documents before each document's questions (leave-one-document-out; `fit_s` in its lines).
+Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
+file is the same as an uninterrupted run's.
 """
 from __future__ import annotations
 
@@ -138,12 +139,47 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
                desc=f"{cfg.label} {cfg.dataset}", disable=not progress)
     with cfg.path.open("a") as out:
-        for record in todo:
-            out.write(json.dumps(_evaluate(engine, method, record, indexes, store)) + "\n")
+        def write(line: dict) -> None:
+            out.write(json.dumps(line) + "\n")
             out.flush()
             bar.update()
+
+        if method_class.learns_across_documents:
+            _leave_one_document_out(engine, method, loaded.records, todo, store, write)
+        else:
+            for record in todo:
+                write(_evaluate(engine, method, record, indexes, store))
     bar.close()
     return cfg.path
+
+
+def _leave_one_document_out(engine: Engine, method: Method, records: list, todo: list, store: "IndexStore",
+                            write) -> None:
+    """Index every document of the run, then for each document with records to do: fit the method on all the
+    other documents' (index, record) pairs, answer the document's records. A document whose index fails gets an
+    error line per record and is left out of every fit."""
+    built, failed = {}, {}
+    for r in records:
+        doc = document_hash(r.document)
+        if doc not in built and doc not in failed:
+            try:
+                built[doc] = store.build_or_load(method, r.document)
+            except Exception as e:  # as in _evaluate: one bad document never stops the run
+                failed[doc] = f"{type(e).__name__}: {e}"
+    pending: dict[str, list] = {}
+    for r in todo:
+        pending.setdefault(document_hash(r.document), []).append(r)
+    for doc, mine in pending.items():
+        if doc in failed:
+            for r in mine:
+                write({"id": r.id, "question": r.question, "references": list(r.references), "document": doc,
+                       "error": failed[doc]})
+            continue
+        t = time.perf_counter()
+        method.fit([(built[d][0], r) for r in records if (d := document_hash(r.document)) != doc and d in built])
+        fit_s = round(time.perf_counter() - t, 3)
+        for r in mine:
+            write({**_evaluate(engine, method, r, {doc: built[doc]}, store), "fit_s": fit_s})
 
 
 class IndexStore:
@@ -164,7 +200,7 @@ class IndexStore:
     def build_or_load(self, method: Method, document: str) -> tuple:
         """(index, FLOPs, FLOPs projected to PROJECT_TO, seconds) of `document`'s index, built (and saved) unless
         this store has it; construction is charged to the engine's "index" scope."""
-        doc = hashlib.sha256(document.encode()).hexdigest()[:16]
+        doc = document_hash(document)
         found = self.get(method, doc)
         if found is not None:
             return found
@@ -189,8 +225,13 @@ class IndexStore:
             (self.root / f"{self.key}-{doc}.json").write_text(json.dumps(cost))
 
 
+def document_hash(document: str) -> str:
+    """A document's key in eval lines and index stores."""
+    return hashlib.sha256(document.encode()).hexdigest()[:16]
+
+
 def _evaluate(engine: Engine, method: Method, record, indexes: dict, store: IndexStore) -> dict:
-    doc = hashlib.sha256(record.document.encode()).hexdigest()[:16]
+    doc = document_hash(record.document)
     line = {"id": record.id, "question": record.question, "references": list(record.references), "document": doc}
     acc = engine.flops
     try:

@@ -8,13 +8,16 @@ records, BERTScore node ranking, and the two training losses.
 - `bertscore_f1`: BERTScore F1 (Zhang et al. 2019) with idf weights: greedy matching of L2-normalised token
   embeddings, R = Σ_ref idf·max cos / Σ idf, P likewise over the candidate, F1 = 2PR / (P + R);
   `bertscore_ranking` orders the nodes by it against a query's source chunk (Eq. 4's M_i).
-- `info_nce` (Eq. 6) and `pairwise_rank_loss` (Eq. 7) with s(q, h) = exp(qᵀh / τ).
+- `info_nce` (Eq. 6) and `pairwise_rank_loss` (Eq. 7) with s(q, h) = exp(qᵀh / τ); `train_gat` minimises
+  L = L_CL + α·L_RANK (Eq. 8) over graphs in mini-batches, as App. A.4 does. τ is not in the paper; 1.0 is its
+  public code's value.
 
 Edge lists are [2, E] (source row 0, destination row 1); the graphs here have tens to hundreds of nodes.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -104,3 +107,75 @@ def bertscore_ranking(nodes: list[tuple[list[int], torch.Tensor]], sources: list
     f1 = torch.tensor([[bertscore_f1(emb, w, ref, torch.tensor([idf.get(t, 0.0) for t in ref_ids]))
                         for (_, emb), w in zip(nodes, weights)] for ref_ids, ref in sources])
     return torch.argsort(-f1, dim=1, stable=True)
+
+
+@dataclass
+class GraphData:
+    """What training needs of one document's graph: node features [N, d] (the context encoder's), edges [2, E]
+    (both directions), training queries [Q, d] (the query encoder's) and each query's node ranking [Q, N], best
+    first (Eq. 4's M_i)."""
+
+    features: torch.Tensor
+    edges: torch.Tensor
+    queries: torch.Tensor
+    ranking: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training run (App. A.4, Table 6): Adam, the learning rate decayed from `lr` to 0 on a half cosine over all
+    steps, `batch` graphs per step. L = cl·L_CL + α·L_RANK; `in_batch`: the other graphs' nodes of the step join
+    every query's InfoNCE denominator."""
+
+    hidden: int
+    heads: int = 4
+    dropout: float = 0.0
+    epochs: int = 150
+    lr: float = 1e-3
+    batch: int = 32
+    tau: float = 1.0
+    alpha: float = 0.9
+    cl: bool = True
+    in_batch: bool = True
+    seed: int = 0
+
+
+def train_gat(graphs: list[GraphData], config: TrainConfig) -> GAT:
+    """A GAT trained on `graphs` (Eq. 8), deterministic under `config.seed`; returned in eval mode."""
+    if not graphs or not any(len(g.queries) for g in graphs):
+        raise ValueError("GoR training needs at least one graph with simulated queries")
+    # encoders run in inference mode, whose tensors autograd refuses: train on plain copies
+    graphs = [GraphData(g.features.clone(), g.edges, g.queries.clone(), g.ranking) for g in graphs]
+    torch.manual_seed(config.seed)
+    order = torch.Generator().manual_seed(config.seed)
+    gat = GAT(graphs[0].features.shape[1], config.hidden, config.heads, config.dropout)
+    steps = config.epochs * math.ceil(len(graphs) / config.batch)
+    opt = torch.optim.Adam(gat.parameters(), lr=config.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+    gat.train()
+    for _ in range(config.epochs):
+        shuffled = torch.randperm(len(graphs), generator=order).tolist()
+        for start in range(0, len(graphs), config.batch):
+            batch = [graphs[i] for i in shuffled[start:start + config.batch]]
+            loss = _batch_loss(gat, batch, config)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            schedule.step()
+    return gat.eval()
+
+
+def _batch_loss(gat: GAT, batch: list[GraphData], config: TrainConfig) -> torch.Tensor:
+    """Eq. 8 averaged over the batch's graphs that have queries; one GAT forward per graph."""
+    nodes = [gat(g.features, g.edges) for g in batch]
+    losses = []
+    for i, g in enumerate(batch):
+        if not len(g.queries):
+            continue
+        others = [h for j, h in enumerate(nodes) if j != i]
+        negatives = torch.cat(others) if config.in_batch and others else None
+        loss = config.alpha * pairwise_rank_loss(g.queries, nodes[i], g.ranking, config.tau)
+        if config.cl:
+            loss = loss + info_nce(g.queries, nodes[i], g.ranking[:, 0], config.tau, negatives)
+        losses.append(loss)
+    return torch.stack(losses).mean()

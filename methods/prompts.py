@@ -65,6 +65,7 @@ PROMPTS: dict[str, PromptSpec] = {
     "quality": PromptSpec(_CHOICE, 16, ("\n",)),
     "multi_news": PromptSpec(_MULTI_NEWS, 512),
     "qmsum": PromptSpec(_QMSUM, 512),
+    "qmsum_general": PromptSpec(_QMSUM, 512),
     "gov_report_summ": PromptSpec(_SUMMARY, 512),
     "meeting_summ": PromptSpec(_SUMMARY, 512),
     "news_summ": PromptSpec(_SUMMARY, 512),

@@ -2,7 +2,8 @@
 
 Real counts on ../shared/data (records / problems): hotpotqa 150/0, musique 150/0, 2wikimqa 131/19 (no
 context), quality 130/0, scientific_qa 133/0, multidoc_qa 119/0, natural_question 88/0, gov_report_summ 10/0,
-meeting_summ 135/0, news_summ 9/0, tv_show_summ 10/0, multi_news 150/0, qmsum 272/0, narrativeqa 40/0.
+meeting_summ 135/0, news_summ 9/0, tv_show_summ 10/0, multi_news 150/0, qmsum 272/0, qmsum_general 35/0,
+narrativeqa 40/0.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ EXPECTED = {  # name: (task, records, problems)
     "quality": ("multiple_choice", 130, 0), "scientific_qa": ("qa", 133, 0), "multidoc_qa": ("qa", 119, 0),
     "natural_question": ("qa", 88, 0), "gov_report_summ": ("summary", 10, 0),
     "meeting_summ": ("summary", 135, 0), "news_summ": ("summary", 9, 0), "tv_show_summ": ("summary", 10, 0),
-    "multi_news": ("summary", 150, 0), "qmsum": ("summary", 272, 0), "narrativeqa": ("qa", 40, 0),
+    "multi_news": ("summary", 150, 0), "qmsum": ("summary", 272, 0), "qmsum_general": ("summary", 35, 0), "narrativeqa": ("qa", 40, 0),
 }
 
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
@@ -85,6 +86,9 @@ def test_first_records():
     assert r.id == "0-g0" and r.question == "What were the main discussion points of the meeting?"
     assert r.document.startswith("Professor E: So . OK .")
     assert _load("qmsum").records[1].id == "0-s0"
+    general = [x for x in _load("qmsum").records if x.id.split("-")[1].startswith("g")]
+    assert [(x.id, x.question, x.references, x.document) for x in _load("qmsum_general").records] == \
+        [(x.id, x.question, x.references, x.document) for x in general]  # one general query per meeting, only
 
     r = _load("narrativeqa").records[0]
     assert r.id == "0" and r.references == ("They set up a school.", "They are schoolmistresses.")

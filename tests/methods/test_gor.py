@@ -1,0 +1,196 @@
+"""GoR as a method: training (Eq. 8 over a batch by the loss functions, deterministic, the labelled node to rank 1),
+the index (chunk wiring of the BERTScore ranking, safetensors + JSON round trip, refusals), which model answers, and
+on SmolLM2 `nodekv eval` fitting leave-one-document-out."""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nodekv.methods.gor import Gor
+from nodekv.methods.gor_store import IndexFileError, tensors_path
+from nodekv.methods.gor_train import (GAT, GraphData, TrainConfig, _batch_loss, info_nce, pairwise_rank_loss,
+                                      train_gat)
+
+LETTERS = "abcdefghij"
+
+
+def _graph(seed: int, n: int = 10, q: int = 3, dim: int = 6) -> GraphData:
+    g = torch.Generator().manual_seed(seed)
+    edges = torch.randint(0, n, (2, 2 * n), generator=g)
+    ranking = torch.stack([torch.randperm(n, generator=g) for _ in range(q)])
+    return GraphData(F.normalize(torch.randn(n, dim, generator=g), dim=1), torch.cat([edges, edges.flip(0)], 1),
+                     F.normalize(torch.randn(q, dim, generator=g), dim=1), ranking)
+
+
+def test_batch_loss_is_eq8_with_the_other_graphs_nodes_as_negatives():
+    torch.manual_seed(0)
+    a, b = _graph(1), _graph(2, n=7)
+    gat = GAT(6, 4, heads=2).eval()
+    cfg = TrainConfig(hidden=4, heads=2, tau=0.5, alpha=0.3)
+    ha, hb = gat(a.features, a.edges), gat(b.features, b.edges)
+    expected = [info_nce(g.queries, h, g.ranking[:, 0], 0.5, other) + 0.3 * pairwise_rank_loss(g.queries, h, g.ranking, 0.5)
+                for g, h, other in ((a, ha, hb), (b, hb, ha))]
+    torch.testing.assert_close(_batch_loss(gat, [a, b], cfg), (expected[0] + expected[1]) / 2)
+    alone = info_nce(a.queries, ha, a.ranking[:, 0], 0.5) + 0.3 * pairwise_rank_loss(a.queries, ha, a.ranking, 0.5)
+    no_negatives = TrainConfig(hidden=4, heads=2, tau=0.5, alpha=0.3, in_batch=False)
+    torch.testing.assert_close(_batch_loss(gat, [a, b], no_negatives)[None],
+                               ((alone + info_nce(b.queries, hb, b.ranking[:, 0], 0.5)
+                                 + 0.3 * pairwise_rank_loss(b.queries, hb, b.ranking, 0.5)) / 2)[None])
+    rank_only = TrainConfig(hidden=4, heads=2, tau=0.5, alpha=0.3, cl=False)
+    torch.testing.assert_close(_batch_loss(gat, [a], rank_only), 0.3 * pairwise_rank_loss(a.queries, ha, a.ranking, 0.5))
+
+
+def test_training_is_deterministic_and_brings_the_top_ranked_node_to_rank_one():
+    graphs = [_graph(s) for s in range(3)]
+    cfg = TrainConfig(hidden=16, heads=2, epochs=150, lr=1e-2, batch=2, tau=0.1, alpha=0.0)
+    one, two = train_gat(graphs, cfg), train_gat(graphs, cfg)
+    for p, r in zip(one.parameters(), two.parameters()):
+        assert torch.equal(p, r)
+    for g in graphs:
+        top = (g.queries @ one(g.features, g.edges).T).argmax(1)
+        assert torch.equal(top, g.ranking[:, 0])
+    with pytest.raises(ValueError, match="at least one graph with simulated queries"):
+        train_gat([GraphData(graphs[0].features, graphs[0].edges, torch.zeros(0, 6), torch.zeros(0, 10).long())], cfg)
+
+
+# ---- the method on stand-ins -------------------------------------------------------------------------------------
+class WordTokenizer:
+    """One token per word, ids from a growing vocabulary."""
+
+    def __init__(self):
+        self.vocab: list[str] = []
+
+    def encode(self, text):
+        for w in text.split():
+            if w not in self.vocab:
+                self.vocab.append(w)
+        return [self.vocab.index(w) for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(self.vocab[i] for i in ids)
+
+
+class LetterEmbedder:
+    """Sentence vector: letter counts a-j; token vectors: each word's letter counts, ids from a stable hash."""
+
+    dim, special_ids = len(LETTERS), frozenset()
+
+    @staticmethod
+    def _vec(text):
+        return torch.tensor([text.count(c) + 1e-3 for c in LETTERS])
+
+    def encode(self, texts, batch_size=64):
+        return F.normalize(torch.stack([self._vec(t) for t in texts]), dim=1)
+
+    def token_embeddings(self, texts, batch_size=64):
+        return [([zlib.crc32(w.encode()) for w in t.split()], torch.stack([self._vec(w) for w in t.split()]))
+                for t in texts]
+
+
+@dataclass
+class TinyConfig:
+    layers: int = 1
+
+
+def _engine():
+    return SimpleNamespace(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"))
+
+
+DOC = " ".join(f"{LETTERS[i % 10] * 3}{i}" for i in range(40))  # 40 words: aaa0 bbb1 ... jjj39
+
+
+def _gor(engine, **options):
+    def sample(draws):
+        return [f"what about {text.split()[0]} seed {seed % 5}?" for text, seed in draws]
+
+    def respond(question, materials):
+        return " ".join(m.split()[0] for m in materials)
+
+    options = {"chunk_tokens": 8, "chunk_overlap": 2, "queries": 4, "attempts": 12, "graph_k": 2, "epochs": 20,
+               **options}
+    return Gor(engine, embedder=LetterEmbedder(), sampler=sample, responder=respond, **options)
+
+
+def test_the_index_ranks_each_querys_source_chunk_first_and_round_trips_through_its_files(tmp_path):
+    eng = _engine()
+    gor = _gor(eng)
+    index = gor.index(DOC)
+    g = index.graph
+    assert g.chunks[0].split() == DOC.split()[:8] and g.chunks[1].split()[:2] == DOC.split()[6:8]  # overlap 2
+    assert len(g.queries) == 4 and len(g.responses) == 4 and len(g.edges) == 8
+    assert index.ranking.shape == (4, len(g.texts)) and index.features.shape == (len(g.texts), 10)
+    assert [int(r[0]) for r in index.ranking] == g.sources  # a chunk's BERTScore against itself is 1
+    assert index.gat is not None and gor.node_vectors(index)[1] == "this document's graph"
+
+    path = tmp_path / "doc.gor"
+    gor.save_index(index, path)
+    back = gor.load_index(path)
+    assert back.graph == g and back.trained_with == index.trained_with and back.config == index.config
+    for name in ("features", "queries", "ranking"):
+        assert torch.equal(getattr(back, name), getattr(index, name))
+    saved, loaded = index.gat.state_dict(), back.gat.state_dict()
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    torch.testing.assert_close(gor.node_vectors(back)[0], gor.node_vectors(index)[0])
+
+    sidecar = tensors_path(path)
+    data = sidecar.read_bytes()
+    sidecar.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(IndexFileError, match="not the tensor file written with"):
+        gor.load_index(path)
+    sidecar.unlink()
+    with pytest.raises(IndexFileError, match="no tensor file"):
+        gor.load_index(path)
+    body = json.loads(path.read_text())
+    body["graph"]["queries"][0] = "tampered"
+    path.write_text(json.dumps(body))
+    with pytest.raises(IndexFileError, match="corrupt"):
+        gor.load_index(path)
+
+
+def test_which_model_answers_and_what_is_refused():
+    eng = _engine()
+    a, b = _gor(eng).index(DOC), _gor(eng).index(DOC[::-1])
+    untrained = _gor(eng, train="none")
+    vectors, how = untrained.node_vectors(a)
+    assert torch.equal(vectors, a.features) and how.startswith("none")
+    fitted = _gor(eng)
+    fitted.fit([(b, None), (b, None)])  # one document's two records: its graph counts once
+    assert fitted.node_vectors(a)[1] == "fitted on 1 other document"
+    with pytest.raises(ValueError, match="needs a fit"):
+        _gor(eng, supervision="summary").node_vectors(a)
+    with pytest.raises(ValueError, match="document is empty"):
+        _gor(eng).index("  ")
+    with pytest.raises(ValueError, match="chunk_overlap .* below chunk_tokens"):
+        _gor(eng, chunk_overlap=8)
+    with pytest.raises(ValueError, match="multiple-choice"):
+        _gor(eng).answer(a, "q?", options=("x", "y"))
+    assert Gor.dataset_defaults("qmsum_general") == {"alpha": (0.9, "Table 6"), "dropout": (0.2, "Table 6")}
+
+
+@pytest.mark.model
+def test_eval_fits_on_every_other_document_before_answering_one(tmp_path):
+    from nodekv.cli import main as cli_main
+
+    meetings = [{"meeting_transcripts": [{"speaker": "A", "content": f"We discuss the {topic} budget. " * 30},
+                                         {"speaker": "B", "content": f"The {topic} plan needs more staff. " * 30}],
+                 "general_query_list": [{"query": "Summarize the whole meeting.", "answer": f"The {topic} budget."}],
+                 "specific_query_list": []} for topic in ("remote", "design", "market")]
+    (tmp_path / "data" / "qmsum").mkdir(parents=True)
+    (tmp_path / "data" / "qmsum" / "qmsum.jsonl").write_text("".join(json.dumps(m) + "\n" for m in meetings))
+    argv = ["eval", "--method", "gor", "--dataset", "qmsum_general", "--data-dir", str(tmp_path / "data"),
+            "--out", str(tmp_path / "out"), "--model", "smollm2-135m", "--option", "queries=2", "--option",
+            "attempts=4", "--option", "query_tokens=16", "--option", "response_tokens=8", "--option", "epochs=3",
+            "--label", "gor"]
+    assert cli_main(argv) == 0
+    rows = [json.loads(x) for x in (tmp_path / "out" / "gor-qmsum_general.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["0-g0", "1-g0", "2-g0"] and all("error" not in r for r in rows)
+    assert all(r["trace"][0]["model"] == "fitted on 2 other documents" and r["fit_s"] >= 0 for r in rows)
+    assert len({r["document"] for r in rows}) == 3 and all(r["index_flops"] > 0 for r in rows)
+    assert len(list((tmp_path / "out" / "indexes").glob("*.safetensors"))) == 3
