@@ -128,12 +128,12 @@ class Method(ABC):
         return [json.dumps(step) for step in trace]
 
 
-def prompt_ids(engine: Engine, spec: PromptSpec, context: str, question: str,
-               options: tuple[str, ...] = ()) -> tuple[list[int], bool]:
-    """The chat-templated prompt, cut in the middle (as LongBench does) so that it plus the answer fits the window.
-    Returns (ids, truncated)."""
+def prompt_ids(engine: Engine, spec: PromptSpec, context: str, question: str, options: tuple[str, ...] = (),
+               window: int | None = None) -> tuple[list[int], bool]:
+    """The chat-templated prompt, cut in the middle (as LongBench does) so that it plus the answer fits the window
+    (the model's, or a smaller `window`). Returns (ids, truncated)."""
     ids = engine.tokenizer.chat([{"role": "user", "content": spec.render(context, question, options)}])
-    room = engine.config.max_seq_len - spec.max_new_tokens
+    room = min(engine.config.max_seq_len, window or engine.config.max_seq_len) - spec.max_new_tokens
     if len(ids) <= room:
         return ids, False
     half = room // 2

@@ -13,13 +13,17 @@ from .retrieval import BM25Index, DenseIndex, text_chunk_spans
 
 
 class FullContext(Method, name="full"):
-    """The whole document in the prompt (middle-truncated to the model's window when longer)."""
+    """The whole document in the prompt (middle-truncated to the model's window when longer, or to `window`: how
+    a model with a shorter window, such as the papers' 4K Llama-2, would read it)."""
+
+    options = (Option("window", int, 0, "tokens the prompt and the answer must fit in (0: the model's window)",
+                      low=0),)
 
     def index(self, document: str) -> str:
         return _check_document(document)
 
     def answer(self, index: str, question: str, options: tuple[str, ...] = ()) -> Answer:
-        ids, truncated = prompt_ids(self.engine, self.answer_prompt, index, question, options)
+        ids, truncated = prompt_ids(self.engine, self.answer_prompt, index, question, options, self.config.window)
         return generate_answer(self.engine, ids, self.answer_prompt, ["document"], truncated)
 
 

@@ -1,0 +1,31 @@
+"""The prompt every single-prompt method sends: LongBench's middle truncation to the model's window or a smaller one,
+checked against slicing by hand."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from nodekv.methods.base import prompt_ids
+from nodekv.methods.baselines import FullContext
+from nodekv.methods.prompts import PromptSpec
+
+
+class ListTokenizer:
+    """chat() gives one id per character of the rendered user turn."""
+
+    def chat(self, messages):
+        return [ord(c) for c in messages[0]["content"]]
+
+
+def _engine(max_seq_len):
+    return SimpleNamespace(tokenizer=ListTokenizer(), config=SimpleNamespace(max_seq_len=max_seq_len))
+
+
+def test_the_middle_is_cut_to_the_model_window_or_a_smaller_one():
+    spec, text = PromptSpec("{context}|{question}", max_new_tokens=10), "abcdefghij" * 10  # 100 characters
+    whole = [ord(c) for c in text + "|q"]
+    assert prompt_ids(_engine(1000), spec, text, "q") == (whole, False)
+    assert prompt_ids(_engine(1000), spec, text, "q", window=112) == (whole, False)  # 102 + 10 fit exactly
+    ids, cut = prompt_ids(_engine(1000), spec, text, "q", window=50)  # room 40: the first 20 and the last 20
+    assert cut and ids == whole[:20] + whole[-20:]
+    assert prompt_ids(_engine(50), spec, text, "q", window=4096) == (ids, True)  # the model's window is smaller
+    assert FullContext(_engine(1000), window=50).config.window == 50
