@@ -1,8 +1,8 @@
 """GoR's graph of records (gor.txt §2.2, App. A.4, D.1–D.2): simulated queries and the RAG rounds that link each
 response to the nodes it was generated from.
 
-Query simulation: a chunk drawn at random (seeded), the paper's D.1 prompt, temperature 0.5 sampling, until `n`
-distinct queries exist or `max_attempts` draws are spent (a short or repetitive document ends with fewer). Draws
+Query simulation: a chunk drawn at random (seeded), the paper's D.1 prompt, temperature 0.5 sampling (the reply's
+first line, a leading "Question:" label dropped), until `n` distinct queries exist or `max_attempts` draws are spent (a short or repetitive document ends with fewer). Draws
 run `batch` at a time as batched decode steps, each with a seed of its own.
 Graph (Eq. 3): round i retrieves the top-K nodes for q_i from the chunks and the responses r_1..r_{i-1}, generates
 r_i from them with the D.2 prompt (greedy), adds r_i as a node and an edge from each retrieved node to it. Chunks
@@ -15,6 +15,7 @@ without a model; `engine_sampler` and `engine_responder` are the engine's.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -34,6 +35,8 @@ SIMULATION_PROMPT = (
 RAG_PROMPT = ("Refer to the following supporting materials and answer the question with brief but complete "
               "explanations.\n\nSUPPORTING MATERIALS:\n{}\n\nQUESTION:\n{}")
 
+# a label small models put before the query ("Question:", "Summary question:")
+_LABEL = re.compile(r"^\s*(?:[a-z]+ ){0,2}question\s*:\s*", re.IGNORECASE)
 # sample([(chunk text, seed), ...]) -> one generated query per draw
 Sampler = Callable[[Sequence[tuple[str, int]]], list[str]]
 # respond(question, retrieved texts) -> the response
@@ -78,7 +81,7 @@ def simulate_queries(graph: RecordGraph, sample: Sampler, n: int, seed: int, max
         seeds = [seed * 1_000_003 + graph.draws + j for j in range(len(draws))]
         graph.draws += len(draws)
         for chunk, query in zip(draws, sample([(graph.chunks[c], s) for c, s in zip(draws, seeds)])):
-            query = query.strip().split("\n")[0].strip()
+            query = _LABEL.sub("", query.strip().split("\n")[0]).strip()
             key = normalize_answer(query)  # a repeat differs at most in case, punctuation and articles
             if key and key not in seen and len(graph.queries) < n:
                 seen.add(key)

@@ -23,6 +23,13 @@ def test_an_llm_that_repeats_itself_ends_after_max_attempts():
     assert graph.queries == ["What is it about?"] and graph.draws == 10 and calls == [4, 4, 2]
 
 
+def test_a_query_is_its_first_line_without_a_question_label():
+    graph = RecordGraph(["alpha"])
+    replies = iter(["Question: Why A?", "Summary question: why a?\nmore", "  Why B?  ", "The question: Why C?"])
+    simulate_queries(graph, lambda draws: [next(replies) for _ in draws], n=4, seed=0, max_attempts=4, batch=1)
+    assert graph.queries == ["Why A?", "Why B?", "Why C?"]  # the second repeats the first up to case
+
+
 def test_a_one_chunk_document_and_a_seed_give_the_same_queries_and_sources():
     def sample(draws):  # a deterministic stand-in: the query depends on the chunk and the seed
         return [f"Q{seed % 7} on {chunk}?" for chunk, seed in draws]
