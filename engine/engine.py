@@ -89,7 +89,8 @@ class Engine:
 
     def generate_batch(self, sessions: Sequence[Session], max_new_tokens: int, **options) -> list[Generation]:
         """`Session.generate` in every session, one forward per step for all of them; the results equal each
-        session's alone (options as for `Session.generate`, the same for every session)."""
+        session's alone (options as for `Session.generate`, the same for every session, except that `seed` may be
+        one per session)."""
         return generate(self, sessions, max_new_tokens, **options)
 
     def step(self, states: Sequence[GenerationState]) -> list[GenerationState]:

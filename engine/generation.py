@@ -231,13 +231,18 @@ def step(engine: "Engine", states: Sequence[GenerationState]) -> list[Generation
 
 def generate(engine: "Engine", sessions: Sequence["Session"], max_new_tokens: int, **options) -> list[Generation]:
     """Generate after each session, the sessions' decode steps batched as one forward per token; `options` as for
-    `GenerationState`. Each state is seeded alike, so the results equal generating in each session alone. On an error
-    every session is as it was before the call."""
+    `GenerationState`, except that `seed` may also be a sequence, one per session (independent draws from equal
+    prompts). Each state is seeded as it would be alone, so the results equal generating in each session alone. On
+    an error every session is as it was before the call."""
     check_one_engine(engine, sessions)
+    seed = options.pop("seed", None)
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(sessions)
+    if len(seeds) != len(sessions):
+        raise ValueError(f"{len(seeds)} seeds for {len(sessions)} sessions: give one seed, or one per session")
     states: list[GenerationState] = []
     try:
-        for s in sessions:
-            states.append(s.start_generation(max_new_tokens, **options))
+        for s, one in zip(sessions, seeds):
+            states.append(s.start_generation(max_new_tokens, seed=one, **options))
         running = states
         while running:
             running = step(engine, running)

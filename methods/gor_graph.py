@@ -113,12 +113,9 @@ def engine_sampler(engine: Engine, max_tokens: int = 64, temperature: float = 0.
         sessions = [engine.prefixes.fork(head, node_id="gor-simulation") for _ in draws]
         try:
             engine.append_batch(sessions, [tok.encode(text) + tail for text, _ in draws])
-            states = [s.start_generation(max_tokens, stop="\n", temperature=temperature, seed=seed)
-                      for s, (_, seed) in zip(sessions, draws)]
-            running = states
-            while running:
-                running = engine.step(running)
-            return [st.result.text for st in states]
+            gens = engine.generate_batch(sessions, max_tokens, stop="\n", temperature=temperature,
+                                         seed=[seed for _, seed in draws])
+            return [g.text for g in gens]
         finally:
             for s in sessions:
                 s.release()

@@ -114,6 +114,19 @@ def test_seeded_sampling_in_a_batch_equals_alone(hf_tiny):
     assert [g.ids for g in got] == [s.generate(8, temperature=1.3, top_p=0.9, seed=11).ids for s in alone]
 
 
+def test_one_seed_per_session_draws_each_as_alone(hf_tiny):
+    _, path = hf_tiny
+    eng = tiny_engine(path, pages=160, page_size=4)
+    base = eng.session()
+    base.append([5, 9, 17, 23])
+    batch, alone = [base.fork() for _ in range(3)], [base.fork() for _ in range(3)]
+    got = eng.generate_batch(batch, 8, temperature=1.5, seed=[1, 2, 3])
+    want = [s.generate(8, temperature=1.5, seed=k).ids for s, k in zip(alone, [1, 2, 3])]
+    assert [g.ids for g in got] == want and len({tuple(w) for w in want}) > 1  # equal prompts, different draws
+    with pytest.raises(ValueError, match="2 seeds for 3 sessions"):
+        eng.generate_batch(batch, 2, temperature=1.5, seed=[1, 2])
+
+
 def test_states_join_and_leave_between_steps(hf_tiny):
     _, path = hf_tiny
     eng = tiny_engine(path, pages=160, page_size=4)
