@@ -105,8 +105,8 @@ class Method(ABC):
 
     def fit(self, examples: Sequence[tuple[Any, Any]]) -> None:
         """Learn from other documents before answering: (index, record) pairs, the record's question and
-        references included. With `learns_across_documents` set, `nodekv eval` calls it before each document's
-        questions with every other document of the run (leave-one-document-out), never the document answered."""
+        references included. With `learns_across_documents` set, `nodekv eval` deals the run's documents into
+        folds and calls it before a fold's questions with the other folds' documents, never the ones answered."""
 
     def save_index(self, index: Any, path: str | Path) -> None:
         raise ValueError(f"{self.title} cannot save its index")

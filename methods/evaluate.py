@@ -6,8 +6,9 @@ token counts), the prefill FLOPs that shared prompt prefixes saved the query, wa
 (so a report counts each document's index once). A document is indexed once however many questions it has;
 methods that can save indexes (PECAN) keep them under <out>/indexes, keyed by document, method, model and the
 options the index depends on, so a rerun, a resumed run or a run that changes only search options (PECAN's search
-ablations) reuses them. A method that learns across documents (GoR) has every document indexed first, then is fit
-on all the other documents before each document's questions (leave-one-document-out; `fit_s` in its lines).
+ablations) reuses them. A method that learns across documents (GoR) has every document indexed first; the documents
+are dealt into 5 folds and the method is fit on the other folds' documents before a fold's questions, so no
+document trains the model that answers it (`fit_s` in its lines).
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
 file is the same as an uninterrupted run's.
 """
@@ -145,7 +146,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
             bar.update()
 
         if method_class.learns_across_documents:
-            _leave_one_document_out(engine, method, loaded.records, todo, store, write)
+            _cross_fit(engine, method, loaded.records, todo, store, write)
         else:
             for record in todo:
                 write(_evaluate(engine, method, record, indexes, store))
@@ -153,11 +154,21 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     return cfg.path
 
 
-def _leave_one_document_out(engine: Engine, method: Method, records: list, todo: list, store: "IndexStore",
-                            write) -> None:
-    """Index every document of the run, then for each document with records to do: fit the method on all the
-    other documents' (index, record) pairs, answer the document's records. A document whose index fails gets an
-    error line per record and is left out of every fit."""
+FOLDS = 5  # documents are split into this many folds for methods that learn across documents
+
+
+def document_folds(records: list, folds: int = FOLDS) -> dict[str, int]:
+    """Each document's fold: documents in order of first appearance, dealt round-robin into `folds` folds."""
+    order: dict[str, int] = {}
+    for r in records:
+        order.setdefault(document_hash(r.document), len(order))
+    return {doc: i % folds for doc, i in order.items()}
+
+
+def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store: "IndexStore", write) -> None:
+    """Index every document of the run, then for each fold of documents (`document_folds`) with records to do: fit
+    the method on the (index, record) pairs of the documents outside the fold, answer the fold's records. A
+    document whose index fails gets an error line per record and is left out of every fit."""
     built, failed = {}, {}
     for r in records:
         doc = document_hash(r.document)
@@ -166,20 +177,22 @@ def _leave_one_document_out(engine: Engine, method: Method, records: list, todo:
                 built[doc] = store.build_or_load(method, r.document)
             except Exception as e:  # as in _evaluate: one bad document never stops the run
                 failed[doc] = f"{type(e).__name__}: {e}"
-    pending: dict[str, list] = {}
+    fold_of = document_folds(records)
+    pending: dict[int, list] = {}
     for r in todo:
-        pending.setdefault(document_hash(r.document), []).append(r)
-    for doc, mine in pending.items():
-        if doc in failed:
-            for r in mine:
-                write({"id": r.id, "question": r.question, "references": list(r.references), "document": doc,
-                       "error": failed[doc]})
-            continue
+        pending.setdefault(fold_of[document_hash(r.document)], []).append(r)
+    for fold, mine in sorted(pending.items()):
         t = time.perf_counter()
-        method.fit([(built[d][0], r) for r in records if (d := document_hash(r.document)) != doc and d in built])
+        method.fit([(built[d][0], r) for r in records
+                    if fold_of[d := document_hash(r.document)] != fold and d in built])
         fit_s = round(time.perf_counter() - t, 3)
         for r in mine:
-            write({**_evaluate(engine, method, r, {doc: built[doc]}, store), "fit_s": fit_s})
+            doc = document_hash(r.document)
+            if doc in failed:
+                write({"id": r.id, "question": r.question, "references": list(r.references), "document": doc,
+                       "error": failed[doc]})
+            else:
+                write({**_evaluate(engine, method, r, {doc: built[doc]}, store), "fit_s": fit_s})
 
 
 class IndexStore:

@@ -7,8 +7,9 @@ linked to each); MiniLM vectors of every node and query; each query's nodes rank
 source chunk (Eq. 4, idf over the graph's texts, precomputed as App. A.4 does); and a GAT trained on this graph
 (Eq. 8), saved with the index.
 fit(examples): the paper trains one GAT over many documents' graphs, in mini-batches whose other graphs give
-in-batch negatives. `nodekv eval` calls fit with every other document of the run before answering a document's
-questions (leave-one-document-out), so no document's own graph or reference trains the model that answers it; with
+in-batch negatives. `nodekv eval` deals the run's documents into 5 folds and calls fit with the other folds'
+documents before answering a fold's questions, so no document's own graph or reference trains the model that
+answers it (a fit is 150 epochs over a dozen graphs: one per fold, not one per document, keeps it cheap); with
 `supervision=summary` (Table 3's "w/ sup") those other documents' questions and reference summaries replace the
 simulated queries. Without a fit (`nodekv ask`), the document's own GAT answers; the trace says which model did.
 answer(index, query): the query by MiniLM; the top `k` nodes by inner product with the learned node embeddings

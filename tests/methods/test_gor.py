@@ -1,6 +1,6 @@
 """GoR as a method: training (Eq. 8 over a batch by the loss functions, deterministic, the labelled node to rank 1),
 the index (chunk wiring of the BERTScore ranking, safetensors + JSON round trip, refusals), which model answers, and
-on SmolLM2 `nodekv eval` fitting leave-one-document-out."""
+the documents' folds, and on SmolLM2 `nodekv eval` fitting on the other folds before answering one."""
 from __future__ import annotations
 
 import json
@@ -174,8 +174,16 @@ def test_which_model_answers_and_what_is_refused():
     assert Gor.dataset_defaults("qmsum_general") == {"alpha": (0.9, "Table 6"), "dropout": (0.2, "Table 6")}
 
 
+def test_documents_are_dealt_into_folds_in_order_of_first_appearance():
+    from nodekv.methods.evaluate import document_folds, document_hash
+
+    records = [SimpleNamespace(document=d) for d in "aabcdefgc"]
+    folds = document_folds(records, 3)
+    assert folds == {document_hash(d): i % 3 for i, d in enumerate("abcdefg")}
+
+
 @pytest.mark.model
-def test_eval_fits_on_every_other_document_before_answering_one(tmp_path):
+def test_eval_fits_on_the_other_folds_before_answering_one(tmp_path):
     from nodekv.cli import main as cli_main
 
     meetings = [{"meeting_transcripts": [{"speaker": "A", "content": f"We discuss the {topic} budget. " * 30},
