@@ -46,7 +46,8 @@ def classify(f1: float, references: list[str], read: str, document: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from nodekv import load_engine
-    from nodekv.methods.evaluate import IndexStore, read_done
+    from nodekv.methods.evaluate import read_done
+    from nodekv.methods.index_store import IndexStore
     from nodekv.methods.pecan import Pecan
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -14,7 +14,6 @@ file is the same as an uninterrupted run's.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -28,11 +27,11 @@ from ..engine.engine import Engine
 from .base import Method
 from .baselines import TopK
 from .data import load_dataset
+from .index_store import PROJECT_TO, IndexStore, document_hash
 from .metrics import score
 from .prompts import prompt_for
 from .registry import get, names
 
-PROJECT_TO = "llama-3.1-8b"
 
 
 @dataclass
@@ -183,8 +182,11 @@ def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store:
         pending.setdefault(fold_of[document_hash(r.document)], []).append(r)
     for fold, mine in sorted(pending.items()):
         t = time.perf_counter()
-        method.fit([(built[d][0], r) for r in records
-                    if fold_of[d := document_hash(r.document)] != fold and d in built])
+        try:
+            method.fit([(built[d][0], r) for r in records
+                        if fold_of[d := document_hash(r.document)] != fold and d in built])
+        except Exception as e:  # the fold's records fail, the run goes on
+            failed.update({document_hash(r.document): f"fit: {type(e).__name__}: {e}" for r in mine})
         fit_s = round(time.perf_counter() - t, 3)
         for r in mine:
             doc = document_hash(r.document)
@@ -193,54 +195,6 @@ def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store:
                        "error": failed[doc]})
             else:
                 write({**_evaluate(engine, method, r, {doc: built[doc]}, store), "fit_s": fit_s})
-
-
-class IndexStore:
-    """Indexes of methods that can save them (`Method.can_save`), one file per (document, method, model, index
-    key), with the FLOPs and time their construction cost: a rerun or resumed run does not rebuild them."""
-
-    def __init__(self, root: Path, key: str, engine: Engine):
-        self.root, self.key, self.engine = root, key, engine
-
-    @classmethod
-    def for_method(cls, root: Path, engine: Engine, method: Method) -> "IndexStore":
-        """The store of `method`'s indexes; only the options its index depends on (`method.index_key()`) enter
-        the key."""
-        ident = json.dumps([str(engine.path), str(engine.model.dtype), method.name, method.index_key()],
-                           sort_keys=True)
-        return cls(root, f"{method.name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}", engine)
-
-    def build_or_load(self, method: Method, document: str) -> tuple:
-        """(index, FLOPs, FLOPs projected to PROJECT_TO, seconds) of `document`'s index, built (and saved) unless
-        this store has it; construction is charged to the engine's "index" scope."""
-        doc = document_hash(document)
-        found = self.get(method, doc)
-        if found is not None:
-            return found
-        acc = self.engine.flops
-        before, before_8b, t = acc.total, acc.projected.get(PROJECT_TO, 0), time.perf_counter()
-        with acc.scope("index"):
-            built = method.index(document)
-        cost = (acc.total - before, acc.projected.get(PROJECT_TO, 0) - before_8b, time.perf_counter() - t)
-        self.put(method, doc, built, cost)
-        return (built, *cost)
-
-    def get(self, method: Method, doc: str):
-        meta = self.root / f"{self.key}-{doc}.json"
-        if not method.can_save or not meta.exists():
-            return None
-        return (method.load_index(self.root / f"{self.key}-{doc}.idx"), *json.loads(meta.read_text()))
-
-    def put(self, method: Method, doc: str, built, cost: tuple) -> None:
-        if method.can_save:
-            self.root.mkdir(parents=True, exist_ok=True)
-            method.save_index(built, self.root / f"{self.key}-{doc}.idx")
-            (self.root / f"{self.key}-{doc}.json").write_text(json.dumps(cost))
-
-
-def document_hash(document: str) -> str:
-    """A document's key in eval lines and index stores."""
-    return hashlib.sha256(document.encode()).hexdigest()[:16]
 
 
 def _evaluate(engine: Engine, method: Method, record, indexes: dict, store: IndexStore) -> dict:

@@ -152,6 +152,7 @@ class Gor(Method, name="gor", title="GoR"):
             nodes, refs = tokens[:len(index.graph.texts)], tokens[len(index.graph.texts):]
             rank = bertscore_ranking(nodes, refs[:1], idf)  # the first reference, as the query's one label
             graphs.append(_data(index, self._encode([record.question]), rank))
+        graphs = [g for g in graphs if len(g.queries)]
         self._fitted = (train_gat(graphs, self.train_config()), len(seen) or len(graphs)) if graphs else None
 
     def node_vectors(self, index: GorIndex) -> tuple[torch.Tensor, str]:

@@ -141,11 +141,12 @@ class TrainConfig:
 
 
 def train_gat(graphs: list[GraphData], config: TrainConfig) -> GAT:
-    """A GAT trained on `graphs` (Eq. 8), deterministic under `config.seed`; returned in eval mode."""
-    if not graphs or not any(len(g.queries) for g in graphs):
-        raise ValueError("GoR training needs at least one graph with simulated queries")
+    """A GAT trained on `graphs` (Eq. 8), deterministic under `config.seed`; returned in eval mode. Graphs without
+    queries have nothing to learn from and are left out."""
     # encoders run in inference mode, whose tensors autograd refuses: train on plain copies
-    graphs = [GraphData(g.features.clone(), g.edges, g.queries.clone(), g.ranking) for g in graphs]
+    graphs = [GraphData(g.features.clone(), g.edges, g.queries.clone(), g.ranking) for g in graphs if len(g.queries)]
+    if not graphs:
+        raise ValueError("GoR training needs at least one graph with simulated queries")
     torch.manual_seed(config.seed)
     order = torch.Generator().manual_seed(config.seed)
     gat = GAT(graphs[0].features.shape[1], config.hidden, config.heads, config.dropout)
@@ -166,12 +167,10 @@ def train_gat(graphs: list[GraphData], config: TrainConfig) -> GAT:
 
 
 def _batch_loss(gat: GAT, batch: list[GraphData], config: TrainConfig) -> torch.Tensor:
-    """Eq. 8 averaged over the batch's graphs that have queries; one GAT forward per graph."""
+    """Eq. 8 averaged over the batch's graphs; one GAT forward per graph."""
     nodes = [gat(g.features, g.edges) for g in batch]
     losses = []
     for i, g in enumerate(batch):
-        if not len(g.queries):
-            continue
         others = [h for j, h in enumerate(nodes) if j != i]
         negatives = torch.cat(others) if config.in_batch and others else None
         loss = config.alpha * pairwise_rank_loss(g.queries, nodes[i], g.ranking, config.tau)

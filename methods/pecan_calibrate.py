@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..engine.engine import Engine
 from .data import Record, load_dataset
 from .metrics import score
-from .evaluate import IndexStore
+from .index_store import IndexStore
 from .pecan import Pecan, calibration_path
 from .pecan_store import PecanIndex
 from .prompts import prompt_for
