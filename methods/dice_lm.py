@@ -74,7 +74,8 @@ class EngineLM:
         self.engine = engine
         tok = engine.tokenizer
         user = lambda text: chat_pieces(engine, [{"role": "user", "content": text}])  # noqa: E731
-        self._planning = {a: [tok.encode(p, parse_special=True) for p in user(planning_turn(a, examples))] for a in (1, 2)}
+        self._planning = {a: [tok.encode(p, parse_special=True) for p in user(planning_turn(a, examples))]
+                          for a in (1, 2)}
         self._relevance = [tok.encode(p, parse_special=True) for p in user(RELEVANCE)]
         self._extract = [tok.encode(p, parse_special=True) for p in user(EXTRACT_FACT)]
         turns = [{"role": "user", "content": "{}"}, {"role": "assistant", "content": "{}"},

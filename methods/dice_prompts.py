@@ -1,5 +1,6 @@
 """DICE's prompts (dice.txt App. D): the five decomposition examples (three chains, two DAGs) written in each
-algorithm's format, two variable-tracking chains in the same shape (the paper does not show its §4.2 prompts), the fact-extraction prompt P_e verbatim, and the relevance question of the re-ranker.
+algorithm's format, two variable-tracking chains in the same shape (the paper does not show its §4.2 prompts), the
+fact-extraction prompt P_e verbatim, and the relevance question of the re-ranker.
 
 App. D names the five example questions and shows one of them worked in each format (Fig. 4); the other four are
 worked here the same way. Alg. 1's example keeps the lines Algorithm 1 writes into T (sub-question, fact, final

@@ -2,8 +2,9 @@
 response to the nodes it was generated from.
 
 Query simulation: a chunk drawn at random (seeded), the paper's D.1 prompt, temperature 0.5 sampling (the reply's
-first line, a leading "Question:" label dropped), until `n` distinct queries exist or `max_attempts` draws are spent (a short or repetitive document ends with fewer). Draws
-run `batch` at a time as batched decode steps, each with a seed of its own.
+first line, a leading "Question:" label dropped), until `n` distinct queries exist or `max_attempts` draws are spent
+(a short or repetitive document ends with fewer). Draws run `batch` at a time as batched decode steps, each with a
+seed of its own.
 Graph (Eq. 3): round i retrieves the top-K nodes for q_i from the chunks and the responses r_1..r_{i-1}, generates
 r_i from them with the D.2 prompt (greedy), adds r_i as a node and an edge from each retrieved node to it. Chunks
 never retrieved stay isolated (the GAT gives every node a self-loop, as App. A.4 does). The same seed gives the same

@@ -11,8 +11,8 @@ import torch
 
 from nodekv.engine.errors import ModelLoadError
 from nodekv.methods import embedder as embedder_mod
-from nodekv.methods.retrieval import (BM25Index, DenseIndex, Embedder, HybridIndex, chunk_text, chunk_tokens, similarity,
-                                      text_chunk_spans)
+from nodekv.methods.retrieval import (BM25Index, DenseIndex, Embedder, HybridIndex, chunk_text, chunk_tokens,
+                                      similarity, text_chunk_spans)
 
 SENTENCES = [
     "A man is eating food.",
