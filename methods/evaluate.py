@@ -145,7 +145,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
             bar.update()
 
         if method_class.learns_across_documents:
-            _cross_fit(engine, method, loaded.records, todo, store, write)
+            _cross_fit(engine, method, loaded.records, todo, store, write, progress)
         else:
             for record in todo:
                 write(_evaluate(engine, method, record, indexes, store))
@@ -164,12 +164,13 @@ def document_folds(records: list, folds: int = FOLDS) -> dict[str, int]:
     return {doc: i % folds for doc, i in order.items()}
 
 
-def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store: "IndexStore", write) -> None:
+def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store: IndexStore, write,
+               progress: bool) -> None:
     """Index every document of the run, then for each fold of documents (`document_folds`) with records to do: fit
     the method on the (index, record) pairs of the documents outside the fold, answer the fold's records. A
     document whose index fails gets an error line per record and is left out of every fit."""
     built, failed = {}, {}
-    for r in records:
+    for r in tqdm(records, unit="rec", desc="indexing every document first", disable=not progress):
         doc = document_hash(r.document)
         if doc not in built and doc not in failed:
             try:
