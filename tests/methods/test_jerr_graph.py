@@ -28,7 +28,8 @@ def test_elements_take_three_and_note_what_they_drop():
     assert parse_elements("", 4, log) == []
     assert log == ["chunk 2: dropped 1 malformed element(s) (empty or over 8 words)",
                    "chunk 4: no core elements in the reply; the chunk adds no entity"]
-    assert parse_elements("a\nb\nc\nd", 5, log) == ["a", "b", "c"] and log[-1] == "chunk 5: 4 elements, kept the first 3"
+    assert parse_elements("a\nb\nc\nd", 5, log) == ["a", "b", "c"]
+    assert log[-1] == "chunk 5: 4 elements, kept the first 3"
 
 
 def test_exact_and_near_duplicates_become_one_entity_with_every_chunk():
