@@ -4,13 +4,13 @@ instructions) is prefilled once per engine and forked (`Engine.prefixes`); what 
 once per question and forked per candidate passage."""
 from __future__ import annotations
 
-import math
 from typing import Hashable, Sequence
 
 from ..engine.engine import Engine
 from ..engine.session import Session
 from .base import chat_pieces
-from .dice_prompts import EXTRACT_FACT, RELEVANCE, planning_turn
+from .dice_prompts import EXTRACT_FACT, planning_turn
+from .relevance import RelevanceProbe
 
 
 class Thought:
@@ -76,7 +76,7 @@ class EngineLM:
         user = lambda text: chat_pieces(engine, [{"role": "user", "content": text}])  # noqa: E731
         self._planning = {a: [tok.encode(p, parse_special=True) for p in user(planning_turn(a, examples))]
                           for a in (1, 2)}
-        self._relevance = [tok.encode(p, parse_special=True) for p in user(RELEVANCE)]
+        self._relevance = RelevanceProbe(engine)
         self._extract = [tok.encode(p, parse_special=True) for p in user(EXTRACT_FACT)]
         turns = [{"role": "user", "content": "{}"}, {"role": "assistant", "content": "{}"},
                  {"role": "user", "content": "{}"}]
@@ -94,21 +94,8 @@ class EngineLM:
         return Thought(s, self._next_turn)
 
     def relevance(self, question: str, passages: Sequence[str]) -> list[float]:
-        """log p("Yes") (normalised over "Yes"/"No") of each passage's relevance to `question`: the instruction is
-        a shared prefix, the question is prefilled once, every passage is a fork, all appended in one forward."""
-        head, between, tail = self._relevance
-        if not passages:
-            return []
-        with self.engine.prefixes.fork(head, node_id="dice-relevance") as s:
-            s.append(self._encode(question) + between, node_id="question")
-            forks = [s.fork() for _ in passages]
-            try:
-                self.engine.append_batch(forks, [self._encode(p) + tail for p in passages])
-                probs = [f.probe(["Yes", "No"])["Yes"] for f in forks]
-            finally:
-                for f in forks:
-                    f.release()
-        return [math.log(p) if p > 0 else float("-inf") for p in probs]
+        """log p("Yes") of each passage's relevance to `question` (`relevance.RelevanceProbe`)."""
+        return self._relevance(question, passages)
 
     def extract(self, question: str, reference: str, max_tokens: int) -> str:
         """P_e's reply: the fact in `reference` that answers `question`, up to the first line break."""

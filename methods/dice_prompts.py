@@ -1,6 +1,6 @@
 """DICE's prompts (dice.txt App. D): the five decomposition examples (three chains, two DAGs) written in each
-algorithm's format, two variable-tracking chains in the same shape (the paper does not show its §4.2 prompts), the
-fact-extraction prompt P_e verbatim, and the relevance question of the re-ranker.
+algorithm's format, two variable-tracking chains in the same shape (the paper does not show its §4.2 prompts), and the
+fact-extraction prompt P_e verbatim (the re-ranker's question is `relevance.QUESTION`).
 
 App. D names the five example questions and shows one of them worked in each format (Fig. 4); the other four are
 worked here the same way. Alg. 1's example keeps the lines Algorithm 1 writes into T (sub-question, fact, final
@@ -73,11 +73,6 @@ REFERENCE = "Reference: {}\n"
 # P_e, App. D verbatim (one user turn; the model's reply is the fact).
 EXTRACT_FACT = ("Reference: {}. Based on the reference, present the fact to answer the following question.\n"
                 "Be concise, better one sentence.\nQuestion: {}. Fact:")
-
-# The re-ranker (replaces the paper's cross-encoder): log p("Yes") of the reply to this turn.
-RELEVANCE = ("Is this passage relevant to the question? Answer \"Yes\" or \"No\" in one word.\n\n"
-             "Question: {}\n\nPassage: {}")
-
 
 def alg1_example(question: str, steps: tuple[tuple[str, str], ...], answer: str) -> str:
     lines = [f"Question: {question}"]
