@@ -66,6 +66,7 @@ def parse_elements(reply: str, chunk: int, log: list[str], k: int = 3) -> list[s
     """Up to `k` core elements of one chunk's A.3 reply (one per line, or comma-separated)."""
     lines = [x for x in _items(reply, split_commas=False) if x]
     items = lines if len(lines) > 1 else [x for x in _items(reply, split_commas=True) if x]
+    items = [x for x in items if not _NO_RELATION.match(x)]  # "None": the reply names no element
     good = [x for x in items if normalize(x) and len(x.split()) <= MAX_ELEMENT_WORDS]
     if len(good) != len(items):
         log.append(f"chunk {chunk}: dropped {len(items) - len(good)} malformed element(s) "

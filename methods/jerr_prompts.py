@@ -8,8 +8,8 @@ ATOMS = ("You are a summarizing agent. Given a chunk of paragraph, summarize it 
          "Atoms: Brief statements represent the most fundamental, indivisible facts, covering ideas like "
          "propositions, theories, entities, concepts, and underlying aspects such as reasoning, cause-effect "
          "relationships, event sequences, social interactions, timelines, and similar elements.)\n\nParagraph: {}")
-ELEMENTS = ("You are a keyword extracting agent. Given a chunk of paragraph of a story, extract only 3 core components.\n"
-            "(Core components: The fundamental nouns (e.g., people, moments, occurrences, settings, quantities), verbs "
+ELEMENTS = ("You are a keyword extracting agent. Given a chunk of paragraph of a story, extract only 3 core "
+            "components.\n(Core components: The fundamental nouns (e.g., people, moments, occurrences, settings, quantities), verbs "
             "(e.g., activities), and adjectives (e.g., conditions, emotions) that are central to the story's "
             "progression.)\n\nParagraph: {}")
 EDGE = ("Based on the atomic facts: '{}' and '{}', what are the attributes between {} and {}?\n"

@@ -25,9 +25,10 @@ def test_elements_take_three_and_note_what_they_drop():
                                                                                            "the weapon"]
     long = "a very long element that rambles on past any sensible name length"
     assert parse_elements(f"- {long}\n- ship", 2, log) == ["ship"]
-    assert parse_elements("", 4, log) == []
+    assert parse_elements("", 4, log) == [] and parse_elements("None.", 6, log) == []
     assert log == ["chunk 2: dropped 1 malformed element(s) (empty or over 8 words)",
-                   "chunk 4: no core elements in the reply; the chunk adds no entity"]
+                   "chunk 4: no core elements in the reply; the chunk adds no entity",
+                   "chunk 6: no core elements in the reply; the chunk adds no entity"]
     assert parse_elements("a\nb\nc\nd", 5, log) == ["a", "b", "c"]
     assert log[-1] == "chunk 5: 4 elements, kept the first 3"
 

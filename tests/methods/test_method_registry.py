@@ -93,7 +93,7 @@ def test_builtin_methods_are_registered_by_name():
 
 
 def test_an_unknown_method_is_refused_with_the_known_ones():
-    known = "bm25, closed-book, dense, dice, full, gor, pecan"
+    known = "bm25, closed-book, dense, dice, full, gor, jerr, pecan"
     with pytest.raises(ValueError, match=rf"unknown method 'nope'; known: {known}"):
         get("nope")
 
@@ -172,7 +172,7 @@ def test_cli_refuses_bad_methods_and_options_before_loading_a_model(tmp_path, ca
     doc.write_text("Some text.")
     cases = [(["ask", "--method", "nope", str(doc), "q"], "unknown method 'nope'"),
              (["ask", "--method", "bm25", "--option", "k=0", str(doc), "q"], "bm25 option k must be >= 1"),
-             (["index", "--method", "full", str(doc)], "full cannot save an index; methods that can: gor, pecan"),
+             (["index", "--method", "full", str(doc)], "full cannot save an index; methods that can: gor, jerr, pecan"),
              (["index", str(doc)], "name a --method"),
              (["index", "--method", "pecan", "--export", "g.png", str(doc)],
               "pecan cannot export its index as g.png; formats: .graphml, .html"),

@@ -1,0 +1,153 @@
+"""JERR as a method: the index built from scripted replies (entities merged, edges with attributes, a build-log line
+for a reply without atoms), its file round trip, the search and the multiple-choice answer with a scripted LLM, and
+on SmolLM2 `nodekv index` / `ask` end to end."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from nodekv.engine.flops import FlopAccount
+from nodekv.methods.index_file import IndexFileError
+from nodekv.methods.jerr import Jerr
+
+DOC = ("Korvin was held by the Tr'en in a cell.\n\nThe Tr'en never understood democracy or any of it.\n\n"
+       "Korvin found the door unlocked and a weapon nearby.")
+
+
+class WordTokenizer:
+    """A token per word and per run of whitespace."""
+
+    def __init__(self):
+        self.vocab: list[str] = []
+
+    def encode(self, text):
+        pieces = re.findall(r"\S+|\s+", text)
+        for w in pieces:
+            if w not in self.vocab:
+                self.vocab.append(w)
+        return [self.vocab.index(w) for w in pieces]
+
+    def decode(self, ids):
+        return "".join(self.vocab[i] for i in ids)
+
+    def chat(self, messages):
+        return self.encode(messages[0]["content"])
+
+
+class ScriptedLM:
+    """Replies by prompt kind; elements are the chunk's capitalised words, edges 'holds' unless told otherwise."""
+
+    def __init__(self, edge_reply="holds"):
+        self.turns, self.edge_reply, self.letters = [], edge_reply, []
+
+    def replies(self, turns, max_tokens):
+        self.turns += list(turns)
+        out = []
+        for t in turns:
+            body = t.split("Paragraph: ")[-1].split("Passage: ")[-1]
+            if t.startswith("Please transfer"):
+                out.append(f"Synopsis: {body}")
+            elif t.startswith("You are a summarizing agent"):
+                out.append("" if "democracy" in body else f"1. {body.split('.')[0]}.")
+            elif t.startswith("You are a keyword"):
+                names = [w.strip(".,") for w in body.split() if w[:1].isupper() and w not in ("Synopsis:", "The")]
+                out.append(", ".join(dict.fromkeys(names)) or "none")
+            elif t.startswith("Based on the atomic facts"):
+                out.append(self.edge_reply)
+            elif t.startswith("List the keywords"):
+                out.append("Korvin, door")
+            else:  # the look-up of pages to re-read
+                out.append("2")
+        return out
+
+    def relevance(self, question, passages):
+        return [0.0] * len(passages)
+
+    def letter(self, ids, letters):
+        self.letters.append(list(letters))
+        return "B", {x: 0.7 if x == "B" else 0.1 for x in letters}
+
+
+@dataclass
+class TinyConfig:
+    max_seq_len: int = 4096
+
+
+def _engine():
+    return SimpleNamespace(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"), flops=FlopAccount())
+
+
+def _jerr(eng, lm=None, **options):
+    return Jerr(eng, lm=lm or ScriptedLM(), **{"chunk_tokens": 18, **options})  # a paragraph a chunk
+
+
+def test_the_index_merges_entities_links_them_and_logs_a_reply_without_atoms():
+    jerr = _jerr(_engine())
+    index = jerr.index(DOC)
+    assert len(index.chunks) == 3 and index.synopses[1].startswith("Synopsis: The Tr'en")
+    names = [e.name for e in index.graph.entities]
+    assert names[:2] == ["Korvin", "Tr'en"] and names.count("Korvin") == 1
+    korvin = index.graph.entities[0]
+    assert korvin.chunks == [0, 2]
+    assert index.graph.edges[(0, 1)] == "holds"  # Korvin and Tr'en share chunk 0
+    assert "chunk 1: no information atoms in the reply; its synopsis' sentences stand in" in index.graph.log
+    assert index.atoms[1] == ["Synopsis: The Tr'en never understood democracy or any of it."]
+
+
+def test_the_index_file_round_trips_and_refuses_tampering(tmp_path):
+    eng = _engine()
+    jerr = _jerr(eng)
+    index = jerr.index(DOC)
+    path = tmp_path / "doc.jerr"
+    jerr.save_index(index, path)
+    back = jerr.load_index(path)
+    assert (back.chunks, back.synopses, back.atoms) == (index.chunks, index.synopses, index.atoms)
+    assert back.graph == index.graph
+    data = json.loads(path.read_text())
+    data["edges"][0][2] = "betrays"
+    path.write_text(json.dumps(data))
+    with pytest.raises(IndexFileError, match="corrupt"):
+        jerr.load_index(path)
+
+
+@pytest.mark.parametrize("search", ["mcts", "pagerank"])
+def test_the_answer_reads_the_chosen_entities_pages_and_picks_a_letter(search):
+    eng = _engine()
+    lm = ScriptedLM()
+    jerr = _jerr(eng, lm, search=search, top_k=2)
+    index = jerr.index(DOC)
+    answer = jerr.answer(index, "Why was the door of Korvin unlocked?", options=("w", "x", "y", "z"))
+    trace = answer.trace[0]
+    assert answer.text == "(B)" and lm.letters == [["A", "B", "C", "D"]]
+    assert trace["keywords"] == ["korvin", "door"] and "Korvin" in trace["nodes"]
+    assert trace["pages"] == sorted({c for e in index.graph.entities if e.name in trace["nodes"] for c in e.chunks})
+    assert trace["reread"] == ([2] if 2 in trace["pages"] else [])
+    assert "Korvin, door" not in lm.turns[-1] and lm.turns[-1].startswith("The following are numbered synopses")
+
+
+def test_an_edge_reply_naming_no_relation_leaves_no_edge_and_a_log_line():
+    index = _jerr(_engine(), ScriptedLM(edge_reply="None.")).index(DOC)
+    assert index.graph.edges == {} and any("names no relation" in line for line in index.graph.log)
+    with pytest.raises(ValueError, match="document is empty"):
+        _jerr(_engine()).index(" ")
+    assert Jerr.dataset_defaults("quality") == {"chunk_tokens": (600, "jerr.txt §4.1")}
+
+
+@pytest.mark.model
+def test_index_and_ask_on_smollm2(tmp_path, capsys):
+    from nodekv.cli import main as cli_main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC * 3)
+    opts = ["--option", "chunk_tokens=60", "--option", "synopsis_tokens=24", "--option", "atom_tokens=24",
+            "--option", "element_tokens=12", "--option", "iterations=5"]
+    assert cli_main(["index", str(doc), "--method", "jerr", "--model", "smollm2-135m", *opts]) == 0
+    assert cli_main(["ask", str(doc) + ".jerr", "Who was held in a cell?", "--model", "smollm2-135m", "--trace",
+                     "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "A:" in out and '"keywords"' in out and '"nodes"' in out
