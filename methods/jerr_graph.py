@@ -22,6 +22,13 @@ MAX_ELEMENT_WORDS = 8
 _MARKER = re.compile(r"^\s*(?:[-*•]+|\(?\d+[.)]|\(?[a-z][.)](?=\s))\s*", re.IGNORECASE)
 _LABEL = re.compile(r"^\s*(?:information atoms?|atoms?|core components?|components?|elements?|keywords?)\s*:\s*",
                     re.IGNORECASE)
+# A.3 defines its three kinds by example; small models answer "The fundamental nouns are: X, Y. The verbs are: ..."
+# and often repeat the examples themselves
+_KIND = re.compile(r"\b(?:the\s+)?(?:fundamental\s+|core\s+)?(?:nouns?|verbs?|adjectives?|components?|elements?)"
+                   r"(?:\s+(?:are|is)\b\s*:?|\s*:)", re.IGNORECASE)
+_PROMPT_WORDS = frozenset("people moments occurrences settings quantities activities conditions emotions nouns verbs "
+                          "adjectives".split())
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _NO_RELATION = re.compile(r"^(?:none|no(?:ne)?\s+(?:relation|relationship|attributes?|connection)|n/?a|unknown)\W*$",
                           re.IGNORECASE)
 
@@ -54,19 +61,25 @@ def _items(text: str, split_commas: bool) -> list[str]:
 
 
 def parse_atoms(reply: str, synopsis: str, chunk: int, log: list[str]) -> list[str]:
-    """The atoms of one chunk's A.2 reply; its synopsis' sentences when the reply has none."""
-    atoms = [a for a in _items(reply, split_commas=False) if a]
+    """The atoms of one chunk's A.2 reply, one per sentence; its synopsis' sentences when the reply has none."""
+    atoms = [s.strip() for a in _items(reply, split_commas=False) for s in _SENTENCE_END.split(a) if s.strip()]
     if atoms:
         return atoms
     log.append(f"chunk {chunk}: no information atoms in the reply; its synopsis' sentences stand in")
-    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", synopsis) if s.strip()]
+    return [s.strip() for s in _SENTENCE_END.split(synopsis) if s.strip()]
 
 
 def parse_elements(reply: str, chunk: int, log: list[str], k: int = 3) -> list[str]:
-    """Up to `k` core elements of one chunk's A.3 reply (one per line, or comma-separated)."""
-    lines = [x for x in _items(reply, split_commas=False) if x]
-    items = lines if len(lines) > 1 else [x for x in _items(reply, split_commas=True) if x]
-    items = [x for x in items if not _NO_RELATION.match(x)]  # "None": the reply names no element
+    """Up to `k` core elements of one chunk's A.3 reply: items split at line breaks, commas, semicolons and sentence
+    ends, kind labels ("The verbs are:") and a leading "and" removed; "None" and the prompt's own examples
+    ("people", "moments", ...) are not elements."""
+    pieces = re.split(r"[\n,;]|(?<=[.!?])\s", _KIND.sub("\n", reply))
+    items = [re.sub(r"^and\b\s*", "", _MARKER.sub("", p).strip(" .\"'"), flags=re.IGNORECASE) for p in pieces]
+    items = [x for x in items if x and not _NO_RELATION.match(x)]
+    echoed = [x for x in items if x.casefold() in _PROMPT_WORDS]
+    if echoed:
+        log.append(f"chunk {chunk}: the reply repeats the prompt's examples ({', '.join(echoed)}); left out")
+        items = [x for x in items if x.casefold() not in _PROMPT_WORDS]
     good = [x for x in items if normalize(x) and len(x.split()) <= MAX_ELEMENT_WORDS]
     if len(good) != len(items):
         log.append(f"chunk {chunk}: dropped {len(items) - len(good)} malformed element(s) "

@@ -33,6 +33,22 @@ def test_elements_take_three_and_note_what_they_drop():
     assert log[-1] == "chunk 5: 4 elements, kept the first 3"
 
 
+def test_elements_survive_what_qwen_0_5b_actually_replies():
+    log = []
+    labelled = ("The fundamental nouns are: Korvin, Tr'en, and the Tr'en's side. The verbs are: communicate, assume. "
+                "The adjectives are: ritual, captive")
+    assert parse_elements(labelled, 0, log) == ["Korvin", "Tr'en", "the Tr'en's side"]
+    echo = ("The fundamental nouns are people, moments, occurrences, settings, quantities, and adjectives. The verbs "
+            "are activities, and the adjectives are conditions, emotions.")
+    assert parse_elements(echo, 1, log) == []
+    assert log[-2:] == ["chunk 1: the reply repeats the prompt's examples (people, moments, occurrences, settings, "
+                        "quantities, adjectives, activities, conditions, emotions); left out",
+                        "chunk 1: no core elements in the reply; the chunk adds no entity"]
+    assert parse_elements("- Korvin\n- Tr'en\n- Lie-detector\n- Tr'en", 2, log) == ["Korvin", "Tr'en", "Lie-detector"]
+    assert parse_atoms("1. Korvin is held. He plans to escape.\n2. The Ruler asks.", "", 3, log) == [
+        "Korvin is held.", "He plans to escape.", "The Ruler asks."]
+
+
 def test_exact_and_near_duplicates_become_one_entity_with_every_chunk():
     log = []
     entities, per_chunk = merge_entities([["Korvin", "Korvin's cell door"], ["korvin.", "Korvins cell door"],
