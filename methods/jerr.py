@@ -106,10 +106,13 @@ class Jerr(Method, name="jerr", title="JERR"):
         return JerrIndex(chunks, synopses, atoms, graph)
 
     def keywords(self, question: str) -> list[str]:
+        """The model's keywords of `question` that are the question's own words (a small model also lists words of
+        the instruction); the question's words of four letters or more when none is."""
         reply = self.lm.replies([KEYWORDS.format(question)], 32)[0]
+        own = set(_WORDS.findall(question.casefold()))
         words = [k.strip(" .\"'").casefold() for k in re.split(r"[,\n]", reply)]
-        found = [k for k in dict.fromkeys(words) if k and len(k.split()) <= 4]
-        return found or [w.casefold() for w in dict.fromkeys(_WORDS.findall(question)) if len(w) > 3]
+        found = [k for k in dict.fromkeys(words) if k and set(_WORDS.findall(k)) <= own and len(k.split()) <= 4]
+        return found or [w for w in dict.fromkeys(_WORDS.findall(question.casefold())) if len(w) > 3]
 
     def select(self, index: JerrIndex, question: str, keywords: list[str]) -> tuple[list[int], dict]:
         """The `top_k` entities for the question, and how the search went."""

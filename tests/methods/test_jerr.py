@@ -130,6 +130,20 @@ def test_the_answer_reads_the_chosen_entities_pages_and_picks_a_letter(search):
     assert "Korvin, door" not in lm.turns[-1] and lm.turns[-1].startswith("The following are numbered synopses")
 
 
+def test_keywords_are_the_questions_own_words():
+    class EchoLM(ScriptedLM):
+        def __init__(self, reply):
+            super().__init__()
+            self.reply = reply
+
+        def replies(self, turns, max_tokens):
+            return [self.reply]
+
+    question = "Why did the Tr'en leave Korvin's door unlocked?"
+    assert _jerr(_engine(), EchoLM("Tr'en, door, things, comma-separated")).keywords(question) == ["tr'en", "door"]
+    assert _jerr(_engine(), EchoLM("things, actions")).keywords(question) == ["leave", "korvin", "door", "unlocked"]
+
+
 def test_an_edge_reply_naming_no_relation_leaves_no_edge_and_a_log_line():
     index = _jerr(_engine(), ScriptedLM(edge_reply="None.")).index(DOC)
     assert index.graph.edges == {} and any("names no relation" in line for line in index.graph.log)
