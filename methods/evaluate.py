@@ -33,7 +33,6 @@ from .prompts import prompt_for
 from .registry import get, names
 
 
-
 @dataclass
 class RunConfig:
     """What identifies a run: its output file is <out>/<label>-<dataset>.jsonl."""
