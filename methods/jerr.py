@@ -19,8 +19,9 @@ from pathlib import Path
 
 from ..engine.engine import Engine
 from .base import Answer, Method, generate_answer, prompt_ids
+from . import graph_view
 from .index_file import read_index_file, write_index_file
-from .jerr_graph import Entity, EntityGraph, add_edges, merge_entities, parse_atoms, parse_elements
+from .jerr_graph import Entity, EntityGraph, add_edges, merge_entities, parse_atoms, parse_elements, view
 from .jerr_lm import JerrLM
 from .jerr_prompts import ATOMS, EDGE, ELEMENTS, KEYWORDS, LOOKUP, OPEN_ANSWER, QUALITY_ANSWER, SYNOPSIS
 from .jerr_search import MCTS, pagerank_top
@@ -52,6 +53,7 @@ class Jerr(Method, name="jerr", title="JERR"):
     `lm` replaces the engine-backed LLM calls (`jerr_lm.JerrLM`; tests script it)."""
 
     can_save = True
+    exports = {".graphml": "the entity DAG as GraphML", ".html": "the entity DAG drawn in an HTML page"}
     options = (
         Option("chunk_tokens", int, 2000, "LLM tokens per chunk", low=1),
         Option("synopsis_tokens", int, 256, "tokens of a synopsis at most", low=1),
@@ -181,6 +183,12 @@ class Jerr(Method, name="jerr", title="JERR"):
         graph = EntityGraph([Entity(n, a, c) for n, a, c in d["entities"]],
                             {(a, b): attr for a, b, attr in d["edges"]}, d["log"])
         return JerrIndex(d["chunks"], d["synopses"], d["atoms"], graph)
+
+    def export(self, index: JerrIndex, path: str | Path) -> None:
+        write = {".graphml": graph_view.to_graphml, ".html": graph_view.to_html}.get(Path(path).suffix)
+        if write is None:
+            return super().export(index, path)
+        Path(path).write_text(write(view(index.graph)))
 
     def describe(self, index: JerrIndex) -> list[str]:
         g = index.graph

@@ -99,3 +99,28 @@ def test_the_graph_is_acyclic_for_any_proposals(case):
     assert _acyclic(n, list(graph.edges))
     kept = [(a, b) for a, b, attr in proposals if attr != "none" and a != b]
     assert set(graph.edges) <= set(kept)
+
+
+def test_the_exports_place_entities_by_depth_and_label_edges():
+    import re
+    import xml.etree.ElementTree as ET
+
+    from nodekv.methods import graph_view
+    from nodekv.methods.jerr_graph import depths, view
+
+    graph = EntityGraph([Entity("Korvin", ["Korvins"], [0, 2]), Entity("Tr'en <rulers>", [], [0]),
+                         Entity("door", [], [2]), Entity("ship", [], [1])])
+    add_edges(graph, [(0, 1, "held by"), (1, 2, "locks"), (0, 2, "opens")])
+    assert depths(graph) == [0, 1, 2, 0]  # the door is two hops from Korvin by the longest path
+    page = graph_view.to_html(view(graph))
+    svg = ET.fromstring(re.search(r"<svg.*</svg>", page, re.S).group(0))
+    ns = "{http://www.w3.org/2000/svg}"
+    texts = ["".join(t.itertext()) for t in svg.iter(ns + "text")]
+    assert {"depth 0: 2 entities", "depth 1: 1 entity", "depth 2: 1 entity", "held by", "locks", "opens"} <= set(texts)
+    titles = [g.find(ns + "title").text for g in svg.iter(ns + "g")]
+    assert titles[0] == "Korvin / Korvins (chunks 0, 2)" and titles[1] == "Tr'en <rulers> (chunks 0)"
+    assert sorted(line.find(ns + "title").text for line in svg.iter(ns + "line")) == [
+        "#0 → #1: held by", "#0 → #2: opens", "#1 → #2: locks"]
+    graphml = ET.fromstring(graph_view.to_graphml(view(graph)))
+    labels = [d.text for d in graphml.iter("{http://graphml.graphdrawing.org/xmlns}data") if d.get("key") == "label"]
+    assert labels == ["held by", "locks", "opens"]
