@@ -10,8 +10,8 @@ ATOMS = ("You are a summarizing agent. Given a chunk of paragraph, summarize it 
          "relationships, event sequences, social interactions, timelines, and similar elements.)\n\nParagraph: {}")
 ELEMENTS = ("You are a keyword extracting agent. Given a chunk of paragraph of a story, extract only 3 core "
             "components.\n(Core components: The fundamental nouns (e.g., people, moments, occurrences, settings, "
-            "quantities), verbs (e.g., activities), and adjectives (e.g., conditions, emotions) that are central to the story's "
-            "progression.)\n\nParagraph: {}")
+            "quantities), verbs (e.g., activities), and adjectives (e.g., conditions, emotions) that are central to the "
+            "story's progression.)\n\nParagraph: {}")
 EDGE = ("Based on the atomic facts: '{}' and '{}', what are the attributes between {} and {}?\n"
         "(Information Atoms: smallest, indivisible truths extracted from text chunks.)\n"
         "Use no more than three words to answer.")
