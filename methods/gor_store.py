@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as to_bytes
 
 from ..engine.engine import Engine
 from .gor_graph import RecordGraph
@@ -46,10 +47,10 @@ def save(index: GorIndex, path: str | Path, engine: Engine) -> None:
     tensors = {"features": index.features, "queries": index.queries, "ranking": index.ranking}
     if index.gat is not None:
         tensors.update({f"gat.{k}": v for k, v in index.gat.state_dict().items()})
-    sidecar = tensors_path(path)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(sidecar))
+    data = to_bytes({k: v.contiguous() for k, v in tensors.items()})
+    tensors_path(path).write_bytes(data)  # as any file here is written (safetensors' own writer makes it owner-only)
     g = index.graph
-    body = {"config": index.config, "tensors_sha256": hashlib.sha256(sidecar.read_bytes()).hexdigest(),
+    body = {"config": index.config, "tensors_sha256": hashlib.sha256(data).hexdigest(),
             "graph": {"chunks": g.chunks, "queries": g.queries, "sources": g.sources, "responses": g.responses,
                       "edges": g.edges, "draws": g.draws},
             "trained_with": None if index.trained_with is None else vars(index.trained_with)}
