@@ -72,11 +72,11 @@ def parse_atoms(reply: str, synopsis: str, chunk: int, log: list[str]) -> list[s
 
 def parse_elements(reply: str, chunk: int, log: list[str], k: int = 3) -> list[str]:
     """Up to `k` core elements of one chunk's A.3 reply: items split at line breaks, commas, semicolons and sentence
-    ends, kind labels ("The verbs are:") and a leading "and" removed; "None" and the prompt's own examples
-    ("people", "moments", ...) are not elements."""
+    ends, kind labels ("The verbs are:") and a leading "and" removed; "None", a heading ending in ":" and the
+    prompt's own examples ("people", "moments", ...) are not elements."""
     pieces = re.split(r"[\n,;]|(?<=[.!?])\s", _KIND.sub("\n", reply))
     items = [re.sub(r"^and\b\s*", "", _MARKER.sub("", p).strip(" .\"'"), flags=re.IGNORECASE) for p in pieces]
-    items = [x for x in items if x and not _NO_RELATION.match(x)]
+    items = [x for x in items if x and not x.endswith(":") and not _NO_RELATION.match(x)]  # "...:" heads a list
     echoed = [x for x in items if x.casefold() in _PROMPT_WORDS]
     if echoed:
         log.append(f"chunk {chunk}: the reply repeats the prompt's examples ({', '.join(echoed)}); left out")

@@ -45,6 +45,8 @@ def test_elements_survive_what_qwen_0_5b_actually_replies():
                         "quantities, adjectives, activities, conditions, emotions); left out",
                         "chunk 1: no core elements in the reply; the chunk adds no entity"]
     assert parse_elements("- Korvin\n- Tr'en\n- Lie-detector\n- Tr'en", 2, log) == ["Korvin", "Tr'en", "Lie-detector"]
+    assert parse_elements("The core components of the story's progression:\n1. Ruler\n2. Korvin", 4, log) == [
+        "Ruler", "Korvin"]
     assert parse_atoms("1. Korvin is held. He plans to escape.\n2. The Ruler asks.", "", 3, log) == [
         "Korvin is held.", "He plans to escape.", "The Ruler asks."]
 
