@@ -4,15 +4,16 @@ index(document): chunks of `chunk_tokens` LLM tokens (2K; 600 for QuALITY, as §
 the synopsis' information atoms (A.2) and three core elements (A.3), all in batched turns; the elements merged
 into entities and linked into a DAG whose edges carry the A.4 attribute of each pair of one chunk's elements
 (`jerr_graph`). Every LLM reply that lacks the expected structure leaves a line in the build log.
-answer(index, question): the question's keywords (prompted; its longer words when the reply has none); the entities
-whose texts (name, aliases, atoms of their chunks) hold a keyword start the search; MCTS (`jerr_search`: UCB with
-constant `c`, `iterations`, walks of `depth` nodes rewarded by the share of keywords found along them, or by the
-model's relevance probe) or personalised PageRank picks `top_k` entities; their chunks' synopses, and in full the
-chunks the model asks to re-read (`reread`), feed the A.5 (multiple choice: the letter the model finds most probable
-after "Answer: (") or A.6 prompt.
+answer(index, question): the question's keywords (the model's that are words of the question; its longer words when
+none is); the entities whose texts (name, aliases, atoms of their chunks) hold a keyword start the search; MCTS
+(`jerr_search`: UCB with constant `c`, `iterations`, walks of `depth` nodes rewarded by the share of keywords found
+along them, or by the model's relevance probe, p(Yes)) or personalised PageRank picks `top_k` entities; their
+chunks' synopses, and in full the chunks the model asks to re-read (`reread`), feed the A.5 (multiple choice: the
+letter the model finds most probable after "Answer: (") or A.6 prompt.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -136,8 +137,9 @@ class Jerr(Method, name="jerr", title="JERR"):
             def reward(paths):
                 return [len(hits(p)) / max(len(keywords), 1) for p in paths]
         else:
-            def reward(paths):
-                return self.lm.relevance(question, ["\n".join(index.entity_text(v) for v in p) for p in paths])
+            def reward(paths):  # p(Yes), on the keyword share's [0, 1] scale so that `c` means the same
+                texts = ["\n".join(index.entity_text(v) for v in p) for p in paths]
+                return [math.exp(x) for x in self.lm.relevance(question, texts)]
         search = MCTS(starts, index.graph.successors, reward, c.c, c.depth, c.seed).run(c.iterations)
         return search.top(c.top_k), {"starts": len(starts), "tree_visits": search.root.visits}
 

@@ -4,6 +4,7 @@ on SmolLM2 `nodekv index` / `ask` end to end."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,25 @@ def test_the_answer_reads_the_chosen_entities_pages_and_picks_a_letter(search):
     assert trace["pages"] == sorted({c for e in index.graph.entities if e.name in trace["nodes"] for c in e.chunks})
     assert trace["reread"] == ([2] if 2 in trace["pages"] else [])
     assert "Korvin, door" not in lm.turns[-1] and lm.turns[-1].startswith("The following are numbered synopses")
+
+
+@pytest.mark.parametrize("liked, best", [("weapon", "Korvin"), ("never understood", "Tr'en")])
+def test_the_model_reward_scores_walks_by_p_yes_in_one_call_per_expansion(liked, best):
+    class JudgeLM(ScriptedLM):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def relevance(self, question, passages):  # log p(Yes): high for walks whose texts hold `liked`
+            self.calls.append(list(passages))
+            return [math.log(0.9 if liked in p else 0.2) for p in passages]
+
+    lm = JudgeLM()
+    jerr = _jerr(_engine(), lm, reward="model", iterations=4, top_k=1, depth=1)  # a walk is its start
+    index = jerr.index(DOC)
+    chosen, how = jerr.select(index, "Who was held?", ["held"])
+    assert [index.graph.entities[i].name for i in chosen] == [best] and how["starts"] == 2
+    assert len(lm.calls[0]) == 2  # the root's two start entities, judged together
 
 
 def test_keywords_are_the_questions_own_words():
