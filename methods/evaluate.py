@@ -27,7 +27,7 @@ from ..engine.engine import Engine
 from .base import Method
 from .baselines import TopK
 from .data import load_dataset
-from .index_store import PROJECT_TO, IndexStore, document_hash
+from .index_store import PROJECT_TO, IndexStore, document_hash, processed_tokens
 from .metrics import score
 from .prompts import prompt_for
 from .registry import get, names
@@ -183,7 +183,7 @@ def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store:
     for fold, mine in sorted(pending.items()):
         t = time.perf_counter()
         try:
-            method.fit([(built[d][0], r) for r in records
+            method.fit([(built[d].index, r) for r in records
                         if fold_of[d := document_hash(r.document)] != fold and d in built])
         except Exception as e:  # the fold's records fail, the run goes on
             failed.update({document_hash(r.document): f"fit: {type(e).__name__}: {e}" for r in mine})
@@ -205,16 +205,18 @@ def _evaluate(engine: Engine, method: Method, record, indexes: dict, store: Inde
         if doc not in indexes:
             indexes.clear()  # records come grouped by document: keep one index alive
             indexes[doc] = store.build_or_load(method, record.document)
-        built, index_flops, index_flops_8b, index_s = indexes[doc]
-        before, before_8b, saved, t = acc.total, acc.projected[PROJECT_TO], acc.saved, time.perf_counter()
+        built = indexes[doc]
+        before, before_8b, saved, tokens = acc.total, acc.projected[PROJECT_TO], acc.saved, processed_tokens(acc)
+        t = time.perf_counter()
         with acc.scope("query"):
-            answer = method.answer(built, record.question, record.options)
+            answer = method.answer(built.index, record.question, record.options)
         wall = time.perf_counter() - t
     except Exception as e:  # one bad record never stops the run; the report counts it
         return {**line, "error": f"{type(e).__name__}: {e}"}
     return {**line, "prediction": answer.text, "metrics": score(record, answer.text), "nodes": answer.nodes,
             "query_flops": acc.total - before, "query_flops_8b": acc.projected[PROJECT_TO] - before_8b,
-            "query_flops_saved": acc.saved - saved,
-            "index_flops": index_flops, "index_flops_8b": index_flops_8b, "index_s": round(index_s, 3),
+            "query_flops_saved": acc.saved - saved, "query_tokens": processed_tokens(acc) - tokens,
+            "index_flops": built.flops, "index_flops_8b": built.flops_8b, "index_s": round(built.seconds, 3),
+            "index_tokens": built.tokens,
             "wall_s": round(wall, 3), "prompt_tokens": answer.prompt_tokens,
             "generated_tokens": answer.generated_tokens, "truncated": answer.truncated, "trace": answer.trace}

@@ -6,16 +6,34 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from ..engine.engine import Engine
+from ..engine.flops import FlopAccount
 from .base import Method
 
 PROJECT_TO = "llama-3.1-8b"  # every FLOP count is also projected to this preset for the same token counts
 
 
+def processed_tokens(acc: FlopAccount) -> int:
+    """Tokens the model has run so far (prefill + decode; a forked cached prefix is not run again, so not counted)."""
+    return acc.prefill_tokens + acc.decode_tokens
+
+
 def document_hash(document: str) -> str:
     """A document's key in eval lines and index stores."""
     return hashlib.sha256(document.encode()).hexdigest()[:16]
+
+
+class BuiltIndex(NamedTuple):
+    """A document's index and what building it cost: FLOPs on the model and projected to PROJECT_TO, seconds, and
+    tokens the model processed (prefill + decode; None for indexes stored before tokens were counted)."""
+
+    index: Any
+    flops: int
+    flops_8b: int
+    seconds: float
+    tokens: int | None
 
 
 class IndexStore:
@@ -33,26 +51,29 @@ class IndexStore:
                            sort_keys=True)
         return cls(root, f"{method.name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}", engine)
 
-    def build_or_load(self, method: Method, document: str) -> tuple:
-        """(index, FLOPs, FLOPs projected to PROJECT_TO, seconds) of `document`'s index, built (and saved) unless
-        this store has it; construction is charged to the engine's "index" scope."""
+    def build_or_load(self, method: Method, document: str) -> BuiltIndex:
+        """`document`'s index and its cost, built (and saved) unless this store has it; construction is charged
+        to the engine's "index" scope."""
         doc = document_hash(document)
         found = self.get(method, doc)
         if found is not None:
             return found
         acc = self.engine.flops
-        before, before_8b, t = acc.total, acc.projected.get(PROJECT_TO, 0), time.perf_counter()
+        before, before_8b, tokens, t = acc.total, acc.projected.get(PROJECT_TO, 0), processed_tokens(acc), \
+            time.perf_counter()
         with acc.scope("index"):
             built = method.index(document)
-        cost = (acc.total - before, acc.projected.get(PROJECT_TO, 0) - before_8b, time.perf_counter() - t)
+        cost = (acc.total - before, acc.projected.get(PROJECT_TO, 0) - before_8b, time.perf_counter() - t,
+                processed_tokens(acc) - tokens)
         self.put(method, doc, built, cost)
-        return (built, *cost)
+        return BuiltIndex(built, *cost)
 
     def get(self, method: Method, doc: str):
         meta = self.root / f"{self.key}-{doc}.json"
         if not method.can_save or not meta.exists():
             return None
-        return (method.load_index(self.root / f"{self.key}-{doc}.idx"), *json.loads(meta.read_text()))
+        cost = json.loads(meta.read_text())
+        return BuiltIndex(method.load_index(self.root / f"{self.key}-{doc}.idx"), *cost, *[None] * (4 - len(cost)))
 
     def put(self, method: Method, doc: str, built, cost: tuple) -> None:
         if method.can_save:

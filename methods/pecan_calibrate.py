@@ -135,7 +135,7 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
     store = IndexStore.for_method(Path(out) / "indexes", engine, method)
     sweeps = []
     for record in tqdm(records, unit="rec", desc=f"calibrate {dataset}", disable=not progress):
-        index = store.build_or_load(method, record.document)[0]
+        index = store.build_or_load(method, record.document).index
         points = sweep(method, index, record)
         if points:
             sweeps.append(points)

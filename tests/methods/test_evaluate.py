@@ -43,6 +43,8 @@ def test_run_resume_and_report(tmp_path, capsys):
         assert {"id", "question", "prediction", "references", "metrics", "nodes", "query_flops", "index_flops",
                 "wall_s", "query_flops_8b"} <= set(r)
         assert r["query_flops"] > 0 and r["query_flops_8b"] > 40 * r["query_flops"]  # 8B vs 135M
+        # the model ran the prompt and every generated token (each stays cached), and nothing at index time
+        assert (r["query_tokens"], r["index_tokens"]) == (r["prompt_tokens"] + r["generated_tokens"], 0)
         assert set(r["metrics"]) >= {"f1", "rouge_l"}
     assert rows[0]["document"] == rows[1]["document"] != rows[2]["document"]
     meta = json.loads((tmp_path / "a" / "bm25-top2-hotpotqa.meta.json").read_text())
