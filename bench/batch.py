@@ -8,11 +8,12 @@ EOS is masked (a logits processor) so every session generates exactly N tokens. 
 configurations and the table shows medians, since these machines are noisy.
 
     python -m nodekv.bench.batch [--model qwen2.5-0.5b] [--batches 1,2,4,8] [--tokens 32] [--prompt-tokens 48]
-                                 [--rounds 3] [--threads N]
+                                 [--rounds 3] [--threads N] [--json FILE]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-prompts", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, help="also write the medians here")
     args = p.parse_args(argv)
     from nodekv.engine.engine import load_engine
 
@@ -104,6 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| {args.prefill_prompts} sequential appends | {1e3 * seq:.0f} | {n / seq:.0f} |")
     print(f"| one append_batch | {1e3 * bat:.0f} | {n / bat:.0f} |")
     print(f"\nbatched prefill: {seq / bat:.2f}x the sequential tokens/s")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": args.model, "threads": torch.get_num_threads(), "tokens": args.tokens,
+            "prompt_tokens": args.prompt_tokens, "decode_s": {b: statistics.median(decode[b]) for b in sizes},
+            "prefill_prompts": args.prefill_prompts, "prefill_s": {"sequential": seq, "batched": bat}}, indent=1))
 
 
 if __name__ == "__main__":

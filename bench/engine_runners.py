@@ -58,14 +58,14 @@ class NodekvRunner(Runner):
 
 
 class HFRunner(Runner):
-    """HF transformers on the same GGUF, dequantised to fp32, SDPA attention, its DynamicCache."""
+    """HF transformers on the same GGUF, dequantised to fp32, SDPA (or eager) attention, its DynamicCache."""
 
-    def __init__(self, path: Path, threads: int):
+    def __init__(self, path: Path, threads: int, attention: str = "sdpa"):
         import transformers
 
         torch.set_num_threads(threads)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa").eval()
+            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation=attention).eval()
         self.past = None
 
     def reset(self) -> None:
@@ -104,8 +104,8 @@ class LlamaCppRunner(Runner):
 def load(engine: str, path: Path, threads: int, n_ctx: int):
     if engine == "nodekv":
         return NodekvRunner(path, threads)
-    if engine == "hf":
-        return HFRunner(path, threads)
+    if engine in ("hf", "hf-eager"):
+        return HFRunner(path, threads, "eager" if engine == "hf-eager" else "sdpa")
     return LlamaCppRunner(path, threads, n_ctx)
 
 
@@ -132,7 +132,7 @@ def measure(engine: str, path: Path, ids: list[int], rounds: tuple[tuple[int, in
     runner.reset()
     runner.decode(runner.extend(ids[:WARMUP_TOKENS]), 2)  # one-off setup (kernels, buffers), mmapped weights read
     result = {"rss_after_load_gib": memory_gib()["rss"], "prefill_s": {}, "decode_s": {}, "prefill_flops": {},
-              "continuation": {}}
+              "continuation": {}, "peak_rss_gib_at": {}}
     count_flops = isinstance(runner, NodekvRunner)
     for _ in range(repeats):
         for prefill, context in rounds:
@@ -147,5 +147,6 @@ def measure(engine: str, path: Path, ids: list[int], rounds: tuple[tuple[int, in
             tokens, seconds = _timed(runner.decode, token, decode_tokens)
             result["decode_s"][context] = min(seconds, result["decode_s"].get(context, seconds))
             result["continuation"][context] = tokens
+            result["peak_rss_gib_at"].setdefault(context, memory_gib()["peak"])
     result["peak_rss_gib"] = memory_gib()["peak"]
     return result

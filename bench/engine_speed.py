@@ -5,7 +5,11 @@ another; the parent prints a Markdown table as each finishes, then the ratios, n
 torch.mm peak measured in the same run, and the targets. About 5 minutes on a quiet 2-core machine (--quick: 3).
 
     python -m nodekv.bench.engine_speed [--model qwen2.5-0.5b] [--engines nodekv,hf,llama-cpp] [--threads 2]
-                                        [--quick]
+                                        [--rounds 512:512,2048:4096] [--quick] [--json FILE]
+
+Engines: nodekv, hf (HF transformers, sdpa attention), hf-eager (HF's eager attention), llama-cpp. `--rounds`
+P:C,... prefills P tokens from an empty cache and decodes after C; peak RSS is also read after each round (rounds
+run in the order given, so in increasing length it is the peak up to that length).
 
 llama.cpp (llama-cpp-python) is optional: without it its row says "not installed". Build it for AVX2 machines as
 DESIGN.md §7 says.
@@ -25,7 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "examples" / "lost_in_translation.txt"
 DEFAULT_MODEL = "qwen2.5-0.5b"
-ENGINES = {"nodekv": "nodekv", "hf": "HF transformers", "llama-cpp": "llama.cpp"}
+ENGINES = {"nodekv": "nodekv", "hf": "HF transformers sdpa", "hf-eager": "HF transformers eager",
+           "llama-cpp": "llama.cpp"}
+DEFAULT_ENGINES = ("nodekv", "hf", "llama-cpp")
 # (tokens prefilled from an empty cache and timed, prompt length when the timed decode starts)
 ROUNDS = ((512, 512), (2048, 4096))
 # nodekv's prefill tokens/s on qwen2.5-0.5b at 2 threads before this bench existed (DESIGN.md §7): not to go below
@@ -73,7 +79,8 @@ def run_child(engine: str, path: Path, ids: list[int], args) -> dict | str:
     if engine == "llama-cpp" and importlib.util.find_spec("llama_cpp") is None:
         return "not installed"
     cmd = [sys.executable, "-m", "nodekv.bench.engine_speed", "--child", engine, "--model", str(path),
-           "--threads", str(args.threads), "--decode", str(args.decode), "--repeats", str(args.repeats)]
+           "--threads", str(args.threads), "--decode", str(args.decode), "--repeats", str(args.repeats),
+           "--rounds", ",".join(f"{p}:{c}" for p, c in args.rounds)]
     # OpenMP/MKL pools sized before torch starts, so no library runs on more threads than the others
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
@@ -82,7 +89,7 @@ def run_child(engine: str, path: Path, ids: list[int], args) -> dict | str:
         print(proc.stderr[-3000:], file=sys.stderr)
         return f"failed (exit {proc.returncode})"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("prefill_s", "decode_s", "prefill_flops", "continuation"):
+    for key in ("prefill_s", "decode_s", "prefill_flops", "continuation", "peak_rss_gib_at"):
         result[key] = {int(k): v for k, v in result[key].items()}  # JSON made the token counts strings
     return result
 
@@ -94,20 +101,20 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     ids = json.loads(sys.stdin.read())
-    result = measure(args.child, Path(args.model), ids, ROUNDS, args.decode, args.repeats, args.threads)
-    if args.child == "hf":
+    result = measure(args.child, Path(args.model), ids, args.rounds, args.decode, args.repeats, args.threads)
+    if args.child.startswith("hf"):
         import transformers
-        result["version"] = f"transformers {transformers.__version__}, fp32, sdpa"
+        result["version"] = f"transformers {transformers.__version__}, fp32"
     elif args.child == "llama-cpp":
         import llama_cpp
         result["version"] = f"llama-cpp-python {llama_cpp.__version__}"
     print(json.dumps(result))
 
 
-def speeds(result: dict, decode_tokens: int) -> list[float]:
+def speeds(result: dict, decode_tokens: int, rounds) -> list[float]:
     """The table's numeric columns: prefill and decode tokens/s, then RSS after load and peak, GiB."""
-    prefill = [p / result["prefill_s"][p] for p, _ in ROUNDS]
-    decode = [decode_tokens / result["decode_s"][c] for _, c in ROUNDS]
+    prefill = [p / result["prefill_s"][p] for p, _ in rounds]
+    decode = [decode_tokens / result["decode_s"][c] for _, c in rounds]
     return prefill + decode + [result["rss_after_load_gib"], result["peak_rss_gib"]]
 
 
@@ -118,8 +125,11 @@ def _k(n: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="a registered name or a .gguf path")
-    p.add_argument("--engines", default=",".join(ENGINES), type=lambda s: s.split(","),
-                   help="comma-separated, run in this order (default: all)")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), type=lambda s: s.split(","),
+                   help=f"comma-separated, run in this order, of {', '.join(ENGINES)} (default: "
+                        f"{','.join(DEFAULT_ENGINES)})")
+    p.add_argument("--rounds", default=ROUNDS, type=_rounds, help="P:C,...: prefill P tokens, decode after C")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--threads", default=2, type=int, help="for every engine, prefill and decode alike")
     p.add_argument("--decode", default=64, type=int, help="tokens decoded (and timed) after each prompt")
     p.add_argument("--repeats", default=2, type=int, help="rounds per engine; the fastest counts")
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve_model(args.model)
     if path.suffix != ".gguf":
         p.error(f"{path} is not a .gguf file: the engines must read the same GGUF")
-    ids = prompt_ids(path, max(c for _, c in ROUNDS))
+    ids = prompt_ids(path, max(c for _, c in args.rounds))
     fp32_peak = matmul_gflops("float32", 2048, 5)
     bf16_peak = matmul_gflops("bfloat16", 512, 1)  # 512²: at the sub-GFLOP/s rates of CPUs without bf16 units
     title = args.model if Path(args.model) == path else f"{args.model} ({path.name})"
@@ -149,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
           f"Prompt: {TEXT.name} tokenised once, the same ids for every engine; greedy decode of {args.decode} tokens, "
           f"never stopping at EOS; fastest of {args.repeats} round(s); one process per engine.\n", flush=True)
 
-    columns = [f"prefill {_k(p)} tok/s" for p, _ in ROUNDS] + [f"decode after {_k(c)} tok/s" for _, c in ROUNDS]
+    columns = [f"prefill {_k(p)} tok/s" for p, _ in args.rounds]
+    columns += [f"decode after {_k(c)} tok/s" for _, c in args.rounds]
     columns += ["RSS after load GiB", "peak RSS GiB"]
     print("| engine | " + " | ".join(columns) + " |\n|---|" + "---:|" * len(columns), flush=True)
     results = {}
@@ -160,27 +171,34 @@ def main(argv: list[str] | None = None) -> None:
             continue
         results[engine] = result
         name = ENGINES[engine] + (f" ({result['version']})" if "version" in result else "")
-        cells = [f"{v:,.1f}" if i < 2 * len(ROUNDS) else f"{v:.2f}" for i, v in enumerate(speeds(result, args.decode))]
+        cells = [f"{v:,.1f}" if i < 2 * len(args.rounds) else f"{v:.2f}"
+                 for i, v in enumerate(speeds(result, args.decode, args.rounds))]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     ours = results.get("nodekv")
-    for peer in ("hf", "llama-cpp"):
+    for peer in ("hf", "hf-eager", "llama-cpp"):
         if ours and peer in results:
-            ratios = [a / b for a, b in zip(speeds(ours, args.decode), speeds(results[peer], args.decode))]
+            ratios = [a / b for a, b in zip(speeds(ours, args.decode, args.rounds),
+                                            speeds(results[peer], args.decode, args.rounds))]
             print(f"| nodekv / {ENGINES[peer]} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     print(f"\ntorch.mm at {args.threads} threads: fp32 2048² {fp32_peak:.1f} GFLOP/s, bf16 512² {bf16_peak:.2f} "
           f"GFLOP/s ({bf16_peak / fp32_peak:.1%} of fp32: without bf16 matrix units, prefill weights stay fp32).")
     if ours:
         report_nodekv(results, fp32_peak, args)
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "file": path.name, "threads": args.threads,
+                                         "decode_tokens": args.decode, "rounds": args.rounds, "cpu": cpu_summary(),
+                                         "torch": torch.__version__, "fp32_peak_gflops": fp32_peak,
+                                         "bf16_peak_gflops": bf16_peak, "results": results}, indent=1))
 
 
 def report_nodekv(results: dict[str, dict], fp32_peak: float, args) -> None:
     """nodekv's prefill GFLOP/s against the fp32 peak, the targets, and how far the engines' greedy tokens agree."""
     ours, llama = results["nodekv"], results.get("llama-cpp")
-    rates = {p: ours["prefill_flops"][p] / ours["prefill_s"][p] / 1e9 for p, _ in ROUNDS}
+    rates = {p: ours["prefill_flops"][p] / ours["prefill_s"][p] / 1e9 for p, _ in args.rounds}
     print("nodekv prefill, exact FLOP account: " + ", ".join(
         f"{_k(p)} tokens {r:.1f} GFLOP/s ({r / fp32_peak:.0%} of the fp32 peak)" for p, r in rates.items()) + ".")
     print("\nTargets:")
-    for _, c in ROUNDS:
+    for _, c in args.rounds:
         ratio = llama["decode_s"][c] / ours["decode_s"][c] if llama else None
         verdict = "not checked (llama.cpp not run)" if ratio is None else \
             f"{ratio:.2f}x, " + ("met" if ratio >= DECODE_TARGET else "**not met**")
@@ -190,15 +208,28 @@ def report_nodekv(results: dict[str, dict], fp32_peak: float, args) -> None:
             print(f"- (the fp32 peak is below the {FP32_PEAK_BASELINE:.0f} GFLOP/s of the machine that set the prefill "
                   "baseline: this machine is busy or slower, so the prefill lines below compare unlike machines)")
         for p, baseline in PREFILL_BASELINE.items():
+            if p not in ours["prefill_s"]:
+                continue
             rate = p / ours["prefill_s"][p]
             print(f"- prefill {_k(p)} >= {baseline:.0f} tok/s (DESIGN.md §7, before this bench): {rate:.0f}, "
                   + ("met" if rate >= baseline else "**not met**"))
-    c = ROUNDS[0][1]
+    c = args.rounds[0][1]
     agree = [f"{ENGINES[e]} {_common_prefix(ours['continuation'][c], r['continuation'][c])}"
              for e, r in results.items() if e != "nodekv"]
     if agree:
         print(f"\nGreedy tokens after {_k(c)}, equal to nodekv's up to the first difference (of {args.decode}): "
               + ", ".join(agree) + ".")
+
+
+def _rounds(text: str) -> tuple[tuple[int, int], ...]:
+    """"512:512,2048:4096" -> ((512, 512), (2048, 4096)); a context shorter than its prefill is refused."""
+    try:
+        rounds = tuple(tuple(int(x) for x in r.split(":")) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rounds are P:C pairs separated by commas, not {text!r}") from None
+    if any(len(r) != 2 or r[0] < 1 or r[1] < r[0] for r in rounds):
+        raise argparse.ArgumentTypeError(f"each round is P:C with 1 <= P <= C: {text!r}")
+    return rounds
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

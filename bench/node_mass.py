@@ -6,7 +6,7 @@ nodekv and HF each run in a fresh subprocess (peak RSS is per process). nodekv's
 alternately in one process after a plain warm-up that touches the KV pages, so the peak the first collecting run
 adds is the collection's own memory, and the time ratio is measured side by side.
 
-    python -m nodekv.bench.node_mass [--tokens 2048,8192] [--node 300] [--hf-max 2048] [--threads 2]
+    python -m nodekv.bench.node_mass [--tokens 2048,8192] [--node 300] [--hf-max 2048] [--threads 2] [--json FILE]
 """
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--node", default=300, type=int, help="tokens per node")
     p.add_argument("--hf-max", default=2048, type=int, help="longest prompt to run HF output_attentions on")
     p.add_argument("--threads", default=2, type=int)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -102,16 +103,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"SmolLM2-135M fp32, {args.threads} threads, nodes of {args.node} tokens appended one by one")
     print(f"{'tokens':>6} {'nodes':>5} {'plain s':>8} {'collect s':>9} {'overhead':>8} {'extra MiB':>9} "
           f"{'mass MiB':>8} {'HF attn s':>9} {'HF extra MiB':>12} {'HF needs MiB':>12}")
+    rows = []
     for n in args.tokens:
         nodes = -(-n // args.node)
         ours = measure("nodekv", n, args.node, args.threads)
         hf_needs = c.n_layers * c.n_heads * n * n * 4 / MiB
         hf = measure("hf", n, args.node, args.threads) if n <= args.hf_max else None
+        rows.append({"tokens": n, "nodes": nodes, "nodekv": ours, "hf": hf, "hf_attention_bytes": hf_needs * MiB})
         hf_s = f"{hf['seconds']:>9.2f}" if hf else f"{'not run':>9}"
         hf_mib = f"{hf['extra_bytes'] / MiB:>12.0f}" if hf else f"{'-':>12}"
         print(f"{n:>6} {nodes:>5} {ours['plain']:>8.2f} {ours['collect']:>9.2f} "
               f"{ours['collect'] / ours['plain'] - 1:>8.1%} {ours['extra_bytes'] / MiB:>9.1f} "
               f"{n * nodes * 4 / MiB:>8.2f} {hf_s} {hf_mib} {hf_needs:>12,.0f}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"model": "smollm2-135m", "threads": args.threads, "node": args.node,
+                                         "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,15 @@ def summarize(path: Path) -> dict:
     return out
 
 
+def primary_metric(summary: dict) -> str:
+    """The metric a run's task is judged by: accuracy (multiple choice), EM (variable tracking), ROUGE-L
+    (summaries), else F1 (QA)."""
+    for key, marker in (("accuracy", "accuracy"), ("em", "recall"), ("rougeL", "rougeL")):
+        if marker in summary:
+            return key
+    return "f1"
+
+
 def _search_stats(steps: list[dict]) -> dict:
     """How searches stopped (steps {"stop": why}) and, for searches that pick nodes by z + similarity (steps with
     "z", "sim" and "by_sim"), how often z changed the pick from the similarity-only one, and both terms' ranges."""
@@ -61,7 +70,8 @@ def _search_stats(steps: list[dict]) -> dict:
 def table(summaries: list[dict], reference: str | None = None) -> str:
     """Markdown: one row per (dataset, method); ratio = query TFLOPs over the reference method's on that dataset."""
     ref = {s["dataset"]: s.get("query_tflops_8b") for s in summaries if s["method"] == reference}
-    head = ("| dataset | method | n | failed | skipped | F1 | EM | ROUGE-L | acc | nodes | query TFLOPs (model) | "
+    head = ("| dataset | method | n | failed | skipped | F1 | EM | ROUGE-1 | ROUGE-2 | ROUGE-L | acc | nodes | "
+            "query TFLOPs (model) | "
             "prefix TFLOPs saved (model) | query TFLOPs (8B) | ratio | index TFLOPs/doc (model) | "
             "index TFLOPs/doc (8B) | truncated | s/query |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -73,8 +83,10 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
         if s.get("index_docs_8b", s["docs"]) < s["docs"]:
             index_8b += f" ({s['index_docs_8b']} of {s['docs']} docs)"
         ratio = f"{s['query_tflops_8b'] / r:.2f}" if r and "query_tflops_8b" in s else "-"
+        rouge_l = f("rougeL") if "rougeL" in s else f("rouge_l")  # summaries' rouge-score name, QA's own
         lines.append(f"| {s['dataset']} | {s['method']} | {s['n']} | {s['errors']} | {s['skipped']} | {f('f1')} | "
-                     f"{f('em')} | {f('rouge_l')} | {f('accuracy')} | {f('nodes')} | {f('query_tflops', '{:.4f}')} | "
+                     f"{f('em')} | {f('rouge1')} | {f('rouge2')} | {rouge_l} | {f('accuracy')} | {f('nodes')} | "
+                     f"{f('query_tflops', '{:.4f}')} | "
                      f"{f('saved_tflops', '{:.4f}')} | {f('query_tflops_8b', '{:.2f}')} | {ratio} | "
                      f"{f('index_tflops_doc', '{:.4f}')} | {index_8b} | {s.get('truncated', '-')} | "
                      f"{f('wall_s', '{:.2f}')} |")
@@ -111,8 +123,8 @@ def amortization(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(summaries: list[dict], path: Path) -> bool:
-    """F1 (or ROUGE-L where there is no F1) against projected query TFLOPs, one panel per dataset."""
+def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
+    """Each dataset's `primary_metric` against projected query TFLOPs, one panel per dataset, `columns` a row."""
     try:
         import matplotlib
 
@@ -126,10 +138,13 @@ def plot(summaries: list[dict], path: Path) -> bool:
             by_dataset[s["dataset"]].append(s)
     # runs are told apart by marker and colour in a legend under each panel: long run labels overlap as annotations
     most = max((len(rows) for rows in by_dataset.values()), default=1)
-    fig, axes = plt.subplots(1, max(1, len(by_dataset)), figsize=(6 * max(1, len(by_dataset)), 4 + 0.22 * most),
-                             squeeze=False)
-    for ax, (dataset, rows) in zip(axes[0], sorted(by_dataset.items())):
-        key = "f1" if all("f1" in r for r in rows) else "rouge_l"
+    ncols = max(1, min(columns, len(by_dataset)))
+    nrows = max(1, -(-len(by_dataset) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, (4 + 0.22 * most) * nrows), squeeze=False)
+    for ax in axes.flat[len(by_dataset):]:
+        ax.axis("off")
+    for ax, (dataset, rows) in zip(axes.flat, sorted(by_dataset.items())):
+        key = primary_metric(rows[0])
         for k, r in enumerate(sorted(rows, key=lambda r: r["method"])):
             ax.scatter(r["query_tflops_8b"], r.get(key, 0), marker="osD^v<>ph*"[k % 10], s=40,
                        label=f"{r['method']} (n={r['n']})")

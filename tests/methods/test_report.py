@@ -54,3 +54,16 @@ def test_an_index_without_a_projected_cost_is_left_out_of_the_8b_mean(tmp_path):
     (tmp_path / "pecan-musique.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = report([tmp_path], tmp_path / "out")
     assert "| 1.0000 | 20.00 (1 of 2 docs) |" in text  # model cost over both documents, 8B over the one projected
+
+
+def test_summaries_show_rouge_1_2_l_and_each_task_is_plotted_by_its_own_metric(tmp_path):
+    from nodekv.methods.report import primary_metric
+
+    rows = [{**_record(str(i), []), "metrics": {"rouge1": r1, "rouge2": r2, "rougeL": rl}}
+            for i, (r1, r2, rl) in enumerate([(0.4, 0.1, 0.3), (0.2, 0.05, 0.1)])]
+    (tmp_path / "gor-qmsum_general.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report([tmp_path], tmp_path / "out")
+    assert "| qmsum_general | gor | 2 | 0 | 0 | - | - | 30.0 | 7.5 | 20.0 | - |" in text
+    assert [primary_metric(s) for s in ({"f1": 1, "em": 1, "rouge_l": 1}, {"accuracy": 1, "f1": 1},
+                                        {"em": 1, "f1": 1, "recall": 1}, {"rouge1": 1, "rougeL": 1})] == \
+        ["f1", "accuracy", "em", "rougeL"]
