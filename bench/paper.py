@@ -10,7 +10,7 @@
 3. JERR Table 6 (tokens per query), GoR Table 4 (retrieval seconds per query, measured here on a QMSum meeting)
    and DICE Table 4 (minutes per dataset) from our runs, marked where they do not compare.
 
-    nodekv bench paper [--model qwen2.5-0.5b] [--runs bench/results] [--limit N]
+    nodekv bench paper [--model qwen2.5-0.5b] [--runs bench/results] [--limit N] [--out FILE]
 
 Prompts are tokenised with `--model`'s tokenizer (Llama-3.1's is not here; both are ~130K-entry byte-level BPEs).
 """
@@ -224,6 +224,8 @@ def main() -> None:
     p.add_argument("--pecan-run", default="pecan-prompt_style=restate", help="the PECAN run label for Table A4")
     p.add_argument("--limit", type=int, default=None, help="records per dataset (default: all)")
     p.add_argument("--skip-latency", action="store_true", help="do not time GoR's retrieval")
+    p.add_argument("--out", type=Path, default=None, help="also write the Markdown here (`nodekv bench report` reads "
+                                                           "bench/results/paper.md)")
     args = p.parse_args()
 
     from nodekv.engine.registry import resolve_model
@@ -238,7 +240,10 @@ def main() -> None:
                 ("DICE Table 4: running time", dice_minutes(args.runs))]
     if not args.skip_latency:
         sections.insert(3, ("GoR Table 4: retrieval time per query", gor_latency()))
-    print("\n\n".join(f"## {title}\n\n{body}" for title, body in sections))
+    text = "\n\n".join(f"## {title}\n\n{body}" for title, body in sections)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":
