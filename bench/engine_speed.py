@@ -78,9 +78,12 @@ def run_child(engine: str, path: Path, ids: list[int], args) -> dict | str:
     """Measure one engine in its own process; its JSON result, or a short reason it has none."""
     if engine == "llama-cpp" and importlib.util.find_spec("llama_cpp") is None:
         return "not installed"
+    rounds = [(p, c) for p, c in args.rounds if engine != "hf-eager" or c <= args.eager_max]
+    if not rounds:
+        return f"not run (eager attention only up to {args.eager_max} tokens)"
     cmd = [sys.executable, "-m", "nodekv.bench.engine_speed", "--child", engine, "--model", str(path),
            "--threads", str(args.threads), "--decode", str(args.decode), "--repeats", str(args.repeats),
-           "--rounds", ",".join(f"{p}:{c}" for p, c in args.rounds)]
+           "--rounds", ",".join(f"{p}:{c}" for p, c in rounds)]
     # OpenMP/MKL pools sized before torch starts, so no library runs on more threads than the others
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
@@ -111,10 +114,11 @@ def child(args) -> None:
     print(json.dumps(result))
 
 
-def speeds(result: dict, decode_tokens: int, rounds) -> list[float]:
-    """The table's numeric columns: prefill and decode tokens/s, then RSS after load and peak, GiB."""
-    prefill = [p / result["prefill_s"][p] for p, _ in rounds]
-    decode = [decode_tokens / result["decode_s"][c] for _, c in rounds]
+def speeds(result: dict, decode_tokens: int, rounds) -> list[float | None]:
+    """The table's numeric columns: prefill and decode tokens/s (None: a round not run), then RSS after load and
+    peak, GiB."""
+    prefill = [p / result["prefill_s"][p] if p in result["prefill_s"] else None for p, _ in rounds]
+    decode = [decode_tokens / result["decode_s"][c] if c in result["decode_s"] else None for _, c in rounds]
     return prefill + decode + [result["rss_after_load_gib"], result["peak_rss_gib"]]
 
 
@@ -130,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"{','.join(DEFAULT_ENGINES)})")
     p.add_argument("--rounds", default=ROUNDS, type=_rounds, help="P:C,...: prefill P tokens, decode after C")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--eager-max", type=int, default=2048, help="longest context HF eager attention runs at (its "
+                                                               "T×T scores take minutes at 8K)")
     p.add_argument("--threads", default=2, type=int, help="for every engine, prefill and decode alike")
     p.add_argument("--decode", default=64, type=int, help="tokens decoded (and timed) after each prompt")
     p.add_argument("--repeats", default=2, type=int, help="rounds per engine; the fastest counts")
@@ -171,15 +177,16 @@ def main(argv: list[str] | None = None) -> None:
             continue
         results[engine] = result
         name = ENGINES[engine] + (f" ({result['version']})" if "version" in result else "")
-        cells = [f"{v:,.1f}" if i < 2 * len(args.rounds) else f"{v:.2f}"
+        cells = ["not run" if v is None else f"{v:,.1f}" if i < 2 * len(args.rounds) else f"{v:.2f}"
                  for i, v in enumerate(speeds(result, args.decode, args.rounds))]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     ours = results.get("nodekv")
     for peer in ("hf", "hf-eager", "llama-cpp"):
         if ours and peer in results:
-            ratios = [a / b for a, b in zip(speeds(ours, args.decode, args.rounds),
-                                            speeds(results[peer], args.decode, args.rounds))]
-            print(f"| nodekv / {ENGINES[peer]} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+            ratios = [a / b if a and b else None for a, b in zip(speeds(ours, args.decode, args.rounds),
+                                                                 speeds(results[peer], args.decode, args.rounds))]
+            print(f"| nodekv / {ENGINES[peer]} | " + " | ".join("" if r is None else f"{r:.2f}x" for r in ratios)
+                  + " |")
     print(f"\ntorch.mm at {args.threads} threads: fp32 2048² {fp32_peak:.1f} GFLOP/s, bf16 512² {bf16_peak:.2f} "
           f"GFLOP/s ({bf16_peak / fp32_peak:.1%} of fp32: without bf16 matrix units, prefill weights stay fp32).")
     if ours:

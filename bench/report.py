@@ -62,6 +62,8 @@ def speed_rows(engine: dict) -> list[tuple[str, str, int, float, float, float]]:
         for name, r in run["results"].items():
             prefill, decode, peak = (_int_keys(r[k]) for k in ("prefill_s", "decode_s", "peak_rss_gib_at"))
             for p, c in run["rounds"]:
+                if p not in prefill:  # a round this engine did not run (HF eager beyond its limit)
+                    continue
                 rows.append((model, name, p, p / prefill[p], run["decode_tokens"] / decode[c], peak[c]))
     return rows
 
