@@ -1,14 +1,15 @@
 """One run of the engine benchmarks, gathered into one JSON file (`nodekv bench report` plots it) and printed as
 Markdown. Every piece runs in its own process at the same thread count:
 
-- prefill and decode tokens/s and peak memory at 512 / 2K / 8K tokens for nodekv, HF transformers (sdpa, and eager
-  up to 2K) and llama.cpp (when installed) on qwen2.5-0.5b and SmolLM2 (`engine_speed`), with torch.mm's fp32 peak
+- prefill and decode tokens/s and peak memory at 512 / 2K / 8K tokens for nodekv, HF transformers sdpa and
+  llama.cpp (when installed) on qwen2.5-0.5b and SmolLM2, and HF eager attention on SmolLM2 up to 2K (its T×T
+  scores take minutes beyond; `engine_speed`), with torch.mm's fp32 peak
   measured in the same run and nodekv's achieved GFLOP/s;
 - batched decode throughput at 1/2/4/8 sessions (`batch`);
 - node-mass collection against HF's output_attentions (`node_mass`, SmolLM2);
 - one node appended to a cached prompt, probed and rolled back, against prefilling the whole prompt again (here).
 
-About 12-15 minutes on a quiet 2-core machine; `--quick` runs every piece small (minutes; a smoke test).
+About 14 minutes on a quiet 2-core machine; `--quick` runs every piece small (a smoke test).
 
     nodekv bench engine [--out bench/results/engine] [--threads 2] [--quick]
 """
@@ -25,9 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("qwen2.5-0.5b", "smollm2-135m")
-ENGINES = "nodekv,hf,hf-eager,llama-cpp"
-FULL = {"rounds": "512:512,2048:2048,8192:8192", "decode": "32", "repeats": "1",
-        "batches": "1,2,4,8", "batch_rounds": "3", "mass_tokens": "2048,8192", "append": (512, 2048, 8192)}
+ENGINES = "nodekv,hf,llama-cpp"
+EAGER_MODEL = "smollm2-135m"  # HF eager runs on this model only (a second HF load of the 0.5B costs a minute)
+FULL = {"rounds": "512:512,2048:2048,8192:8192", "decode": "16", "repeats": "1",
+        "batches": "1,2,4,8", "batch_rounds": "2", "mass_tokens": "2048,4096", "append": (512, 2048)}
 QUICK = {"rounds": "64:64,128:128", "decode": "4", "repeats": "1",
          "batches": "1,2", "batch_rounds": "1", "mass_tokens": "256", "append": (64, 128)}
 NODE = 300  # tokens per appended node, as PECAN's information points run
@@ -77,6 +79,11 @@ def _run(module: str, args: list[str], json_path: Path, threads: int) -> dict | 
     return json.loads(json_path.read_text())
 
 
+def _lap(started: float, laps: dict[str, float]) -> float:
+    """Minutes since the last lap (since `started` for the first)."""
+    return (time.perf_counter() - started) / 60 - sum(laps.values())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="nodekv bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "engine", help="folder for engine.json")
@@ -93,20 +100,25 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    result = {"date": datetime.date.today().isoformat(), "threads": args.threads, "quick": args.quick, "speed": {}}
+    result = {"date": datetime.date.today().isoformat(), "threads": args.threads, "quick": args.quick, "speed": {},
+              "minutes": {}}
     for model in args.models:
         print(f"# {model}\n", flush=True)
+        engines = args.engines or ENGINES + (",hf-eager" if model == EAGER_MODEL else "")
         result["speed"][model] = _run("engine_speed", [
-            "--model", model, "--threads", str(args.threads), "--engines", args.engines or ENGINES,
+            "--model", model, "--threads", str(args.threads), "--engines", engines,
             "--rounds", cfg["rounds"], "--decode", cfg["decode"], "--repeats", cfg["repeats"]],
             args.out / f"speed-{model}.json", args.threads)
+        result["minutes"][model] = _lap(started, result["minutes"])
     print("# batched decode\n", flush=True)
     result["batch"] = _run("batch", ["--model", args.models[0], "--threads", str(args.threads), "--batches",
                                      cfg["batches"], "--rounds", cfg["batch_rounds"]], args.out / "batch.json",
                            args.threads)
+    result["minutes"]["batch"] = _lap(started, result["minutes"])
     print("# node mass\n", flush=True)
     result["node_mass"] = _run("node_mass", ["--tokens", cfg["mass_tokens"], "--threads", str(args.threads)],
                                args.out / "node_mass.json", args.threads)
+    result["minutes"]["node mass"] = _lap(started, result["minutes"])
     proc = subprocess.run([sys.executable, "-m", "nodekv.bench.engine", "--append-child", args.models[0], "--threads",
                            str(args.threads), *(["--quick"] if args.quick else [])], capture_output=True, text=True)
     result["append"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
@@ -116,9 +128,11 @@ def main() -> None:
     for row in result["append"] or []:
         print(f"| {row['cached']:,} | {row['append_s']:.3f} | {row['prefill_s']:.3f} | "
               f"{row['prefill_s'] / row['append_s']:.1f}x |")
+    result["minutes"]["append"] = _lap(started, result["minutes"])
     result["seconds"] = time.perf_counter() - started
     (args.out / "engine.json").write_text(json.dumps(result, indent=1))
-    print(f"\nwhole run {result['seconds'] / 60:.1f} min; results in {args.out / 'engine.json'}")
+    laps = ", ".join(f"{k} {v:.1f}" for k, v in result["minutes"].items())
+    print(f"\nwhole run {result['seconds'] / 60:.1f} min ({laps}); results in {args.out / 'engine.json'}")
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def speeds(result: dict, decode_tokens: int, rounds) -> list[float | None]:
 
 
 def _k(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 else str(n)
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,6 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve_model(args.model)
     if path.suffix != ".gguf":
         p.error(f"{path} is not a .gguf file: the engines must read the same GGUF")
+    from nodekv.engine.loader import gguf_config
+
+    room = gguf_config(path).max_seq_len - args.decode  # every context and its decoded tokens fit the window
+    if any(c > room for _, c in args.rounds):
+        args.rounds = tuple((min(p, room), min(c, room)) for p, c in args.rounds)
+        print(f"(rounds cut to the model's window less the {args.decode} decoded tokens: {room:,} tokens)\n")
     ids = prompt_ids(path, max(c for _, c in args.rounds))
     fp32_peak = matmul_gflops("float32", 2048, 5)
     bf16_peak = matmul_gflops("bfloat16", 512, 1)  # 512²: at the sub-GFLOP/s rates of CPUs without bf16 units

@@ -150,6 +150,11 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], dict]:
     return config, tensors, file.metadata
 
 
+def gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """A GGUF file's model config, read from its metadata without touching the weights."""
+    return _gguf_config(read_gguf(path))
+
+
 def _gguf_config(file: GGUFFile) -> ModelConfig:
     meta = file.metadata
 
