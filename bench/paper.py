@@ -125,7 +125,8 @@ def construction_table(runs: Path, label: str, full_exact: dict[str, float]) -> 
         amortised = " | ".join(f"{pt.amortised(build, search, q):.1f}" for q in (1, 2, 4, 8))
         lines.append(f"| {name} ({len(rows)} q., {len(docs)} docs) | {build:.1f} | {search:.2f} | "
                      f"{full_exact.get(name, float('nan')):.1f} | {amortised} | {paper_cells} |")
-    lines.append(f"\nOurs: run `{label}` under {runs}, FLOPs projected to {TARGET} for the same token counts, exact "
+    shown = runs.resolve().relative_to(ROOT) if runs.resolve().is_relative_to(ROOT) else runs
+    lines.append(f"\nOurs: run `{label}` under {shown}, FLOPs projected to {TARGET} for the same token counts, exact "
                  "causal count (the paper's convention above counts more, most of all at long prompts).")
     return "\n".join(lines)
 
