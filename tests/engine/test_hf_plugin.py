@@ -1,0 +1,89 @@
+"""attn_implementation="nodekv" in unmodified HF models: logits against HF's sdpa, node mass against HF eager's
+output_attentions aggregated per node and against nodekv's own session node mass, a decode step through HF's cache,
+and the inputs it refuses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nodekv.hf as nodekv_hf
+from conftest import tiny_engine, tiny_hf_model
+
+BOUNDS = [0, 7, 20, 33, 40]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    nodekv_hf.register()
+
+
+def _per_node(attn: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """[B, T, S] attention -> [B, T, N] summed over each node's keys (the last node runs to S)."""
+    edges = bounds + [attn.shape[-1]] if bounds[-1] < attn.shape[-1] else bounds
+    return torch.stack([attn[..., a:b].sum(-1) for a, b in zip(edges, edges[1:])], -1)
+
+
+def _run(model, impl: str, ids, **kwargs):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(ids, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_logits_equal_sdpa_and_mass_equals_eager_attentions(kind):
+    model = tiny_hf_model(kind)
+    ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1))
+    mass = nodekv_hf.NodeMass(BOUNDS)
+    ours = _run(model, "nodekv", ids, node_mass=mass).logits
+    torch.testing.assert_close(ours, _run(model, "sdpa", ids).logits, atol=1e-5, rtol=0)
+    eager = _run(model, "eager", ids, output_attentions=True).attentions  # L x [B, H, T, S]
+    want = _per_node(torch.stack(eager).mean(dim=(0, 2)), BOUNDS)
+    torch.testing.assert_close(mass.mean(), want, atol=1e-5, rtol=0)
+
+
+def test_mass_equals_nodekv_session_node_mass(tmp_path):
+    model = tiny_hf_model()
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(2))
+    mass = nodekv_hf.NodeMass(BOUNDS)
+    _run(model, "nodekv", ids, node_mass=mass)
+    engine = tiny_engine(tmp_path)
+    with engine.session() as s:
+        for j, (a, b) in enumerate(zip(BOUNDS, BOUNDS[1:])):
+            s.append(ids[0, a:b].tolist(), node_id=j, collect=True)
+        rows = [torch.nn.functional.pad(s.token_mass(j), (0, len(BOUNDS) - 2 - j)) for j in range(len(BOUNDS) - 1)]
+    torch.testing.assert_close(mass.mean()[0], torch.cat(rows), atol=1e-5, rtol=0)
+
+
+def test_a_decode_step_through_the_cache_counts_new_keys_as_one_more_node():
+    model = tiny_hf_model()
+    ids = torch.randint(0, 101, (1, 41), generator=torch.Generator().manual_seed(3))
+    model.set_attn_implementation("nodekv")
+    with torch.no_grad():
+        past = model(ids[:, :40], use_cache=True).past_key_values
+        mass = nodekv_hf.NodeMass(BOUNDS)
+        step = model(ids[:, 40:], past_key_values=past, use_cache=True, node_mass=mass).logits
+    full = _run(model, "eager", ids, output_attentions=True)
+    torch.testing.assert_close(step[:, -1], full.logits[:, -1], atol=1e-5, rtol=0)
+    want = _per_node(torch.stack(full.attentions).mean(dim=(0, 2))[:, -1:], BOUNDS)  # the last query row
+    assert mass.mean().shape == (1, 1, len(BOUNDS))  # 4 prompt nodes + the new token's
+    torch.testing.assert_close(mass.mean(), want, atol=1e-5, rtol=0)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="increase strictly"):
+        nodekv_hf.NodeMass([0, 5, 5])
+    with pytest.raises(ValueError, match="start at 0"):
+        nodekv_hf.NodeMass([1, 5])
+    model = tiny_hf_model()
+    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
+    padded = torch.ones(2, 12, dtype=torch.long)
+    padded[1, :3] = 0
+    with pytest.raises(ValueError, match="without padding"):
+        _run(model, "nodekv", ids, attention_mask=padded)
+    mass = nodekv_hf.NodeMass([0, 6, 12])
+    _run(model, "nodekv", ids, node_mass=mass)
+    with pytest.raises(ValueError, match="reset"):
+        _run(model, "nodekv", ids, node_mass=mass)
+    with pytest.raises(ValueError, match="no attention has been collected"):
+        nodekv_hf.NodeMass([0, 6]).mean()
