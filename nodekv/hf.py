@@ -51,14 +51,14 @@ class NodeMass:
             raise ValueError("no attention has been collected: pass node_mass=this to the model's forward")
         return self.sum / (self.heads * self.layers)
 
-    def _layer(self, first: bool, batch: int, queries: int, keys: int, heads: int):
+    def _layer(self, first: bool, batch: int, queries: int, keys: int, heads: int, device: torch.device):
         """(bounds over `keys` keys as int32, this layer's [B, T, nodes] mass to add into) for one layer's forward;
         `first`: the model's first layer, where a forward begins."""
         if first and self.layers:
             raise ValueError("this NodeMass already holds a forward's mass: call reset() before the next forward")
         b = [x for x in self.bounds if x < keys] + [keys]
         if self.sum is None:
-            self.sum = torch.zeros(batch, queries, len(self.bounds) - 1 + (keys > self.bounds[-1]))
+            self.sum = torch.zeros(batch, queries, len(self.bounds) - 1 + (keys > self.bounds[-1]), device=device)
         self.layers += 1
         self.heads = heads
         return torch.tensor(b, dtype=torch.int32), self.sum[..., :len(b) - 1]
@@ -78,13 +78,13 @@ def nodekv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     ops = backend_ops("auto" if query.is_cpu else "torch", query.dtype)
     table = torch.zeros(1, dtype=torch.int32)
     bounds, mass = (None, None) if collector is None else \
-        collector._layer(getattr(module, "layer_idx", 0) == 0, batch, queries, keys, heads)
+        collector._layer(getattr(module, "layer_idx", 0) == 0, batch, queries, keys, heads, query.device)
     outs = []
     for b in range(batch):
         k_pages, v_pages = key[b].contiguous()[None, None], value[b].contiguous()[None, None]  # one page of S rows
         row_mass = None
         if mass is not None:  # the kernel adds into a contiguous [T, N]: a copy per row, added back after
-            row_mass = mass[b].contiguous().float()
+            row_mass = mass[b].contiguous()
         out = ops.paged_attention(query[b].transpose(0, 1), k_pages, v_pages, 0, table, keys, node_bounds=bounds,
                                   mass=row_mass)
         if mass is not None:
