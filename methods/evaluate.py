@@ -27,7 +27,7 @@ from ..engine.engine import Engine
 from .base import Method
 from .baselines import TopK
 from .data import load_dataset
-from .index_store import PROJECT_TO, IndexStore, document_hash, processed_tokens
+from .index_store import PROJECT_TO, BuiltIndex, IndexStore, document_hash, processed_tokens
 from .metrics import score
 from .prompts import prompt_for
 from .registry import get, names
@@ -133,7 +133,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
     for rid, why in loaded.problems:
         print(f"skipped record {rid}: {why}", file=sys.stderr)
     store = IndexStore.for_method(cfg.path.parent / "indexes", engine, method)
-    indexes: dict[str, tuple[object, int, int, float]] = {}  # doc hash -> (index, flops, flops 8B, seconds)
+    indexes: dict[str, BuiltIndex] = {}  # doc hash -> its index and what building it cost
     todo = [r for r in loaded.records if r.id not in done]
     bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
                desc=f"{cfg.label} {cfg.dataset}", disable=not progress)
