@@ -23,13 +23,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..engine.config import preset
-from ..engine.engine import Engine
+from ..engine.engine import DTYPES, Engine
 from .base import Method
 from .baselines import TopK
 from .data import load_dataset
 from .index_store import PROJECT_TO, BuiltIndex, IndexStore, document_hash, processed_tokens
 from .metrics import score
 from .prompts import prompt_for
+from .ray_eval import RayPlan, evaluate_on_ray
 from .registry import get, names
 
 
@@ -110,8 +111,12 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
     return k, {"matched_to": str(reference), "target_query_flops": target, "predicted_query_flops": predicted[k]}
 
 
-def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
-    """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path."""
+def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:
+    """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path. With `ray`, the
+    records run as Ray tasks (`ray_eval`), the lines the same."""
+    if ray is not None and get(cfg.method).learns_across_documents:
+        raise ValueError(f"--ray runs methods that index and answer one document at a time; {cfg.method} learns "
+                         "across documents (a fit per fold): run it without --ray")
     loaded = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit)
     matched = {}
     if cfg.match is not None:
@@ -145,9 +150,12 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True) -> Path:
 
         if method_class.learns_across_documents:
             _cross_fit(engine, method, loaded.records, todo, store, write, progress)
+        elif ray is not None:
+            dtype = next(name for name, d in DTYPES.items() if d == engine.model.dtype)
+            evaluate_on_ray(ray, str(engine.path), dtype, cfg.dataset, cfg.method, options, store.root, todo, write)
         else:
             for record in todo:
-                write(_evaluate(engine, method, record, indexes, store))
+                write(evaluate_record(engine, method, record, indexes, store))
     bar.close()
     return cfg.path
 
@@ -174,7 +182,7 @@ def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store:
         if doc not in built and doc not in failed:
             try:
                 built[doc] = store.build_or_load(method, r.document)
-            except Exception as e:  # as in _evaluate: one bad document never stops the run
+            except Exception as e:  # as in evaluate_record: one bad document never stops the run
                 failed[doc] = f"{type(e).__name__}: {e}"
     fold_of = document_folds(records)
     pending: dict[int, list] = {}
@@ -194,10 +202,12 @@ def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store:
                 write({"id": r.id, "question": r.question, "references": list(r.references), "document": doc,
                        "error": failed[doc]})
             else:
-                write({**_evaluate(engine, method, r, {doc: built[doc]}, store), "fit_s": fit_s})
+                write({**evaluate_record(engine, method, r, {doc: built[doc]}, store), "fit_s": fit_s})
 
 
-def _evaluate(engine: Engine, method: Method, record, indexes: dict, store: IndexStore) -> dict:
+def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store: IndexStore) -> dict:
+    """One record's eval line (an "error" line if its index or answer fails); `indexes` keeps the last document's
+    index alive between calls."""
     doc = document_hash(record.document)
     line = {"id": record.id, "question": record.question, "references": list(record.references), "document": doc}
     acc = engine.flops

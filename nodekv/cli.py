@@ -112,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")
     ev.add_argument("--reference", default=None, help="report: method the TFLOPs ratio is taken against")
-    ev.add_argument("--threads", type=int, default=None)
+    ev.add_argument("--threads", type=int, default=None, help="torch threads (with --ray: per worker, default 1)")
+    ev.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                    help="run the records as Ray tasks: on the cluster at ADDRESS, or (no address) on a local Ray "
+                         "runtime started for the run; needs the ray extra")
+    ev.add_argument("--workers", type=int, default=2, help="with --ray: engine processes (one task per document)")
     ev.set_defaults(func=commands.evaluate)
 
     ca = sub.add_parser("calibrate", help="pick PECAN's threshold t_p for a dataset on dev records")

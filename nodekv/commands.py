@@ -139,9 +139,17 @@ def evaluate(args: argparse.Namespace) -> int:
     from nodekv.methods.evaluate import run
 
     cfg = run_config(args)
+    plan = None
+    if args.ray is not None:
+        from nodekv.methods.ray_eval import RayPlan
+
+        if args.workers < 1:
+            print(f"error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+            return 2
+        plan = RayPlan(args.ray or None, args.workers, args.threads or 1)
     try:
         get(cfg.method).configure(**cfg.options)  # before the model loads
-        path = run(load_engine(args.model, threads=args.threads), cfg)
+        path = run(load_engine(args.model, threads=args.threads), cfg, ray=plan)
     except (DataNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
