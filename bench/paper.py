@@ -137,11 +137,13 @@ def _lines(path: Path) -> list[dict]:
 
 def _runs(runs: Path, prefix: str) -> list[tuple[str, str, list[dict]]]:
     """(label, dataset, good lines) of every run under `runs` whose label starts with `prefix`."""
+    from nodekv.bench.report import run_files
+
     found = []
-    for meta in sorted(runs.rglob("*.meta.json")):
-        m = json.loads(meta.read_text())
+    for f in run_files(runs, runs / "report"):
+        m = json.loads(f.with_suffix(".meta.json").read_text())
         if str(m.get("method", "")).startswith(prefix):
-            rows = [r for r in _lines(meta.with_name(meta.name[:-len(".meta.json")] + ".jsonl")) if "error" not in r]
+            rows = [r for r in _lines(f) if "error" not in r]
             if rows:
                 found.append((m["method"], m["dataset"], rows))
     return found

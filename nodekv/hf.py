@@ -106,21 +106,14 @@ def _check(module, attention_mask, dropout: float, scaling: float | None, dim: i
                          "(padded batch or a custom mask): run unpadded sequences, one per row of equal length")
 
 
-def _causal_mask(*args, **kwargs):
-    """The mask function for attn_implementation="nodekv": sdpa's, which is None for plain causal attention."""
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **kwargs)
-
-
 def register() -> None:
     """Make attn_implementation="nodekv" available to HF models loaded afterwards (and to set_attn_implementation)."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError as e:
         raise ImportError(f"nodekv.hf needs transformers with AttentionInterface and AttentionMaskInterface "
                           f"(tested with 5.23): {e}") from None
 
     AttentionInterface.register(NAME, nodekv_attention)
-    AttentionMaskInterface.register(NAME, _causal_mask)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # None for plain causal attention: no mask is built
