@@ -30,7 +30,7 @@ from .data import load_dataset
 from .index_store import PROJECT_TO, BuiltIndex, IndexStore, document_hash, processed_tokens
 from .metrics import score
 from .prompts import prompt_for
-from .ray_eval import RayPlan, evaluate_on_ray
+from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray
 from .registry import get, names
 
 
@@ -113,7 +113,7 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
 
 def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:
     """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path. With `ray`, the
-    records run as Ray tasks (`ray_eval`), the lines the same."""
+    records run as Ray tasks (`ray_tasks`), the lines the same."""
     if ray is not None and get(cfg.method).learns_across_documents:
         raise ValueError(f"--ray runs methods that index and answer one document at a time; {cfg.method} learns "
                          "across documents (a fit per fold): run it without --ray")
@@ -152,7 +152,8 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
             _cross_fit(engine, method, loaded.records, todo, store, write, progress)
         elif ray is not None:
             dtype = next(name for name, d in DTYPES.items() if d == engine.model.dtype)
-            evaluate_on_ray(ray, str(engine.path), dtype, cfg.dataset, cfg.method, options, store.root, todo, write)
+            spec = WorkerSpec(str(engine.path), dtype, cfg.method, options, str(store.root), cfg.dataset)
+            evaluate_on_ray(ray, spec, todo, write)
         else:
             for record in todo:
                 write(evaluate_record(engine, method, record, indexes, store))

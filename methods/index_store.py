@@ -68,15 +68,29 @@ class IndexStore:
         self.put(method, doc, built, cost)
         return BuiltIndex(built, *cost)
 
-    def get(self, method: Method, doc: str):
+    def index_path(self, doc: str) -> Path:
+        """Where the index of the document hashed `doc` is (or would be) saved."""
+        return self.root / f"{self.key}-{doc}.idx"
+
+    def cost(self, doc: str) -> tuple | None:
+        """What building the stored index of the document hashed `doc` cost (BuiltIndex's fields after the index),
+        or None if this store does not have it."""
         meta = self.root / f"{self.key}-{doc}.json"
-        if not method.can_save or not meta.exists():
+        if not meta.exists():
             return None
         cost = json.loads(meta.read_text())
-        return BuiltIndex(method.load_index(self.root / f"{self.key}-{doc}.idx"), *cost, *[None] * (4 - len(cost)))
+        return (*cost, *[None] * (4 - len(cost)))
+
+    def get(self, method: Method, doc: str):
+        cost = self.cost(doc) if method.can_save else None
+        return None if cost is None else BuiltIndex(method.load_index(self.index_path(doc)), *cost)
 
     def put(self, method: Method, doc: str, built, cost: tuple) -> None:
         if method.can_save:
             self.root.mkdir(parents=True, exist_ok=True)
-            method.save_index(built, self.root / f"{self.key}-{doc}.idx")
-            (self.root / f"{self.key}-{doc}.json").write_text(json.dumps(cost))
+            method.save_index(built, self.index_path(doc))
+            # the cost file marks the index complete, so it is written last and whole: a process killed before
+            # this leaves a document that the next run builds again
+            meta = self.root / f"{self.key}-{doc}.json"
+            meta.with_suffix(".json.tmp").write_text(json.dumps(cost))
+            meta.with_suffix(".json.tmp").replace(meta)

@@ -53,3 +53,17 @@ def test_store_without_token_counts_loads(tmp_path):
     got = IndexStore(tmp_path, "m", SimpleNamespace(flops=account)).build_or_load(method, "doc")
     assert (got.index, got.flops, got.flops_8b, got.seconds, got.tokens, method.built) == ("OLD", 900, 1800, 1.5,
                                                                                         None, 0)
+
+
+def test_index_saved_without_its_cost_is_built_again(tmp_path):
+    """A process killed between saving an index and writing its cost leaves a document the next run builds again."""
+    doc = document_hash("doc")
+    (tmp_path / f"m-{doc}.idx").write_text("HALF WRITT")
+    account = FlopAccount()
+    method = _Saving(account)
+    store = IndexStore(tmp_path, "m", SimpleNamespace(flops=account))
+    assert store.cost(doc) is None
+    assert store.build_or_load(method, "doc").index == "DOC" and method.built == 1
+    assert (tmp_path / f"m-{doc}.idx").read_text() == "DOC"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"m-{doc}.idx", f"m-{doc}.json"]  # no temporary left
+    assert store.cost(doc)[0] == 900
