@@ -1,9 +1,9 @@
-"""`nodekv` command line: `index` (a method's saved index of a text file), `ask` (a method's answer to a question
-about a text file or a saved index), `eval` (methods on datasets, and their report), `calibrate` (PECAN's t_p on
-dev records), `flops` (exact and paper-style counts), `graph` (a saved index exported for inspection), `bench` (the
-benchmarks under bench/) and `models` (the registered models and where they stand).
-`index`, `ask` and `eval` take any registered method (`--method`, options as `--option KEY=VALUE`); their --help
-lists the methods and options."""
+"""`nodekv` command line: `index` (a method's saved index of a text file), `index-corpus` (every text file under a
+directory into an index store), `ask` (a method's answer to a question about a text file or a saved index), `eval`
+(methods on datasets, and their report), `calibrate` (PECAN's t_p on dev records), `flops` (exact and paper-style
+counts), `graph` (a saved index exported for inspection), `bench` (the benchmarks under bench/) and `models` (the
+registered models and where they stand). `index`, `index-corpus`, `ask` and `eval` take any registered method
+(`--method`, options as `--option KEY=VALUE`); their --help lists the methods and options."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +60,14 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _ray_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                        help=f"run the {what} as Ray tasks: on the cluster at ADDRESS, or (no address) on a local "
+                             "Ray runtime started for the command; needs the ray extra")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="with --ray: engine processes (one task per document)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nodekv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
@@ -78,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--threads", type=int, default=None)
     ix.set_defaults(func=commands.index)
 
+    co = sub.add_parser("index-corpus", methods="saving",
+                        help="index every *.txt under a directory into an index store (resumable; --ray)")
+    co.add_argument("directory")
+    co.add_argument("--method", default="pecan", help="a method that can save its index (default: pecan)")
+    co.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                    help="a method option, repeatable")
+    co.add_argument("--out", default="runs/indexes", help="the index store (default runs/indexes: the one "
+                                                          "`nodekv eval --out runs` reads)")
+    co.add_argument("--model", default=None, help=MODEL_HELP)
+    co.add_argument("--threads", type=int, default=None, help="torch threads (with --ray: per worker, default 1)")
+    _ray_arguments(co, "documents")
+    co.set_defaults(func=commands.index_corpus)
+
     ask = sub.add_parser("ask", methods="all", help="answer a question about a text file or a saved index")
     ask.add_argument("--method", default=None, help="default: the method whose saved index DOCUMENT is (e.g. "
                                                     "story.pecan), else full (the whole document in context)")
@@ -85,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a method option, repeatable, e.g. --option t_p=0.4 --option node_budget=6")
     ask.add_argument("--trace", action="store_true", help="print the answer's trace, one line per step (e.g. "
                                                           "PECAN's visited nodes, their scores and p(Yes))")
-    ask.add_argument("document", help="a text file, or an index file a method saved (DOCUMENT.<method>)")
+    ask.add_argument("document", help="a text file, or an index file a method saved (DOCUMENT.<method>, or an "
+                                      "index store's <method>-...idx, e.g. from index-corpus's manifest)")
     ask.add_argument("question")
     ask.add_argument("--model", default=None, help=MODEL_HELP)
     ask.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -113,10 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")
     ev.add_argument("--reference", default=None, help="report: method the TFLOPs ratio is taken against")
     ev.add_argument("--threads", type=int, default=None, help="torch threads (with --ray: per worker, default 1)")
-    ev.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                    help="run the records as Ray tasks: on the cluster at ADDRESS, or (no address) on a local Ray "
-                         "runtime started for the run; needs the ray extra")
-    ev.add_argument("--workers", type=int, default=2, help="with --ray: engine processes (one task per document)")
+    _ray_arguments(ev, "records")
     ev.set_defaults(func=commands.evaluate)
 
     ca = sub.add_parser("calibrate", help="pick PECAN's threshold t_p for a dataset on dev records")

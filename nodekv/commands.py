@@ -1,6 +1,6 @@
-"""What each `nodekv` subcommand does, given its parsed arguments (the parser is in cli.py): `index`, `ask`, `eval`
-(and its report), `calibrate`, `flops`, `graph`, `bench`, `models`. Each returns the process's exit status; input
-errors are ValueErrors naming the problem."""
+"""What each `nodekv` subcommand does, given its parsed arguments (the parser is in cli.py): `index`, `index-corpus`,
+`ask`, `eval` (and its report), `calibrate`, `flops`, `graph`, `bench`, `models`. Each returns the process's exit
+status; input errors are ValueErrors naming the problem."""
 from __future__ import annotations
 
 import argparse
@@ -14,10 +14,12 @@ from nodekv.methods.prompts import prompt_for
 
 
 def _saved_by(path: str | Path | None) -> str | None:
-    """The method whose saved indexes `path` is named like (DOCUMENT.<method>), if any."""
+    """The method whose saved indexes `path` is named like (DOCUMENT.<method>, or an index store's
+    <method>-<key>-<document>.idx), if any."""
     from nodekv.methods import get, names
 
-    name = Path(path).suffix[1:] if path else ""
+    path = Path(path or "")
+    name = path.name.split("-")[0] if path.suffix == ".idx" else path.suffix[1:]
     return name if name in names() and get(name).can_save else None
 
 
@@ -63,6 +65,33 @@ def index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ray_plan(args: argparse.Namespace):
+    """The RayPlan that --ray, --workers and --threads describe (None without --ray)."""
+    from nodekv.methods.ray_tasks import RayPlan
+
+    if args.ray is None:
+        return None
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    return RayPlan(args.ray or None, args.workers, args.threads or 1)
+
+
+def index_corpus(args: argparse.Namespace) -> int:
+    from nodekv import load_engine
+    from nodekv.methods import get
+    from nodekv.methods.corpus import check_request
+    from nodekv.methods.corpus import index_corpus as run
+
+    options = dict(args.option)
+    check_request(args.method, Path(args.directory))  # bad requests and options fail before the model loads
+    get(args.method).configure(**options)
+    plan = _ray_plan(args)
+    manifest = run(load_engine(args.model, threads=args.threads), args.method, options, Path(args.directory),
+                   Path(args.out), plan)
+    print(f"wrote {manifest}")
+    return 0
+
+
 def ask(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods import get
@@ -73,7 +102,7 @@ def ask(args: argparse.Namespace) -> int:
     name = args.method or _saved_by(doc) or "full"
     method_class, options = get(name), dict(args.option)
     method_class.configure(**options)
-    saved = method_class.can_save and doc.suffix == f".{name}"
+    saved = method_class.can_save and _saved_by(doc) == name
     text = None if saved else _read_document(doc)
     t0 = time.perf_counter()
     eng = load_engine(args.model, dtype=args.dtype, threads=args.threads)
@@ -139,15 +168,8 @@ def evaluate(args: argparse.Namespace) -> int:
     from nodekv.methods.evaluate import run
 
     cfg = run_config(args)
-    plan = None
-    if args.ray is not None:
-        from nodekv.methods.ray_eval import RayPlan
-
-        if args.workers < 1:
-            print(f"error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
-            return 2
-        plan = RayPlan(args.ray or None, args.workers, args.threads or 1)
     try:
+        plan = _ray_plan(args)
         get(cfg.method).configure(**cfg.options)  # before the model loads
         path = run(load_engine(args.model, threads=args.threads), cfg, ray=plan)
     except (DataNotFoundError, ValueError) as e:

@@ -1,5 +1,7 @@
-"""`nodekv eval --ray` on SmolLM2: 20 records over 2 local workers give the lines a local run gives (wall times
-aside, same order); a worker killed mid-run restarts, and the run, then a rerun, lose and duplicate nothing."""
+"""`nodekv eval --ray` and `nodekv index-corpus --ray` on SmolLM2 with 2 local workers, one of them killed mid-run:
+the worker restarts, its task runs again, and the run ends with what a local run gives (eval: the same lines in the
+same order, wall times aside; index-corpus: byte-identical indexes and the same manifest, times aside); a rerun
+finds nothing left to do, so nothing is lost or duplicated."""
 from __future__ import annotations
 
 import json
@@ -43,24 +45,56 @@ def _lines(out):
             for x in (out / "bm25-top2-hotpotqa.jsonl").read_text().splitlines()]
 
 
-def test_ray_run_equals_local_and_survives_a_killed_worker(tmp_path):
+def _kill_a_worker_when(ready, run: subprocess.Popen) -> None:
+    """SIGKILL one Ray worker of `run` as soon as `ready()` holds (the run is under way, not finished)."""
+    deadline = time.time() + 1800
+    while not ready() and run.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-f", "ray::_Worker"], capture_output=True, text=True).stdout.split()
+    assert workers, "no Ray worker process to kill"
+    os.kill(int(workers[0]), signal.SIGKILL)
+    assert run.wait(timeout=1800) == 0  # a restarted worker loads its engine again
+
+
+def test_ray_eval_equals_local_despite_a_killed_worker(tmp_path):
     data = tmp_path / "data"
     _write_data(data)
     assert cli_main(_argv(data, tmp_path / "local")) == 0
     local = _lines(tmp_path / "local")
     assert len(local) == 20
 
-    assert cli_main(_argv(data, tmp_path / "ray", "--ray", "--workers", "2")) == 0
+    run = subprocess.Popen([sys.executable, "-m", "nodekv", *_argv(data, tmp_path / "ray", "--ray", "--workers", "2")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path = tmp_path / "ray" / "bm25-top2-hotpotqa.jsonl"
+    _kill_a_worker_when(lambda: path.exists() and path.read_text().count("\n") >= 2, run)
+    assert _lines(tmp_path / "ray") == local
+    assert cli_main(_argv(data, tmp_path / "ray", "--ray")) == 0  # the rerun finds nothing left to do
     assert _lines(tmp_path / "ray") == local
 
-    run = subprocess.Popen([sys.executable, "-m", "nodekv", *_argv(data, tmp_path / "killed", "--ray")],
+
+def _manifest(store):
+    (path,) = store.glob("*.corpus.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{**r, "index": os.path.basename(r["index"]), "seconds": None} for r in rows]
+
+
+def test_ray_index_corpus_equals_local_despite_a_killed_worker(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for d in range(3):
+        (corpus / f"doc{d}.txt").write_text(" ".join(f"{WORDS[(d + i) % 8].title()}{d} was founded in {1800 + i} by "
+                                                     f"{WORDS[i].title()} Quill." for i in range(3)))
+    argv = ["index-corpus", str(corpus), "--model", "smollm2-135m", "--threads", "1", "--out"]
+    assert cli_main([*argv, str(tmp_path / "local")]) == 0
+    local = _manifest(tmp_path / "local")
+    assert len(local) == 3
+
+    store = tmp_path / "ray"
+    run = subprocess.Popen([sys.executable, "-m", "nodekv", *argv, str(store), "--ray", "--workers", "2"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    path, deadline = tmp_path / "killed" / "bm25-top2-hotpotqa.jsonl", time.time() + 1800
-    while not (path.exists() and path.read_text().count("\n") >= 2) and time.time() < deadline:
-        time.sleep(0.2)
-    workers = subprocess.run(["pgrep", "-f", "ray::_Worker"], capture_output=True, text=True).stdout.split()
-    assert workers, "no Ray worker process to kill"
-    os.kill(int(workers[0]), signal.SIGKILL)
-    assert run.wait(timeout=1800) == 0  # a restarted worker loads its engine again
-    assert cli_main(_argv(data, tmp_path / "killed", "--ray")) == 0  # the rerun finds nothing left to do
-    assert _lines(tmp_path / "killed") == local
+    _kill_a_worker_when(lambda: any(store.glob("pecan-*.json")), run)
+    assert cli_main([*argv, str(store), "--ray"]) == 0  # the rerun finds nothing left to do
+    assert _manifest(store) == local
+    assert len(list(store.glob("pecan-*.json"))) == 3
+    for row in local:
+        assert (store / row["index"]).read_bytes() == (tmp_path / "local" / row["index"]).read_bytes()
