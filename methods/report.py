@@ -21,8 +21,10 @@ def summarize(path: Path) -> dict:
     if method is None:
         method, _, dataset = path.stem.rpartition("-")
     docs: dict[str, tuple[int, int]] = {}
+    index_s: dict[str, float] = {}
     for r in ok:
         docs[r["document"]] = (r["index_flops"], r["index_flops_8b"])
+        index_s[r["document"]] = r.get("index_s", 0.0)
     metric_names = sorted({k for r in ok for k in r["metrics"]})
     out = {"method": method, "dataset": dataset, "n": len(ok), "errors": len(rows) - len(ok),
            "skipped": len(meta.get("skipped", [])), "docs": len(docs)}
@@ -36,10 +38,13 @@ def summarize(path: Path) -> dict:
                query_tflops_8b=mean(r["query_flops_8b"] for r in ok) / 1e12,
                saved_tflops=mean(r.get("query_flops_saved", 0) for r in ok) / 1e12,
                index_tflops_doc=mean(f for f, _ in docs.values()) / 1e12,
-               index_docs_8b=len(projected),
+               index_docs_8b=len(projected), index_s_doc=mean(index_s.values()),
                truncated=sum(bool(r.get("truncated")) for r in ok))
     if projected:
         out["index_tflops_doc_8b"] = mean(projected) / 1e12
+    fits = {r["fit_s"] for r in ok if "fit_s" in r}  # one per fold (methods that learn across documents)
+    if fits:
+        out["fit_s"] = mean(fits)
     out.update(_search_stats([step for r in ok for step in r.get("trace", [])]))
     out["settings"] = {k: f"{meta['options'][k]} ({source})" for k, source in meta.get("option_sources", {}).items()}
     return out
@@ -73,7 +78,7 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
     head = ("| dataset | method | n | failed | skipped | F1 | EM | ROUGE-1 | ROUGE-2 | ROUGE-L | acc | nodes | "
             "query TFLOPs (model) | "
             "prefix TFLOPs saved (model) | query TFLOPs (8B) | ratio | index TFLOPs/doc (model) | "
-            "index TFLOPs/doc (8B) | truncated | s/query |")
+            "index TFLOPs/doc (8B) | index s/doc | fit s/fold | truncated | s/query |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in sorted(summaries, key=lambda s: (s["dataset"], s.get("query_tflops_8b", 0))):
         def f(key, fmt="{:.1f}"):
@@ -88,7 +93,8 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
                      f"{f('em')} | {f('rouge1')} | {f('rouge2')} | {rouge_l} | {f('accuracy')} | {f('nodes')} | "
                      f"{f('query_tflops', '{:.4f}')} | "
                      f"{f('saved_tflops', '{:.4f}')} | {f('query_tflops_8b', '{:.2f}')} | {ratio} | "
-                     f"{f('index_tflops_doc', '{:.4f}')} | {index_8b} | {s.get('truncated', '-')} | "
+                     f"{f('index_tflops_doc', '{:.4f}')} | {index_8b} | {f('index_s_doc', '{:.0f}')} | "
+                     f"{f('fit_s', '{:.0f}')} | {s.get('truncated', '-')} | "
                      f"{f('wall_s', '{:.2f}')} |")
     return "\n".join(lines)
 

@@ -67,3 +67,12 @@ def test_summaries_show_rouge_1_2_l_and_each_task_is_plotted_by_its_own_metric(t
     assert [primary_metric(s) for s in ({"f1": 1, "em": 1, "rouge_l": 1}, {"accuracy": 1, "f1": 1},
                                         {"em": 1, "f1": 1, "recall": 1}, {"rouge1": 1, "rougeL": 1})] == \
         ["f1", "accuracy", "em", "rougeL"]
+
+
+def test_index_seconds_are_per_document_and_fit_seconds_per_fold(tmp_path):
+    rows = [{**_record("1", []), "document": "a", "index_s": 100.0, "fit_s": 30.0},
+            {**_record("2", []), "document": "a", "index_s": 100.0, "fit_s": 30.0},
+            {**_record("3", []), "document": "b", "index_s": 400.0, "fit_s": 60.0}]
+    (tmp_path / "gor-qmsum_general.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report([tmp_path], tmp_path / "out")
+    assert "| 250 | 45 | 0 | 1.00 |" in text  # (100 + 400) / 2 documents, (30 + 60) / 2 folds; s/query
