@@ -45,10 +45,11 @@ def read_corpus(directory: Path) -> tuple[dict[str, str], list[tuple[str, str]]]
 
 
 def index_corpus(engine: Engine, method: str, options: dict, directory: Path, store_root: Path,
-                 ray: RayPlan | None = None, log: Callable[[str], None] = print) -> Path:
+                 ray: RayPlan | None = None, log: Callable[[str], None] = print) -> tuple[Path, int]:
     """Index every *.txt under `directory` with `method` (and its `options`) into the store at `store_root` (on Ray
     with `ray`), then write the manifest (one JSON line per file: file, document hash, index path, TFLOPs, seconds,
-    tokens); returns its path. Files with the same text share one index."""
+    tokens; or the error that stopped its index); returns its path and how many documents failed. Files with the
+    same text share one index; a document that fails does not stop the others."""
     check_request(method, directory)
     texts, skipped = read_corpus(directory)
     for name, why in skipped:
@@ -60,22 +61,31 @@ def index_corpus(engine: Engine, method: str, options: dict, directory: Path, st
     names = {document_hash(text): name for name, text in reversed(texts.items())}  # the first file of each text
     log(f"{len(texts)} files, {len(documents)} distinct documents, {len(documents) - len(todo)} already in "
         f"{store_root}")
-    count = iter(range(1, len(todo) + 1))
+    count, errors = iter(range(1, len(todo) + 1)), {}
 
-    def built(doc: str, cost: tuple) -> None:
-        log(f"[{next(count)}/{len(todo)}] indexed {names[doc]}: {cost[0] / 1e12:.3f} TFLOPs, {cost[2]:.1f}s")
+    def built(doc: str, cost: tuple | str) -> None:
+        if isinstance(cost, str):
+            errors[doc] = cost
+            log(f"[{next(count)}/{len(todo)}] FAILED {names[doc]}: {cost}")
+        else:
+            log(f"[{next(count)}/{len(todo)}] indexed {names[doc]}: {cost[0] / 1e12:.3f} TFLOPs, {cost[2]:.1f}s")
 
     if ray is not None:
         dtype = next(name for name, d in DTYPES.items() if d == engine.model.dtype)
         index_on_ray(ray, WorkerSpec(str(engine.path), dtype, method, options, str(store_root)), todo, built)
     else:
         for doc, text in todo.items():
-            built(doc, tuple(store.build_or_load(store_method, text))[1:])
+            built(doc, store.build_cost(store_method, text))
+    store_root.mkdir(parents=True, exist_ok=True)
     manifest = store_root / f"{store.key}-{directory.resolve().name}.corpus.jsonl"
     with manifest.open("w") as out:
         for name, text in texts.items():
             doc = document_hash(text)
-            flops, _, seconds, tokens = store.cost(doc)
-            out.write(json.dumps({"file": name, "document": doc, "index": str(store.index_path(doc)),
-                                  "tflops": flops / 1e12, "seconds": seconds, "tokens": tokens}) + "\n")
-    return manifest
+            row = {"file": name, "document": doc}
+            if doc in errors:
+                row["error"] = errors[doc]
+            else:
+                flops, _, seconds, tokens = store.cost(doc)
+                row.update(index=str(store.index_path(doc)), tflops=flops / 1e12, seconds=seconds, tokens=tokens)
+            out.write(json.dumps(row) + "\n")
+    return manifest, len(errors)

@@ -68,6 +68,14 @@ class IndexStore:
         self.put(method, doc, built, cost)
         return BuiltIndex(built, *cost)
 
+    def build_cost(self, method: Method, document: str) -> tuple | str:
+        """What building (or finding) `document`'s index cost (BuiltIndex's fields after the index), or the error
+        that stopped it as "Type: message", so that a corpus goes on past one bad document."""
+        try:
+            return tuple(self.build_or_load(method, document))[1:]
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
     def index_path(self, doc: str) -> Path:
         """Where the index of the document hashed `doc` is (or would be) saved."""
         return self.root / f"{self.key}-{doc}.idx"

@@ -58,9 +58,9 @@ class _Worker:
 
         return [evaluate_record(self.engine, self.method, r, self.indexes, self.store) for r in records]
 
-    def index(self, document: str) -> tuple:
-        """Build and store `document`'s index; its cost (the index itself stays in the store)."""
-        return tuple(self.store.build_or_load(self.method, document))[1:]
+    def index(self, document: str) -> tuple | str:
+        """Build and store `document`'s index; its cost, or the error that stopped it (`IndexStore.build_cost`)."""
+        return self.store.build_cost(self.method, document)
 
 
 @contextmanager
@@ -114,8 +114,8 @@ def evaluate_on_ray(plan: RayPlan, spec: WorkerSpec, todo: list, write: Callable
 
 
 def index_on_ray(plan: RayPlan, spec: WorkerSpec, documents: dict[str, str],
-                 built: Callable[[str, tuple], None]) -> None:
-    """Index `documents` ({key: text}) on Ray into the spec's store; `built(key, cost)` as each one is stored."""
+                 built: Callable[[str, tuple | str], None]) -> None:
+    """Index `documents` ({key: text}) on Ray into the spec's store; `built(key, cost or error)` as each one ends."""
     with ray_workers(plan, spec) as actors:
         for key, cost in _spread(actors, list(documents), lambda a, key: a.index.remote(documents[key])):
             built(key, cost)

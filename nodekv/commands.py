@@ -86,10 +86,11 @@ def index_corpus(args: argparse.Namespace) -> int:
     check_request(args.method, Path(args.directory))  # bad requests and options fail before the model loads
     get(args.method).configure(**options)
     plan = _ray_plan(args)
-    manifest = run(load_engine(args.model, threads=args.threads), args.method, options, Path(args.directory),
-                   Path(args.out), plan)
-    print(f"wrote {manifest}")
-    return 0
+    manifest, failed = run(load_engine(args.model, threads=args.threads), args.method, options,
+                           Path(args.directory), Path(args.out), plan)
+    print(f"wrote {manifest}" + (f"; {failed} document(s) failed (their lines say why), a rerun tries them again"
+                                 if failed else ""))
+    return 1 if failed else 0
 
 
 def ask(args: argparse.Namespace) -> int:

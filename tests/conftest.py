@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random HF checkpoints (the reference model is HF transformers on the same weights)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -177,3 +178,68 @@ def write_tiny_gguf(hf_model, path: Path, qtype: str = "q8_0", arch: str = "llam
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# The method interface's fixtures: a saving test method and a tiny engine that the CLI loads.
+@pytest.fixture
+def registry():
+    """The registry as it was before the test (tests declare methods of their own)."""
+    from nodekv.methods import names
+    from nodekv.methods.base import REGISTERED
+
+    names()  # the built-in methods register on first use: before the copy, or restoring it would drop them
+    saved = dict(REGISTERED)
+    yield REGISTERED
+    REGISTERED.clear()
+    REGISTERED.update(saved)
+
+
+@pytest.fixture
+def saver(registry):
+    """A method that can save: its index counts the document's words (a document containing FAIL fails); `width`
+    is part of the index key, `search` is not; `built` counts the indexes built."""
+    from nodekv.methods.base import Answer, Method
+    from nodekv.methods.options import Option
+
+    class WordCount(Method, name="test-saver"):
+        """Counts the document's words (a test method)."""
+
+        options = (Option("width", int, 1, "part of the index key", low=1),
+                   Option("search", int, 0, "not part of the index key"))
+        can_save = True
+        built = 0
+
+        def index_key(self) -> dict:
+            return {"width": self.config.width}
+
+        def index(self, document: str) -> dict:
+            if "FAIL" in document:
+                raise ValueError("this document asks to fail")
+            WordCount.built += 1
+            return {"words": len(document.split())}
+
+        def answer(self, index: dict, question: str, options: tuple[str, ...] = ()) -> Answer:
+            return Answer(str(index["words"]), ["document"], [{"words": index["words"]}])
+
+        def save_index(self, index: dict, path) -> None:
+            Path(path).write_text(json.dumps(index))
+
+        def load_index(self, path) -> dict:
+            return json.loads(Path(path).read_text())
+
+        def describe(self, index: dict) -> list[str]:
+            return [f"{index['words']} words"]
+
+    return WordCount
+
+
+@pytest.fixture
+def engine(save_hf, monkeypatch):
+    """A tiny random-weight engine, also what the CLI's load_engine returns."""
+    import nodekv
+
+    path = save_hf(tiny_hf_model())
+    eng = tiny_engine(path)
+    eng.path = path
+    monkeypatch.setattr(nodekv, "load_engine", lambda *args, **kwargs: eng)
+    return eng

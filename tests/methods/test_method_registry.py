@@ -10,70 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_engine, tiny_hf_model
 from nodekv.cli import main
 from nodekv.methods import get, names
-from nodekv.methods.base import REGISTERED, Answer, Method
+from nodekv.methods.base import Method
 from nodekv.methods.options import Option
 
 PARAS = [["Alpha", ["The Alpha river flows north.", " It is 40 km long."]],
          ["Beta", ["Beta town was founded in 1802 by Mara Quill."]]]
-
-
-@pytest.fixture
-def registry():
-    """The registry as it was before the test (tests declare methods of their own)."""
-    saved = dict(REGISTERED)
-    yield REGISTERED
-    REGISTERED.clear()
-    REGISTERED.update(saved)
-
-
-@pytest.fixture
-def saver(registry):
-    """A method that can save: its index counts the document's words; `width` is part of the index key, `search`
-    is not; `built` counts the indexes built."""
-
-    class WordCount(Method, name="test-saver"):
-        """Counts the document's words (a test method)."""
-
-        options = (Option("width", int, 1, "part of the index key", low=1),
-                   Option("search", int, 0, "not part of the index key"))
-        can_save = True
-        built = 0
-
-        def index_key(self) -> dict:
-            return {"width": self.config.width}
-
-        def index(self, document: str) -> dict:
-            WordCount.built += 1
-            return {"words": len(document.split())}
-
-        def answer(self, index: dict, question: str, options: tuple[str, ...] = ()) -> Answer:
-            return Answer(str(index["words"]), ["document"], [{"words": index["words"]}])
-
-        def save_index(self, index: dict, path) -> None:
-            Path(path).write_text(json.dumps(index))
-
-        def load_index(self, path) -> dict:
-            return json.loads(Path(path).read_text())
-
-        def describe(self, index: dict) -> list[str]:
-            return [f"{index['words']} words"]
-
-    return WordCount
-
-
-@pytest.fixture
-def engine(save_hf, monkeypatch):
-    """A tiny random-weight engine, also what the CLI's load_engine returns."""
-    import nodekv
-
-    path = save_hf(tiny_hf_model())
-    eng = tiny_engine(path)
-    eng.path = path
-    monkeypatch.setattr(nodekv, "load_engine", lambda *args, **kwargs: eng)
-    return eng
 
 
 def _write_data(root: Path) -> Path:
