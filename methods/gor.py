@@ -59,6 +59,9 @@ class Gor(Method, name="gor", title="GoR"):
         Option("response_tokens", int, 128, "tokens of a RAG response at most", low=1),
         Option("graph_k", int, 6, "K: nodes retrieved per RAG round while the graph is built", low=1),
         Option("k", int, 6, "nodes retrieved for the answer", low=1),
+        Option("order", str, "document", "the retrieved nodes in the prompt: document (chunks in document order, "
+               "then responses in the order they were made, as the baselines show their chunks) or score",
+               choices=("document", "score")),
         Option("seed", int, 0, "seed of the chunk draws, the sampling and the GAT's training"),
         Option("train", str, "gat", "gat: learned node embeddings; none: the MiniLM vectors (Table 3's w/o train)",
                choices=("gat", "none")),
@@ -179,10 +182,11 @@ class Gor(Method, name="gor", title="GoR"):
         scores = vectors @ self._encode([question])[0]
         top = torch.argsort(-scores, stable=True)[:self.config.k].tolist()
         texts, chunks = index.graph.texts, len(index.graph.chunks)
-        ids, truncated = prompt_ids(self.engine, self.answer_prompt, "\n\n".join(texts[j] for j in top), question)
+        shown = sorted(top) if self.config.order == "document" else top  # chunk ids run in document order
+        ids, truncated = prompt_ids(self.engine, self.answer_prompt, "\n\n".join(texts[j] for j in shown), question)
         trace = [{"model": model, "nodes": [{"node": j, "kind": "chunk" if j < chunks else "response",
                                             "score": round(float(scores[j]), 4)} for j in top]}]
-        return generate_answer(self.engine, ids, self.answer_prompt, top, truncated, trace)
+        return generate_answer(self.engine, ids, self.answer_prompt, shown, truncated, trace)
 
     def save_index(self, index: GorIndex, path) -> None:
         save(index, path, self.engine)

@@ -176,6 +176,30 @@ def test_which_model_answers_and_what_is_refused():
     assert Gor.dataset_defaults("qmsum_general") == {"alpha": (0.9, "Table 6"), "dropout": (0.2, "Table 6")}
 
 
+@pytest.mark.parametrize("order", ["document", "score"])
+def test_the_prompt_shows_the_k_best_nodes_in_document_or_score_order(monkeypatch, order):
+    import nodekv.methods.gor as gor_module
+
+    shown = {}
+
+    def prompt_ids(engine, spec, context, question):
+        shown["context"] = context
+        return [], False
+
+    monkeypatch.setattr(gor_module, "prompt_ids", prompt_ids)
+    monkeypatch.setattr(gor_module, "generate_answer", lambda eng, ids, spec, nodes, cut, trace: (nodes, trace))
+    gor = _gor(_engine(), train="none", k=5, order=order)
+    index = gor.index(DOC)
+    question = "which ccc and ggg?"
+    scores = (LetterEmbedder().encode(index.graph.texts) @ LetterEmbedder().encode([question])[0]).tolist()
+    best = sorted(range(len(scores)), key=lambda j: -scores[j])[:5]  # by hand: the stand-in vectors, no GAT
+    want = sorted(best) if order == "document" else best
+    assert sorted(best) != best  # the two orders differ here
+    nodes, trace = gor.answer(index, question)
+    assert nodes == want and shown["context"] == "\n\n".join(index.graph.texts[j] for j in want)
+    assert [n["node"] for n in trace[0]["nodes"]] == best  # the trace keeps the retrieval order
+
+
 def test_documents_are_dealt_into_folds_in_order_of_first_appearance():
     from nodekv.methods.evaluate import document_folds, document_hash
 
