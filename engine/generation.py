@@ -1,9 +1,10 @@
 """Decoding: one session's generation in progress (`GenerationState`: steering, sampling, stop strings, finish), the
 `Generation` it ends with, and the loop that advances several of them with one forward per token (`step`, `generate`).
 
-A step takes each state's next token from the logits after its session's last token: logits processors first, then
-the constraint mask (`allowed_tokens`, `choices`), then greedy or temperature/top-p sampling. The chosen tokens of all
-states run as one batched forward (`Engine.run_batch`), which gives each its next logits.
+A step takes each state's next token from the logits after its session's last token: the repetition penalty and the
+logits processors first, then the constraint mask (`allowed_tokens`, `choices`), then greedy or temperature/top-p
+sampling. The chosen tokens of all states run as one batched forward (`Engine.run_batch`), which gives each its next
+logits.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Hashable, Sequence
 
 import torch
 
-from .sampling import check_sampling, sample
+from .sampling import RepetitionPenalty, check_sampling, sample
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -69,7 +70,8 @@ class GenerationState:
     def __init__(self, session: "Session", max_new_tokens: int, stop: Sequence[str] | str | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  logits_processors: Sequence[LogitsProcessor] = (), allowed_tokens: Collection[int] | None = None,
-                 choices: Sequence[str] | None = None, node_id: Hashable | None = None, collect: bool = False):
+                 choices: Sequence[str] | None = None, node_id: Hashable | None = None, collect: bool = False,
+                 repetition_penalty: float = 1.0):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_sampling(temperature, top_p)
@@ -80,8 +82,9 @@ class GenerationState:
         self.session, self.max_new_tokens = session, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.processors = list(logits_processors or [])
         tok, vocab = session.engine.tokenizer, session.engine.config.vocab_size
+        penalty = [] if repetition_penalty == 1.0 else [RepetitionPenalty(repetition_penalty, session.tokens, vocab)]
+        self.processors = penalty + list(logits_processors or [])
         self.allowed = None if allowed_tokens is None else _token_mask(allowed_tokens, vocab)
         self.trie = None if choices is None else ChoiceTrie([tok.encode(c) for c in choices])
         self._trie_node = None if self.trie is None else self.trie.root

@@ -1,5 +1,8 @@
-"""Next-token choice from last-position logits: greedy, or temperature + nucleus (top-p) sampling, seeded."""
+"""Next-token choice from last-position logits: greedy, or temperature + nucleus (top-p) sampling, seeded; and the
+repetition penalty that may come before it."""
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -24,3 +27,23 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
         sorted_probs = sorted_probs * keep
         return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class RepetitionPenalty:
+    """The repetition penalty of CTRL (Keskar et al., 2019) as HF transformers applies it: the logit of every token id
+    in the context (the cached prompt) or generated so far is divided by `penalty` where it is positive and multiplied
+    by it where it is negative; > 1 discourages repeats. A logits processor (ids generated so far, logits) -> logits."""
+
+    def __init__(self, penalty: float, context: Sequence[int], vocab_size: int):
+        if not penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+        self.penalty = penalty
+        self.context = torch.zeros(vocab_size, dtype=torch.bool)
+        self.context[torch.as_tensor(list(context), dtype=torch.long)] = True
+
+    def __call__(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        seen = self.context.clone()
+        seen[torch.as_tensor(ids, dtype=torch.long)] = True
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / self.penalty, picked * self.penalty)
+        return logits

@@ -68,7 +68,7 @@ class Session:
     def generate(self, max_new_tokens: int, stop: Sequence[str] | str | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, logits_processors: Sequence[LogitsProcessor] = (),
                  allowed_tokens: Collection[int] | None = None, choices: Sequence[str] | None = None,
-                 node_id: Hashable | None = None, collect: bool = False) -> Generation:
+                 node_id: Hashable | None = None, collect: bool = False, repetition_penalty: float = 1.0) -> Generation:
         """Decode up to `max_new_tokens` after the cached tokens; the generated tokens become one node.
 
         Ends at an EOS token (not kept), when a stop string appears (the text is cut before it; its tokens stay
@@ -77,10 +77,11 @@ class Session:
         `allowed_tokens` restricts every token to those ids; `choices` restricts the output to one of these strings
         (their tokenizations; EOS is allowed where one is complete and another continues it).
         collect: record each generated token's attention mass to every node (the generated one included).
-        On error the session is unchanged."""
+        repetition_penalty: HF's (`sampling.RepetitionPenalty`) over the cached and generated tokens, before the
+        processors. On error the session is unchanged."""
         return generate(self.engine, [self], max_new_tokens, stop=stop, temperature=temperature, top_p=top_p,
                         seed=seed, logits_processors=logits_processors, allowed_tokens=allowed_tokens,
-                        choices=choices, node_id=node_id, collect=collect)[0]
+                        choices=choices, node_id=node_id, collect=collect, repetition_penalty=repetition_penalty)[0]
 
     def start_generation(self, max_new_tokens: int, **options) -> GenerationState:
         """A generation to advance with `Engine.step` alongside other sessions' (options as for `generate`)."""

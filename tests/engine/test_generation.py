@@ -1,6 +1,7 @@
 """Generation on a tiny random model against HF's logits as the reference: `score` against HF's log-softmax, steered
-decoding (allowed tokens, choices, logits processors) against brute-force argmax over the allowed set, log-probs,
-FLOPs and every finish reason, and the rollbacks and errors around them."""
+decoding (allowed tokens, choices, logits processors) against brute-force argmax over the allowed set, the repetition
+penalty against HF's processor and HF's greedy `generate`, log-probs, FLOPs and every finish reason, and the rollbacks
+and errors around them."""
 from __future__ import annotations
 
 import random
@@ -135,6 +136,32 @@ def test_logits_processor_steers_and_sees_generated_ids(tiny):
     assert len(set(gen.ids)) == len(gen.ids) and seen[0] == [] and seen[1] == gen.ids[:1]
     assert gen.ids == brute_force_greedy(hf, PROMPT, 8, lambda out: set(range(101)) - set(out))[0]
     assert s._logits[s.nodes[0].node_id].isfinite().all()  # the session's own logits are untouched
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_is_hfs(tiny, penalty):
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from nodekv.engine.sampling import RepetitionPenalty
+
+    hf, eng = tiny
+    logits = torch.randn(101, generator=torch.Generator().manual_seed(0)) * 3
+    generated = [7, 99, 7, 0]
+    ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([PROMPT + generated]), logits[None].clone())[0]
+    assert torch.equal(RepetitionPenalty(penalty, PROMPT, 101)(generated, logits.clone()), ref)
+
+    s = eng.session()
+    s.append(PROMPT)
+    gen = s.generate(10, repetition_penalty=penalty)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False, repetition_penalty=penalty,
+                           eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert gen.ids == want[:len(gen.ids)] and len(gen.ids) >= 3
+    plain = eng.session()
+    plain.append(PROMPT)
+    assert plain.generate(10).ids[:len(gen.ids)] != gen.ids  # the penalty changed the greedy choice here
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        s.generate(2, repetition_penalty=0.0)
 
 
 def test_finish_reasons(tiny):
