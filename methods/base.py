@@ -142,11 +142,12 @@ def prompt_ids(engine: Engine, spec: PromptSpec, context: str, question: str, op
 
 def generate_answer(engine: Engine, ids: list[int], spec: PromptSpec, nodes: list, truncated: bool,
                     trace: list[dict] | None = None) -> Answer:
-    """Prefill `ids` as one node, decode greedily, and charge it all to the engine's "query" scope."""
+    """Prefill `ids` as one node, decode greedily (with the spec's repetition penalty), and charge it all to the
+    engine's "query" scope."""
     before = engine.flops.scopes["query"]
     with engine.flops.scope("query"), engine.session() as s:
         s.append(ids, node_id="prompt")
-        gen = s.generate(spec.max_new_tokens, stop=spec.stop)
+        gen = s.generate(spec.max_new_tokens, stop=spec.stop, repetition_penalty=spec.repetition_penalty)
     return Answer(gen.text.strip(), nodes, trace or [], engine.flops.scopes["query"] - before, len(ids),
                   len(gen.ids), truncated)
 

@@ -132,7 +132,8 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_done(cfg.path)}
     meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": options,
-            "option_sources": sources, **matched,
+            "option_sources": sources, **matched, "generation": {k: getattr(method.prompt, k) for k in
+                                                                  ("max_new_tokens", "stop", "repetition_penalty")},
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
     cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     for rid, why in loaded.problems:

@@ -29,3 +29,25 @@ def test_the_middle_is_cut_to_the_model_window_or_a_smaller_one():
     assert cut and ids == whole[:20] + whole[-20:]
     assert prompt_ids(_engine(50), spec, text, "q", window=4096) == (ids, True)  # the model's window is smaller
     assert FullContext(_engine(1000), window=50).config.window == 50
+
+
+def test_answers_decode_with_the_prompts_repetition_penalty(hf_tiny):
+    """generate_answer decodes as HF's greedy generate with the spec's repetition penalty; summaries carry one."""
+    import torch
+
+    from conftest import tiny_engine
+    from nodekv.methods.base import generate_answer
+    from nodekv.methods.prompts import prompt_for
+
+    hf, path = hf_tiny
+    eng, prompt = tiny_engine(path), [5, 17, 3, 99, 42, 8, 8, 61]
+    texts = {}
+    for penalty in (1.0, 1.3):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, repetition_penalty=penalty,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        answer = generate_answer(eng, prompt, PromptSpec("{context}", 10, repetition_penalty=penalty), [], False)
+        texts[penalty] = answer.text
+        assert answer.text == eng.tokenizer.decode(want[:answer.generated_tokens]).strip()
+    assert texts[1.0] != texts[1.3]
+    assert prompt_for("qmsum_general").repetition_penalty == 1.1 and prompt_for("hotpotqa").repetition_penalty == 1.0
