@@ -19,7 +19,7 @@ def _saved_by(path: str | Path | None) -> str | None:
     from nodekv.methods import get, names
 
     path = Path(path or "")
-    name = path.name.split("-")[0] if path.suffix == ".idx" else path.suffix[1:]
+    name = path.stem.rsplit("-", 2)[0] if path.suffix == ".idx" else path.suffix[1:]  # names may hold "-"
     return name if name in names() and get(name).can_save else None
 
 

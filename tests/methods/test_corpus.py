@@ -48,6 +48,9 @@ def test_each_text_once_failures_apart_and_a_rerun_resumes(tmp_path, engine, sav
     assert [json.loads(open(r["index"]).read()) for r in _manifest(store)] == [{"words": 1}, *[{"words": 3}] * 2,
                                                                                {"words": 2}]
 
+    assert cli_main(["ask", rows[3]["index"], "how many words?"]) == 0  # the method comes from the file name
+    assert "A: 2" in capsys.readouterr().out
+
     assert cli_main([*argv, "--option", "width=2"]) == 0  # an option of the index key: a store key of its own
     assert saver.built == 6 and len(list(store.glob("*.corpus.jsonl"))) == 2
 

@@ -51,7 +51,7 @@ def _kill_a_worker_when(ready, run: subprocess.Popen) -> None:
     while not ready() and run.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     workers = subprocess.run(["pgrep", "-f", "ray::_Worker"], capture_output=True, text=True).stdout.split()
-    assert workers, "no Ray worker process to kill"
+    assert workers and run.poll() is None, "the run ended before a worker could be killed mid-run"
     os.kill(int(workers[0]), signal.SIGKILL)
     assert run.wait(timeout=1800) == 0  # a restarted worker loads its engine again
 
