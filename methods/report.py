@@ -1,25 +1,32 @@
 """`nodekv eval report`: a Table-1-style comparison of runs (quality against query TFLOPs, measured on the model
-and projected to llama-3.1-8b), Table A4's amortisation of index FLOPs over 1/2/4/8 queries per document,
-written as Markdown and as a PNG plot of F1 against TFLOPs."""
+and projected to llama-3.1-8b), Table A4's amortisation of index FLOPs over 1/2/4/8 queries per document, paired
+differences between runs with bootstrap intervals, written as Markdown and as a PNG plot of F1 against TFLOPs."""
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter, defaultdict
 from pathlib import Path
-from statistics import mean
+from statistics import mean, quantiles
 
 from .evaluate import read_done
+
+
+def _meta(path: Path) -> tuple[str, str, dict]:
+    """A run file's (method, dataset, meta): from its meta file, else from its name (METHOD-DATASET.jsonl)."""
+    meta_path = path.with_suffix(".meta.json")
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    method, dataset = meta.get("method"), meta.get("dataset")
+    if method is None:
+        method, _, dataset = path.stem.rpartition("-")
+    return method, dataset, meta
 
 
 def summarize(path: Path) -> dict:
     """Means over a run file's answered records, with counts of failed and skipped ones."""
     rows = read_done(path)
     ok = [r for r in rows if "error" not in r]
-    meta_path = path.with_suffix(".meta.json")
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    method, dataset = meta.get("method"), meta.get("dataset")
-    if method is None:
-        method, _, dataset = path.stem.rpartition("-")
+    method, dataset, meta = _meta(path)
     docs: dict[str, tuple[int, int]] = {}
     index_s: dict[str, float] = {}
     for r in ok:
@@ -163,8 +170,53 @@ def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
     return True
 
 
-def report(runs: list[Path], out_dir: Path, reference: str | None = None) -> str:
-    """Summaries of run files (or directories of them) as Markdown, written to out_dir/report.md (+ report.png)."""
+def bootstrap_difference(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0
+                         ) -> tuple[float, float, float]:
+    """The mean of a[i] - b[i] over paired records and its 95% percentile-bootstrap interval (records drawn with
+    replacement, `resamples` times, seeded)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"a paired difference needs two equally long, non-empty lists (got {len(a)} and {len(b)})")
+    diffs, rng, n = [x - y for x, y in zip(a, b)], random.Random(seed), len(a)
+    means = [sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples)]
+    cuts = quantiles(means, n=40, method="inclusive")  # cut points every 2.5%
+    return mean(diffs), cuts[0], cuts[-1]
+
+
+def paired(files: list[Path], against: list[str]) -> str:
+    """Markdown: on each dataset, every run against each run of a method in `against`, over the records both
+    answered: the mean difference of the primary metric (points) with its 95% bootstrap interval, and how many
+    records it won, tied and lost. An interval that holds 0 is no evidence either way."""
+    scores: dict[tuple[str, str], dict[str, float]] = {}  # (dataset, method) -> {record id: metric}
+    for f in files:
+        method, dataset, _ = _meta(f)
+        ok = [r for r in read_done(f) if "error" not in r]
+        if ok:
+            key = primary_metric({k: 0 for r in ok for k in r["metrics"]})
+            scores[dataset, method] = {r["id"]: 100 * r["metrics"].get(key, 0.0) for r in ok}
+    missing = sorted(set(against) - {method for _, method in scores})
+    if missing:
+        raise ValueError(f"no answered run of {', '.join(missing)} to pair against (runs: "
+                         f"{', '.join(sorted({method for _, method in scores}))})")
+    lines = ["| dataset | method | against | records | mean difference | 95% interval | won / tied / lost |",
+             "|---|---|---|---|---|---|---|"]
+    for (dataset, base), theirs in sorted(scores.items()):
+        if base not in against:
+            continue
+        for (d, method), ours in sorted(scores.items()):
+            common = sorted(set(ours) & set(theirs))
+            if d != dataset or method == base or not common:
+                continue
+            a, b = [ours[i] for i in common], [theirs[i] for i in common]
+            diff, low, high = bootstrap_difference(a, b)
+            won, lost = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
+            lines.append(f"| {dataset} | {method} | {base} | {len(common)} | {diff:+.1f} | {low:+.1f} .. {high:+.1f} | "
+                         f"{won} / {len(common) - won - lost} / {lost} |")
+    return "\n".join(lines)
+
+
+def report(runs: list[Path], out_dir: Path, reference: str | None = None, against: list[str] | None = None) -> str:
+    """Summaries of run files (or directories of them) as Markdown, written to out_dir/report.md (+ report.png);
+    with `against`, each run's paired differences from those methods' runs."""
     files = sorted({f for p in runs for f in ([p] if p.is_file() else p.glob("*.jsonl"))})
     if not files:
         raise FileNotFoundError(f"no run files (*.jsonl) in {', '.join(map(str, runs))}")
@@ -173,6 +225,9 @@ def report(runs: list[Path], out_dir: Path, reference: str | None = None) -> str
             "\n\n## How the searches went\n\n" + searches(summaries) +
             "\n\n## Index + query TFLOPs per query for 1, 2, 4, 8 queries per document (8B projection)\n\n" +
             amortization(summaries) + "\n")
+    if against:
+        text += ("\n## Paired differences in the primary metric (points; records both runs answered)\n\n" +
+                 paired(files, against) + "\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.md").write_text(text)
     if not plot(summaries, out_dir / "report.png"):

@@ -152,8 +152,9 @@ def evaluate(args: argparse.Namespace) -> int:
         from nodekv.methods.report import report
 
         try:
-            print(report([Path(r) for r in args.runs[1:]] or [Path(args.out)], Path(args.out), args.reference))
-        except FileNotFoundError as e:
+            print(report([Path(r) for r in args.runs[1:]] or [Path(args.out)], Path(args.out), args.reference,
+                         args.paired))
+        except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0

@@ -2,6 +2,8 @@
 the ranges of z and similarity, and where a defaulted setting came from."""
 import json
 
+import pytest
+
 from nodekv.methods.report import report
 
 
@@ -76,3 +78,31 @@ def test_index_seconds_are_per_document_and_fit_seconds_per_fold(tmp_path):
     (tmp_path / "gor-qmsum_general.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = report([tmp_path], tmp_path / "out")
     assert "| 250 | 45 | 0 | 1.00 |" in text  # (100 + 400) / 2 documents, (30 + 60) / 2 folds; s/query
+
+
+def test_bootstrap_interval_matches_the_exact_bootstrap_distribution():
+    from itertools import product
+    from statistics import quantiles
+
+    from nodekv.methods.report import bootstrap_difference
+
+    a, b = [13.0, 1.0, 0.0, -9.0, 31.0], [1.0, 1.0, 3.0, 1.0, 1.0]  # differences 12, 0, -3, -10, 30
+    diffs = [x - y for x, y in zip(a, b)]
+    exact = quantiles([sum(s) / 5 for s in product(diffs, repeat=5)], n=40, method="inclusive")  # all 3125 draws
+    mean_diff, low, high = bootstrap_difference(a, b, resamples=20000)
+    assert mean_diff == pytest.approx(5.8)
+    assert low == pytest.approx(exact[0], abs=0.5) and high == pytest.approx(exact[-1], abs=0.5)  # 5%/95%: 1.2, 2.4 off
+    assert bootstrap_difference([5.0, 7.0], [2.0, 4.0]) == (3.0, 3.0, 3.0)  # a constant difference has no spread
+
+
+def test_paired_rows_count_common_records_by_hand(tmp_path):
+    scores = {"gor": {"1": 0.3, "2": 0.2, "3": 0.5, "4": 0.9}, "bm25": {"1": 0.2, "2": 0.2, "3": 0.3}}
+    for method, by_id in scores.items():
+        rows = [{**_record(rid, []), "metrics": {"rougeL": v, "rouge1": 0.0}} for rid, v in by_id.items()]
+        (tmp_path / f"{method}-qmsum.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report([tmp_path], tmp_path / "out", against=["bm25"])
+    row = next(line for line in text.splitlines() if line.startswith("| qmsum | gor | bm25 |"))
+    assert row.startswith("| qmsum | gor | bm25 | 3 | +10.0 |") and row.endswith("| 2 / 1 / 0 |")  # record 4 unpaired
+    assert "| qmsum | bm25 |" not in text.split("## Paired")[1]  # no run is set against itself
+    with pytest.raises(ValueError, match="no answered run of dense"):
+        report([tmp_path], tmp_path / "out", against=["dense"])
