@@ -140,13 +140,27 @@ def prompt_ids(engine: Engine, spec: PromptSpec, context: str, question: str, op
     return ids[:half] + ids[len(ids) - (room - half):], True
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def generate_answer(engine: Engine, ids: list[int], spec: PromptSpec, nodes: list, truncated: bool,
-                    trace: list[dict] | None = None) -> Answer:
-    """Prefill `ids` as one node, decode greedily (with the spec's repetition penalty), and charge it all to the
-    engine's "query" scope."""
+                    trace: list[dict] | None = None, shared: int = 0) -> Answer:
+    """Prefill `ids`, decode greedily (with the spec's repetition penalty), and charge it all to the engine's "query"
+    scope. The first `shared` ids, a prefix other prompts repeat (a document asked several questions), are forked
+    from the engine's prefix cache: prefilled by the first prompt that has them, skipped (and counted as saved) by
+    the next."""
     before = engine.flops.scopes["query"]
-    with engine.flops.scope("query"), engine.session() as s:
-        s.append(ids, node_id="prompt")
+    shared = min(shared, len(ids) - 1)  # the prompt node needs a token: its last position gives the first logits
+    with engine.flops.scope("query"), (engine.prefixes.fork(ids[:shared], node_id="shared") if shared > 0
+                                       else engine.session()) as s:
+        s.append(ids[shared:], node_id="prompt")
         gen = s.generate(spec.max_new_tokens, stop=spec.stop, repetition_penalty=spec.repetition_penalty)
     return Answer(gen.text.strip(), nodes, trace or [], engine.flops.scopes["query"] - before, len(ids),
                   len(gen.ids), truncated)

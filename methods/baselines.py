@@ -6,7 +6,7 @@ from abc import abstractmethod
 from dataclasses import dataclass
 
 from ..engine.engine import Engine
-from .base import Answer, Method, generate_answer, prompt_ids
+from .base import Answer, Method, common_prefix, generate_answer, prompt_ids
 from .options import Option
 from .prompts import PromptSpec
 from .retrieval import BM25Index, DenseIndex, text_chunk_spans
@@ -14,17 +14,25 @@ from .retrieval import BM25Index, DenseIndex, text_chunk_spans
 
 class FullContext(Method, name="full"):
     """The whole document in the prompt (middle-truncated to the model's window when longer, or to `window`: how
-    a model with a shorter window, such as the papers' 4K Llama-2, would read it)."""
+    a model with a shorter window, such as the papers' 4K Llama-2, would read it). The prompt up to the question is
+    the same for every question about a document, so it is prefilled once and forked from the engine's prefix
+    cache (`shared_prefix=false` prefills every prompt whole)."""
 
     options = (Option("window", int, 0, "tokens the prompt and the answer must fit in (0: the model's window)",
-                      low=0),)
+                      low=0),
+               Option("shared_prefix", bool, True, "prefill the prompt up to the question once per document"))
 
     def index(self, document: str) -> str:
         return _check_document(document)
 
     def answer(self, index: str, question: str, options: tuple[str, ...] = ()) -> Answer:
         ids, truncated = prompt_ids(self.engine, self.answer_prompt, index, question, options, self.config.window)
-        return generate_answer(self.engine, ids, self.answer_prompt, ["document"], truncated)
+        shared = 0
+        if self.config.shared_prefix:  # where prompts with two other questions part is where the question starts
+            a, b = (prompt_ids(self.engine, self.answer_prompt, index, q, options, self.config.window)[0]
+                    for q in ("?", "!"))
+            shared = common_prefix(ids, a[:common_prefix(a, b)])
+        return generate_answer(self.engine, ids, self.answer_prompt, ["document"], truncated, shared=shared)
 
 
 @dataclass

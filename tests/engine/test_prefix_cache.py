@@ -32,3 +32,23 @@ def test_forks_of_a_cached_prefix_run_no_forward_and_continue_like_a_fresh_prefi
     c.release()
     eng.prefixes.clear()
     assert len(eng.prefixes) == 0 and sum(eng.pool.refcount) == 0
+
+
+def test_the_cache_keeps_at_most_capacity_tokens_evicting_the_least_recently_forked(hf_tiny):
+    _, path = hf_tiny
+    eng = tiny_engine(path)  # 64 pages of 8 tokens: the default capacity is a quarter, 128 tokens
+    assert eng.prefixes.capacity == 128
+    eng.prefixes.capacity = 25
+    a, b, c, d = ([k] * 10 for k in (1, 2, 3, 4))
+    for ids in (a, b, a, c):  # a forked again after b: b is the least recent when c needs room
+        eng.prefixes.fork(ids).release()
+    assert [ids for ids, _ in eng.prefixes._sessions] == [tuple(a), tuple(c)] and eng.prefixes.tokens == 20
+    saved = eng.flops.saved
+    eng.prefixes.fork(b).release()  # evicted, so prefilled again
+    assert eng.flops.saved == saved and [ids for ids, _ in eng.prefixes._sessions] == [tuple(c), tuple(b)]
+    long = eng.prefixes.fork(d * 3)  # longer than the capacity: served, not kept
+    assert long.tokens == d * 3 and eng.prefixes.tokens == 20
+    long.release()
+    assert sum(eng.pool.refcount) == 2 * 2  # the two cached 10-token prefixes, two 8-token pages each
+    eng.prefixes.clear()
+    assert sum(eng.pool.refcount) == 0

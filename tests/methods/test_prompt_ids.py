@@ -51,3 +51,46 @@ def test_answers_decode_with_the_prompts_repetition_penalty(hf_tiny):
         assert answer.text == eng.tokenizer.decode(want[:answer.generated_tokens]).strip()
     assert texts[1.0] != texts[1.3]
     assert prompt_for("qmsum_general").repetition_penalty == 1.1 and prompt_for("hotpotqa").repetition_penalty == 1.0
+
+
+def test_a_shared_prompt_prefix_is_prefilled_once_and_the_answers_stay_hfs(hf_tiny):
+    """generate_answer with `shared`: every answer is HF's greedy one; the first prompt pays the prefix and the rest
+    in two forwards, the second only the rest (by the FLOP formula), and the prefix's prefill is counted as saved."""
+    import torch
+
+    from conftest import tiny_engine
+    from nodekv.engine.flops import forward_flops
+    from nodekv.methods.base import generate_answer
+
+    hf, path = hf_tiny
+    eng, spec = tiny_engine(path), PromptSpec("{context}", 6)
+    prefix, questions = [5, 17, 3, 99, 42, 8, 8, 61, 7, 23], ([11, 12, 13], [31, 32])
+    for q in questions:
+        prompt = prefix + q
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        whole = generate_answer(eng, prompt, spec, [], False)
+        saved = eng.flops.saved
+        shared = generate_answer(eng, prompt, spec, [], False, shared=len(prefix))
+        decode = whole.flops - forward_flops(eng.config, len(prompt))
+        rest = forward_flops(eng.config, len(q), len(prefix)) + decode
+        first = q is questions[0]
+        assert shared.flops == rest + (forward_flops(eng.config, len(prefix)) if first else 0)
+        assert eng.flops.saved - saved == (0 if first else forward_flops(eng.config, len(prefix)))
+        assert whole.text == shared.text == eng.tokenizer.decode(want[:whole.generated_tokens]).strip()
+
+
+def test_full_context_shares_the_prompt_up_to_the_question(monkeypatch):
+    from nodekv.methods import baselines
+
+    calls = []
+    monkeypatch.setattr(baselines, "generate_answer", lambda *a, **k: calls.append(k["shared"]))
+    spec, text = PromptSpec("{context}|{question}", max_new_tokens=10), "abcdefghij" * 10
+    full = FullContext(_engine(1000), spec)
+    full.answer(text, "why?")
+    full.answer(text, "what?")
+    assert calls == [101, 101]  # the document and "|"
+    FullContext(_engine(1000), spec, window=50).answer(text, "why?")  # cut to 20 + 20: the head is shared
+    FullContext(_engine(1000), spec, shared_prefix=False).answer(text, "why?")
+    assert calls[2:] == [20, 0]
