@@ -28,7 +28,7 @@ class FullContext(Method, name="full"):
     def answer(self, index: str, question: str, options: tuple[str, ...] = ()) -> Answer:
         ids, truncated = prompt_ids(self.engine, self.answer_prompt, index, question, options, self.config.window)
         shared = 0
-        if self.config.shared_prefix:  # where prompts with two other questions part is where the question starts
+        if self.config.shared_prefix:  # prompts that differ only in their question part where it begins
             a, b = (prompt_ids(self.engine, self.answer_prompt, index, q, options, self.config.window)[0]
                     for q in ("?", "!"))
             shared = common_prefix(ids, a[:common_prefix(a, b)])
