@@ -8,7 +8,8 @@ methods that can save indexes (PECAN) keep them under <out>/indexes, keyed by do
 options the index depends on, so a rerun, a resumed run or a run that changes only search options (PECAN's search
 ablations) reuses them. A method that learns across documents (GoR) has every document indexed first; the documents
 are dealt into 5 folds and the method is fit on the other folds' documents before a fold's questions, so no
-document trains the model that answers it (`fit_s` in its lines).
+document trains the model that answers it (`fit_s` in its lines); with --ray the documents are indexed on the
+workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
 file is the same as an uninterrupted run's.
 """
@@ -30,7 +31,7 @@ from .data import load_dataset
 from .index_store import PROJECT_TO, BuiltIndex, IndexStore, document_hash, processed_tokens
 from .metrics import score
 from .prompts import prompt_for
-from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray
+from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray, index_on_ray
 from .registry import get, names
 
 
@@ -114,9 +115,6 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
 def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:
     """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path. With `ray`, the
     records run as Ray tasks (`ray_tasks`), the lines the same."""
-    if ray is not None and get(cfg.method).learns_across_documents:
-        raise ValueError(f"--ray runs methods that index and answer one document at a time; {cfg.method} learns "
-                         "across documents (a fit per fold): run it without --ray")
     loaded = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit)
     matched = {}
     if cfg.match is not None:
@@ -149,11 +147,18 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
             out.flush()
             bar.update()
 
+        spec = None if ray is None else WorkerSpec(
+            str(engine.path), next(name for name, d in DTYPES.items() if d == engine.model.dtype), cfg.method,
+            options, str(store.root), cfg.dataset)
         if method_class.learns_across_documents:
+            # every fit needs all the indexes, each one independent work: with Ray they are built on the workers (one
+            # that fails there fails again in _cross_fit, which writes its error lines)
+            docs = {document_hash(r.document): r.document for r in loaded.records} if spec and todo else {}
+            missing = {doc: text for doc, text in docs.items() if store.cost(doc) is None}
+            if missing:
+                index_on_ray(ray, spec, missing, lambda doc, cost: None)
             _cross_fit(engine, method, loaded.records, todo, store, write, progress)
-        elif ray is not None:
-            dtype = next(name for name, d in DTYPES.items() if d == engine.model.dtype)
-            spec = WorkerSpec(str(engine.path), dtype, cfg.method, options, str(store.root), cfg.dataset)
+        elif spec is not None:
             evaluate_on_ray(ray, spec, todo, write)
         else:
             for record in todo:
