@@ -242,15 +242,15 @@ def test_eval_fits_on_the_other_folds_before_answering_one(tmp_path):
 def test_eval_on_ray_builds_the_graphs_on_the_workers_and_answers_as_a_local_run(tmp_path):
     """With two Ray workers building the graphs, the graph files are byte for byte the local run's and the lines
     are the local run's, times and index costs aside: a graph's FLOPs depend on what its builder's engine had cached
-    (the simulation prompt's opening, shared with the document built before it on the same engine)."""
+    (`Engine.prefixes` holds the simulation prompt's opening from the document built before it on that engine)."""
     pytest.importorskip("ray", reason="the ray extra is not installed")
     from nodekv.cli import main as cli_main
 
     argv = _meetings_and_argv(tmp_path)
     assert cli_main([*argv, "--out", str(tmp_path / "local")]) == 0
     assert cli_main([*argv, "--out", str(tmp_path / "ray"), "--ray", "--workers", "2"]) == 0
-    times = ("wall_s", "index_s", "fit_s", "index_flops", "index_flops_8b", "index_tokens")
-    local, ray = ([{k: v for k, v in r.items() if k not in times} for r in _rows(tmp_path / run)]
+    varying = ("wall_s", "index_s", "fit_s", "index_flops", "index_flops_8b", "index_tokens")
+    local, ray = ([{k: v for k, v in r.items() if k not in varying} for r in _rows(tmp_path / run)]
                   for run in ("local", "ray"))
     assert ray == local and len(ray) == 3
     graphs = {run: {p.name: p.read_bytes() for p in (tmp_path / run / "indexes").iterdir() if p.suffix != ".json"}
