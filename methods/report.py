@@ -1,5 +1,5 @@
 """`nodekv eval report`: a Table-1-style comparison of runs (quality against query TFLOPs, measured on the model
-and projected to llama-3.1-8b), Table A4's amortisation of index FLOPs over 1/2/4/8 queries per document, paired
+and projected to llama-3.1-8b, and tokens the model ran per query and per index, JERR's Table 6), Table A4's amortisation of index FLOPs over 1/2/4/8 queries per document, paired
 differences between runs with bootstrap intervals, written as Markdown and as a PNG plot of F1 against TFLOPs."""
 from __future__ import annotations
 
@@ -29,9 +29,12 @@ def summarize(path: Path) -> dict:
     method, dataset, meta = _meta(path)
     docs: dict[str, tuple[int, int]] = {}
     index_s: dict[str, float] = {}
+    index_tokens: dict[str, int] = {}
     for r in ok:
         docs[r["document"]] = (r["index_flops"], r["index_flops_8b"])
         index_s[r["document"]] = r.get("index_s", 0.0)
+        if r.get("index_tokens") is not None:
+            index_tokens[r["document"]] = r["index_tokens"]
     metric_names = sorted({k for r in ok for k in r["metrics"]})
     out = {"method": method, "dataset": dataset, "n": len(ok), "errors": len(rows) - len(ok),
            "skipped": len(meta.get("skipped", [])), "docs": len(docs)}
@@ -49,6 +52,10 @@ def summarize(path: Path) -> dict:
                truncated=sum(bool(r.get("truncated")) for r in ok))
     if projected:
         out["index_tflops_doc_8b"] = mean(projected) / 1e12
+    if all("query_tokens" in r for r in ok):  # lines written before tokens were counted have none
+        out["query_tokens"] = mean(r["query_tokens"] for r in ok)
+    if len(index_tokens) == len(docs):
+        out["index_tokens_doc"] = mean(index_tokens.values())
     fits = {r["fit_s"] for r in ok if "fit_s" in r}  # one per fold (methods that learn across documents)
     if fits:
         out["fit_s"] = mean(fits)
@@ -84,8 +91,8 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
     ref = {s["dataset"]: s.get("query_tflops_8b") for s in summaries if s["method"] == reference}
     head = ("| dataset | method | n | failed | skipped | F1 | EM | ROUGE-1 | ROUGE-2 | ROUGE-L | acc | nodes | "
             "query TFLOPs (model) | "
-            "prefix TFLOPs saved (model) | query TFLOPs (8B) | ratio | index TFLOPs/doc (model) | "
-            "index TFLOPs/doc (8B) | index s/doc | fit s/fold | truncated | s/query |")
+            "prefix TFLOPs saved (model) | query TFLOPs (8B) | ratio | tokens/query | index TFLOPs/doc (model) | "
+            "index TFLOPs/doc (8B) | index tokens/doc | index s/doc | fit s/fold | truncated | s/query |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in sorted(summaries, key=lambda s: (s["dataset"], s.get("query_tflops_8b", 0))):
         def f(key, fmt="{:.1f}"):
@@ -100,7 +107,8 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
                      f"{f('em')} | {f('rouge1')} | {f('rouge2')} | {rouge_l} | {f('accuracy')} | {f('nodes')} | "
                      f"{f('query_tflops', '{:.4f}')} | "
                      f"{f('saved_tflops', '{:.4f}')} | {f('query_tflops_8b', '{:.2f}')} | {ratio} | "
-                     f"{f('index_tflops_doc', '{:.4f}')} | {index_8b} | {f('index_s_doc', '{:.0f}')} | "
+                     f"{f('query_tokens', '{:.0f}')} | {f('index_tflops_doc', '{:.4f}')} | {index_8b} | "
+                     f"{f('index_tokens_doc', '{:.0f}')} | {f('index_s_doc', '{:.0f}')} | "
                      f"{f('fit_s', '{:.0f}')} | {s.get('truncated', '-')} | "
                      f"{f('wall_s', '{:.2f}')} |")
     return "\n".join(lines)

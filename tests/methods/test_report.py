@@ -80,6 +80,17 @@ def test_index_seconds_are_per_document_and_fit_seconds_per_fold(tmp_path):
     assert "| 250 | 45 | 0 | 1.00 |" in text  # (100 + 400) / 2 documents, (30 + 60) / 2 folds; s/query
 
 
+def test_tokens_are_per_query_and_per_document_and_absent_when_a_line_lacks_them(tmp_path):
+    rows = [{**_record("1", []), "document": "a", "query_tokens": 300, "index_tokens": 5000},
+            {**_record("2", []), "document": "a", "query_tokens": 500, "index_tokens": 5000},
+            {**_record("3", []), "document": "b", "query_tokens": 100, "index_tokens": 2000}]
+    (tmp_path / "jerr-quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "old-quality.jsonl").write_text(json.dumps(_record("1", [])) + "\n")
+    text = report([tmp_path], tmp_path / "out")
+    assert "| 2.00 | - | 300 | 0.0000 | 0.00 | 3500 |" in text  # (300+500+100)/3 queries; (5000+2000)/2 documents
+    assert "| 2.00 | - | - | 0.0000 | 0.00 | - |" in text
+
+
 def test_bootstrap_interval_matches_the_exact_bootstrap_distribution():
     from itertools import product
     from statistics import quantiles
