@@ -1,6 +1,7 @@
 """`nodekv eval report`: a Table-1-style comparison of runs (quality against query TFLOPs, measured on the model
-and projected to llama-3.1-8b, and tokens the model ran per query and per index, JERR's Table 6), Table A4's amortisation of index FLOPs over 1/2/4/8 queries per document, paired
-differences between runs with bootstrap intervals, written as Markdown and as a PNG plot of F1 against TFLOPs."""
+and projected to llama-3.1-8b, and tokens the model ran per query and per index, JERR's Table 6), Table A4's
+amortisation of index FLOPs over 1/2/4/8 queries per document, paired differences between runs with bootstrap
+intervals, written as Markdown and as a PNG plot of F1 against TFLOPs."""
 from __future__ import annotations
 
 import json
