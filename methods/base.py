@@ -1,35 +1,22 @@
 """What every method shares: the `Method` base class (its declared options, the registry it joins by declaring a
-name, its optional hooks), the Answer it returns, and the chat-wrapped, middle-truncated token ids it feeds the
-engine."""
+name, its optional hooks), the Answer it returns (`reader`), and chat pieces for prompts appended node by node."""
 from __future__ import annotations
 
 import json
 import re
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar, Hashable, Sequence
+from typing import Any, ClassVar, Sequence
 
 from ..engine.engine import Engine
 from .options import Option, config_class
 from .prompts import PromptSpec, prompt_for
+from .reader import Answer, Reader
 
 REGISTERED: dict[str, type[Method]] = {}
 """Every Method subclass declared with a name, by name; `nodekv.methods.get` and `names` read it after importing
 the built-in method modules and the `nodekv.methods` entry points."""
-
-
-@dataclass
-class Answer:
-    """A method's answer to one question, with what it cost and what it looked at."""
-
-    text: str
-    nodes: list[Hashable]            # ids of the nodes (chunks, IPs) the answer was conditioned on
-    trace: list[dict] = field(default_factory=list)
-    flops: int = 0                   # query-dependent FLOPs by the engine's account
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    truncated: bool = False          # the prompt was cut in the middle to fit the window
 
 
 class Method(ABC):
@@ -83,6 +70,18 @@ class Method(ABC):
         """The prompt to answer in: the dataset's, else the generic document-QA one."""
         return self.prompt or prompt_for("")
 
+    @property
+    def reader(self) -> Reader:
+        """The shared answer reader in the dataset's prompt (`reader.Reader`); its letter priors are kept."""
+        reader = getattr(self, "_reader", None)
+        if reader is None or (reader.spec, reader.window) != (self.answer_prompt, self.reader_window()):
+            self._reader = reader = Reader(self.engine, self.answer_prompt, self.reader_window())
+        return reader
+
+    def reader_window(self) -> int | None:
+        """Tokens the reader's prompt and answer must fit in, below the model's window (None: the model's)."""
+        return None
+
     @classmethod
     def dataset_defaults(cls, dataset: str, runs: Path | None = None, options: dict | None = None,
                          model: str | None = None) -> dict[str, tuple[Any, str]]:
@@ -126,44 +125,6 @@ class Method(ABC):
     def trace_lines(self, index: Any, trace: list[dict]) -> list[str]:
         """An answer's trace for a person, one line per step."""
         return [json.dumps(step) for step in trace]
-
-
-def prompt_ids(engine: Engine, spec: PromptSpec, context: str, question: str, options: tuple[str, ...] = (),
-               window: int | None = None) -> tuple[list[int], bool]:
-    """The chat-templated prompt, cut in the middle (as LongBench does) so that it plus the answer fits the window
-    (the model's, or a smaller `window`). Returns (ids, truncated)."""
-    ids = engine.tokenizer.chat([{"role": "user", "content": spec.render(context, question, options)}])
-    room = min(engine.config.max_seq_len, window or engine.config.max_seq_len) - spec.max_new_tokens
-    if len(ids) <= room:
-        return ids, False
-    half = room // 2
-    return ids[:half] + ids[len(ids) - (room - half):], True
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def generate_answer(engine: Engine, ids: list[int], spec: PromptSpec, nodes: list, truncated: bool,
-                    trace: list[dict] | None = None, shared: int = 0) -> Answer:
-    """Prefill `ids`, decode greedily (with the spec's repetition penalty), and charge it all to the engine's "query"
-    scope. The first `shared` ids, a prefix other prompts repeat (a document asked several questions), are forked
-    from the engine's prefix cache: prefilled by the first prompt that has them, skipped (and counted as saved) by
-    the next."""
-    before = engine.flops.scopes["query"]
-    shared = min(shared, len(ids) - 1)  # the prompt node needs a token: its last position gives the first logits
-    with engine.flops.scope("query"), (engine.prefixes.fork(ids[:shared], node_id="shared") if shared > 0
-                                       else engine.session()) as s:
-        s.append(ids[shared:], node_id="prompt")
-        gen = s.generate(spec.max_new_tokens, stop=spec.stop, repetition_penalty=spec.repetition_penalty)
-    return Answer(gen.text.strip(), nodes, trace or [], engine.flops.scopes["query"] - before, len(ids),
-                  len(gen.ids), truncated)
 
 
 def chat_pieces(engine: Engine, messages: list[dict], add_generation_prompt: bool = True) -> list[str]:

@@ -6,7 +6,7 @@ from abc import abstractmethod
 from dataclasses import dataclass
 
 from ..engine.engine import Engine
-from .base import Answer, Method, common_prefix, generate_answer, prompt_ids
+from .base import Answer, Method
 from .options import Option
 from .prompts import PromptSpec
 from .retrieval import BM25Index, DenseIndex, text_chunk_spans
@@ -25,14 +25,11 @@ class FullContext(Method, name="full"):
     def index(self, document: str) -> str:
         return _check_document(document)
 
+    def reader_window(self) -> int | None:
+        return self.config.window or None
+
     def answer(self, index: str, question: str, options: tuple[str, ...] = ()) -> Answer:
-        ids, truncated = prompt_ids(self.engine, self.answer_prompt, index, question, options, self.config.window)
-        shared = 0
-        if self.config.shared_prefix:  # prompts that differ only in their question part where it begins
-            a, b = (prompt_ids(self.engine, self.answer_prompt, index, q, options, self.config.window)[0]
-                    for q in ("?", "!"))
-            shared = common_prefix(ids, a[:common_prefix(a, b)])
-        return generate_answer(self.engine, ids, self.answer_prompt, ["document"], truncated, shared=shared)
+        return self.reader.read(index, question, options, ["document"], shared_prefix=self.config.shared_prefix)
 
 
 @dataclass
@@ -60,16 +57,15 @@ class TopK(Method):
         chunks = [tok.decode(ids[a:b]) for a, b in text_chunk_spans(ids, tok, self.config.chunk_tokens)]
         return ChunkIndex(chunks, self.search_index(chunks))
 
-    def prompt_for(self, index: ChunkIndex, question: str, options: tuple[str, ...] = ()):
-        """(prompt ids, truncated, hits): the k best chunks, in document order, in the dataset's prompt."""
+    def context(self, index: ChunkIndex, question: str) -> tuple[str, list[tuple[int, float]]]:
+        """(context, hits): the k best chunks for the question, in document order, as the reader reads them."""
         hits = index.search.search(question, self.config.k)
-        context = "\n\n".join(index.chunks[i].strip() for i in sorted(i for i, _ in hits))
-        return (*prompt_ids(self.engine, self.answer_prompt, context, question, options), hits)
+        return "\n\n".join(index.chunks[i].strip() for i in sorted(i for i, _ in hits)), hits
 
     def answer(self, index: ChunkIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
-        ids, truncated, hits = self.prompt_for(index, question, options)
+        context, hits = self.context(index, question)
         trace = [{"chunk": i, "score": round(s, 4)} for i, s in hits]
-        return generate_answer(self.engine, ids, self.answer_prompt, sorted(i for i, _ in hits), truncated, trace)
+        return self.reader.read(context, question, options, sorted(i for i, _ in hits), trace)
 
 
 class BM25TopK(TopK, name="bm25"):

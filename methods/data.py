@@ -73,6 +73,7 @@ class Record:
     references: tuple[str, ...]
     options: tuple[str, ...] = ()  # multiple choice only: option texts, in letter order A, B, C, ...
     task: str = "qa"  # "qa" | "summary" | "multiple_choice" | "variables" (variable tracking)
+    supports: tuple[str, ...] = ()  # the text that holds the answer, one entry per supporting passage, where marked
 
 
 @dataclass
@@ -146,7 +147,7 @@ def _passages(pairs: list[tuple[str, str]]) -> str:
     return "\n\n".join(f"Passage {i}:\n{title}\n{text}" for i, (title, text) in enumerate(pairs, 1))
 
 
-def _record(dataset: str, id: str, document: str, question: str, references, options=()) -> Record:
+def _record(dataset: str, id: str, document: str, question: str, references, options=(), supports=()) -> Record:
     if not document.strip():
         raise _Bad("empty document")
     if not question.strip():
@@ -155,7 +156,7 @@ def _record(dataset: str, id: str, document: str, question: str, references, opt
     if not refs:
         raise _Bad("no reference answer")
     return Record(id=id, dataset=dataset, document=document, question=question, references=refs,
-                  options=tuple(options), task=DATASET_TASKS[dataset])
+                  options=tuple(options), task=DATASET_TASKS[dataset], supports=tuple(supports))
 
 
 # ----------------------------------------------------------------------------------------------- per format
@@ -172,35 +173,46 @@ def _line_id(raw: dict, index: int) -> str:
     return str(index)
 
 
-def _context_passages(raw: dict) -> str:
-    """HotpotQA / 2Wiki ``context``: [[title, [sentences]], ...]."""
-    ctx = _list(raw, "context")
-    pairs = []
-    for p in ctx:
+def _context_passages(raw: dict) -> tuple[str, tuple[str, ...]]:
+    """HotpotQA / 2Wiki ``context``: [[title, [sentences]], ...], as the document and its supporting text: per
+    passage named in ``supporting_facts`` ([[title, sentence index], ...]), its marked sentences (facts that name
+    no sentence of the context are left out)."""
+    pairs, sentences = [], {}
+    for p in _list(raw, "context"):
         if not (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)):
             raise _Bad("context entry is not [title, [sentences]]")
-        pairs.append((p[0], " ".join(s.strip() for s in _strings(p[1], "context sentences"))))
-    return _passages(pairs)
+        sentences.setdefault(p[0], [s.strip() for s in _strings(p[1], "context sentences")])
+        pairs.append((p[0], " ".join(s.strip() for s in p[1])))
+    marked: dict[str, list[int]] = {}
+    for fact in raw.get("supporting_facts") or []:
+        if isinstance(fact, list) and len(fact) == 2 and isinstance(fact[1], int) \
+                and 0 <= fact[1] < len(sentences.get(fact[0], ())):
+            marked.setdefault(fact[0], []).append(fact[1])
+    supports = tuple(" ".join(sentences[t][i] for i in sorted(set(ix))) for t, ix in marked.items())
+    return _passages(pairs), supports
 
 
 def _parse_context_qa(dataset: str, raw: dict, index: int) -> Iterator[Item]:  # hotpotqa, 2wikimqa
     if raw.get("context") is None:
         raise _Bad("missing 'context'")
-    yield _record(dataset, _line_id(raw, index), _context_passages(raw), _str(raw, "question"),
-                  [_str(raw, "answer")])
+    document, supports = _context_passages(raw)
+    yield _record(dataset, _line_id(raw, index), document, _str(raw, "question"), [_str(raw, "answer")],
+                  supports=supports)
 
 
 def _parse_musique(dataset: str, raw: dict, index: int) -> Iterator[Item]:
-    pairs = []
+    pairs, supports = [], []
     for p in _list(raw, "paragraphs"):
         if not isinstance(p, dict):
             raise _Bad("paragraph is not an object")
         pairs.append((_str(p, "title", allow_empty=True), _str(p, "paragraph_text", allow_empty=True)))
+        if p.get("is_supporting") is True:
+            supports.append(pairs[-1][1])
     aliases = raw.get("answer_aliases") or []
     if not isinstance(aliases, list):
         raise _Bad("'answer_aliases' is not a list")
     yield _record(dataset, _line_id(raw, index), _passages(pairs), _str(raw, "question"),
-                  [_str(raw, "answer"), *_strings(aliases, "'answer_aliases'")])
+                  [_str(raw, "answer"), *_strings(aliases, "'answer_aliases'")], supports=supports)
 
 
 _OPTION = re.compile(r"\n\s*\(([A-Z])\)\s*")

@@ -17,6 +17,7 @@ from .dice_algorithms import ALGORITHMS, LM, Budget, Retrieved
 from .dice_prompts import EXAMPLE_SETS
 from .options import Option
 from .prompts import PromptSpec
+from .reader import READER_OPTION
 from .retrieval import DenseIndex, HybridIndex
 
 
@@ -38,7 +39,8 @@ class DiceIndex:
 
 
 class Dice(Method, name="dice", title="DICE"):
-    """DICE: the LLM plans sub-questions (Alg. 1) or reasoning steps (Alg. 2), each answered from retrieved chunks.
+    """DICE: the LLM plans sub-questions (Alg. 1) or reasoning steps (Alg. 2), each answered from retrieved chunks;
+    the shared reader answers from every retrieved chunk and the facts or thoughts (`reader=paper`: T's answer).
 
     index(document) cuts and embeds the chunks; answer(index, question) runs the chosen algorithm. `embedder`
     replaces the packaged all-MiniLM-L6-v2; `lm` replaces the engine-backed LLM calls (tests script it)."""
@@ -58,6 +60,7 @@ class Dice(Method, name="dice", title="DICE"):
                "again with the dataset's answer instruction", choices=("paper", "restate")),
         Option("examples", str, "multihop", "few-shot examples: App. D's multi-hop questions, or chains of variable "
                "assignments (variable tracking)", choices=tuple(EXAMPLE_SETS)),
+        READER_OPTION,
     )
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, embedder=None,
@@ -100,13 +103,21 @@ class Dice(Method, name="dice", title="DICE"):
         c, acc = self.config, self.engine.flops
         before, saved, prefill, decode = acc.total, acc.saved, acc.prefill_tokens, acc.decode_tokens
         answer_tokens = self.answer_prompt.max_new_tokens
-        budget = Budget(c.max_iterations, c.step_tokens, answer_tokens,
+        # with the shared reader the loop only gathers: its own answer step decodes nothing
+        budget = Budget(c.max_iterations, c.step_tokens, answer_tokens if c.reader == "paper" else 0,
                         step_room=3 * c.step_tokens + answer_tokens + 2 * c.top_k * c.chunk_words)
         answer_turn = self.answer_prompt.instruction(question) if c.prompt_style == "restate" else None
         run = ALGORITHMS[c.algorithm](self.lm, lambda q: self.retrieve(index, q), question, budget, answer_turn)
         run.trace[-1]["prefix_flops_saved"] = acc.saved - saved
+        notes = [f"- {step[k]}" for step in run.trace for k in ("fact", "thought") if step.get(k)]
+        context = "\n\n".join([*(index.chunks[i] for i in run.chunks), *(["Notes:\n" + "\n".join(notes)] if notes
+                                                                          else [])])
+        if c.reader == "shared":  # the chunks every step retrieved, in document order, then the facts or thoughts
+            answer = self.reader.read(context, question, (), run.chunks, run.trace)
+            answer.flops = acc.total - before
+            return answer
         return Answer(run.answer, run.chunks, run.trace, acc.total - before, acc.prefill_tokens - prefill,
-                      acc.decode_tokens - decode)
+                      acc.decode_tokens - decode, context=context)
 
     def trace_lines(self, index: DiceIndex, trace: list[dict]) -> list[str]:
         lines = []

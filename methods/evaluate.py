@@ -29,8 +29,9 @@ from .base import Method
 from .baselines import TopK
 from .data import load_dataset
 from .index_store import PROJECT_TO, BuiltIndex, IndexStore, document_hash, processed_tokens
-from .metrics import score
+from .metrics import miss, score, support_read
 from .prompts import prompt_for
+from .reader import LETTERS, calibrated_choice
 from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray, index_on_ray
 from .registry import get, names
 
@@ -106,7 +107,8 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
         built = method.index(record.document)
         for k in predicted:
             method.config = replace(method.config, k=k)
-            n = len(method.prompt_for(built, record.question, record.options)[0])
+            context = method.context(built, record.question)[0]
+            n = len(method.reader.prompt_ids(context, record.question, record.options)[0])
             predicted[k] += (forward_flops(c, n) + sum(forward_flops(c, 1, n + i) for i in range(gen))) / len(records)
     k = min(predicted, key=lambda k: (abs(predicted[k] - target), k))
     return k, {"matched_to": str(reference), "target_query_flops": target, "predicted_query_flops": predicted[k]}
@@ -212,6 +214,11 @@ def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store:
                 write({**evaluate_record(engine, method, r, {doc: built[doc]}, store), "fit_s": fit_s})
 
 
+def _reader_of(method: Method) -> str:
+    """Which answer step a method's lines come from: "shared" (`reader.Reader`) or "paper" (its own)."""
+    return getattr(method.config, "reader", "shared")
+
+
 def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store: IndexStore) -> dict:
     """One record's eval line (an "error" line if its index or answer fails); `indexes` keeps the last document's
     index alive between calls."""
@@ -223,6 +230,8 @@ def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store
             indexes.clear()  # records come grouped by document: keep one index alive
             indexes[doc] = store.build_or_load(method, record.document)
         built = indexes[doc]
+        if record.options:  # the letter prior is the prompt format's, computed once: no question pays for it
+            method.reader.letter_prior(len(record.options))
         before, before_8b, saved, tokens = acc.total, acc.projected[PROJECT_TO], acc.saved, processed_tokens(acc)
         t = time.perf_counter()
         with acc.scope("query"):
@@ -230,10 +239,19 @@ def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store
         wall = time.perf_counter() - t
     except Exception as e:  # one bad record never stops the run; the report counts it
         return {**line, "error": f"{type(e).__name__}: {e}"}
-    return {**line, "prediction": answer.text, "metrics": score(record, answer.text), "nodes": answer.nodes,
+    metrics, diagnostics = score(record, answer.text), {}
+    if answer.choice_probs is not None:
+        calibrated = LETTERS[calibrated_choice(answer.choice_probs, answer.choice_prior)]
+        metrics["accuracy_calibrated"] = float(calibrated == record.references[0].strip().upper())
+        diagnostics = {"choice_probs": answer.choice_probs, "choice_prior": answer.choice_prior,
+                       "calibrated": calibrated}
+    if record.supports:
+        read = support_read(record.supports, answer.context)
+        diagnostics.update(support=read, support_recall=sum(read) / len(read), miss=miss(record.task, metrics, read))
+    return {**line, "prediction": answer.text, "metrics": metrics, **diagnostics, "nodes": answer.nodes,
             "query_flops": acc.total - before, "query_flops_8b": acc.projected[PROJECT_TO] - before_8b,
             "query_flops_saved": acc.saved - saved, "query_tokens": processed_tokens(acc) - tokens,
             "index_flops": built.flops, "index_flops_8b": built.flops_8b, "index_s": round(built.seconds, 3),
             "index_tokens": built.tokens,
-            "wall_s": round(wall, 3), "prompt_tokens": answer.prompt_tokens,
+            "wall_s": round(wall, 3), "prompt_tokens": answer.prompt_tokens, "reader": _reader_of(method),
             "generated_tokens": answer.generated_tokens, "truncated": answer.truncated, "trace": answer.trace}

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from ..engine.engine import Engine
-from .base import Answer, Method, generate_answer, prompt_ids
+from .base import Answer, Method
 from .gor_graph import RecordGraph, build_records, engine_responder, engine_sampler, simulate_queries
 from .gor_store import GorIndex, load, save
 from .gor_train import GraphData, TrainConfig, bertscore_ranking, idf_weights, train_gat
@@ -183,10 +183,9 @@ class Gor(Method, name="gor", title="GoR"):
         top = torch.argsort(-scores, stable=True)[:self.config.k].tolist()
         texts, chunks = index.graph.texts, len(index.graph.chunks)
         shown = sorted(top) if self.config.order == "document" else top  # chunk ids run in document order
-        ids, truncated = prompt_ids(self.engine, self.answer_prompt, "\n\n".join(texts[j] for j in shown), question)
         trace = [{"model": model, "nodes": [{"node": j, "kind": "chunk" if j < chunks else "response",
                                             "score": round(float(scores[j]), 4)} for j in top]}]
-        return generate_answer(self.engine, ids, self.answer_prompt, shown, truncated, trace)
+        return self.reader.read("\n\n".join(texts[j] for j in shown), question, (), shown, trace)
 
     def save_index(self, index: GorIndex, path) -> None:
         save(index, path, self.engine)

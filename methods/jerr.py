@@ -8,8 +8,9 @@ answer(index, question): the question's keywords (the model's that are words of 
 none is); the entities whose texts (name, aliases, atoms of their chunks) hold a keyword start the search; MCTS
 (`jerr_search`: UCB with constant `c`, `iterations`, walks of `depth` nodes rewarded by the share of keywords found
 along them, or by the model's relevance probe, p(Yes)) or personalised PageRank picks `top_k` entities; their
-chunks' synopses, and in full the chunks the model asks to re-read (`reread`), feed the A.5 (multiple choice: the
-letter the model finds most probable after "Answer: (") or A.6 prompt.
+chunks' synopses, and in full the chunks the model asks to re-read (`reread`), are what the shared reader reads
+(`reader=paper`: the A.5 prompt, multiple choice answered by the letter the model finds most probable after
+"Answer: (", or the A.6 prompt).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..engine.engine import Engine
-from .base import Answer, Method, generate_answer, prompt_ids
+from .base import Answer, Method
 from . import graph_view
 from .index_file import read_index_file, write_index_file
 from .jerr_graph import Entity, EntityGraph, add_edges, merge_entities, parse_atoms, parse_elements, view
@@ -28,6 +29,7 @@ from .jerr_prompts import ATOMS, EDGE, ELEMENTS, KEYWORDS, LOOKUP, OPEN_ANSWER, 
 from .jerr_search import MCTS, pagerank_top
 from .options import Option
 from .prompts import PromptSpec
+from .reader import LETTERS, READER_OPTION, Reader
 from .retrieval import text_chunk_spans
 
 FORMAT, VERSION = "nodekv-jerr-index", 1
@@ -71,6 +73,7 @@ class Jerr(Method, name="jerr", title="JERR"):
         Option("top_k", int, 5, "entities whose chunks feed the answer", low=1),
         Option("reread", bool, True, "let the model ask for chunks to be read again in full"),
         Option("seed", int, 0, "seed of the MCTS walks"),
+        READER_OPTION,
     )
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, lm=None,
@@ -155,18 +158,18 @@ class Jerr(Method, name="jerr", title="JERR"):
         context = f"Relevant nodes:\n{notes}\n\nSynopses:\n{text}"
         trace = [{"keywords": keywords, **how, "nodes": [index.graph.entities[i].name for i in chosen],
                   "pages": pages, "reread": full}]
-        if options:
-            letters = [chr(65 + i) for i in range(len(options))]
+        if self.config.reader == "shared":
+            return replace(self.reader.read(context, question, options, chosen, trace), flops=acc.total - start)
+        if options:  # A.5: the letter the model finds most probable after "Answer: ("
             spec = PromptSpec(QUALITY_ANSWER.replace("{}", "{context}", 1).replace("{} {}", "{question} {options}"),
                               1)
-            ids, truncated = prompt_ids(self.engine, spec, context, question, options)
-            letter, probs = self.lm.letter(ids, letters)
+            ids, truncated = Reader(self.engine, spec).prompt_ids(context, question, options)
+            letter, probs = self.lm.letter(ids, LETTERS[:len(options)])
             trace[0]["letters"] = {k: round(v, 4) for k, v in probs.items()}
-            return Answer(f"({letter})", chosen, trace, acc.total - start, len(ids), 0, truncated)
+            return Answer(f"({letter})", chosen, trace, acc.total - start, len(ids), 0, truncated, context)
         spec = replace(self.answer_prompt, template=OPEN_ANSWER.replace("{}", "{context}", 1).replace("{}",
                                                                                                    "{question}"))
-        ids, truncated = prompt_ids(self.engine, spec, context, question)
-        return replace(generate_answer(self.engine, ids, spec, chosen, truncated, trace), flops=acc.total - start)
+        return replace(Reader(self.engine, spec).read(context, question, (), chosen, trace), flops=acc.total - start)
 
     def _reread(self, index: JerrIndex, question: str, pages: list[int]) -> list[int]:
         listing = "\n".join(f"Page {p}: {index.synopses[p]}" for p in pages)

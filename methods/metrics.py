@@ -15,6 +15,12 @@ chain's names the prediction contains).
 
 ``parse_choice`` reads the chosen option letter from free text; the rule is in its docstring.
 ``score(record, prediction)`` picks the metrics by ``record.task``.
+
+Reader-independent diagnostics (``support_read``, ``miss``): a supporting passage reached the reader when at least
+half of its word bigrams (after ``normalize_answer``) occur in the text the reader read; bigrams rather than words
+so that common words scattered over unrelated passages do not count, a half so that a passage cut by a chunk
+boundary, or restated in a summary, still counts when most of it is there. A wrong answer (``CORRECT``: the primary
+metric below 0.5) is a *retrieval miss* when some supporting passage was not read, else a *reader miss*.
 """
 from __future__ import annotations
 
@@ -172,3 +178,33 @@ def score(record, prediction: str) -> dict[str, float]:
     if record.task == "variables":
         return variables_score(prediction, refs)
     raise ValueError(f"record {record.id!r}: unknown task {record.task!r}")
+
+
+# ------------------------------------------------------------------------------------- support and misses
+
+SUPPORT_COVERAGE = 0.5  # share of a supporting passage's word bigrams the reader's text must hold
+CORRECT = 0.5           # an answer whose primary metric reaches this is right (F1 for QA)
+PRIMARY = {"qa": "f1", "summary": "rougeL", "multiple_choice": "accuracy", "variables": "em"}
+
+
+def _bigrams(text: str) -> set[tuple[str, ...]]:
+    words = normalize_answer(text).split()
+    return set(zip(words, words[1:])) if len(words) > 1 else {tuple(words)} if words else set()
+
+
+def support_read(supports: Sequence[str], context: str | None) -> list[bool]:
+    """For each supporting passage, whether the reader's `context` holds at least SUPPORT_COVERAGE of its word
+    bigrams (None, a closed-book read, holds none)."""
+    have = _bigrams(context or "")
+    found = []
+    for text in supports:
+        want = _bigrams(text)
+        found.append(bool(want) and len(want & have) >= SUPPORT_COVERAGE * len(want))
+    return found
+
+
+def miss(task: str, metrics: dict[str, float], read: Sequence[bool]) -> str | None:
+    """None for a right answer; else "retrieval" (a supporting passage was not read) or "reader" (all were)."""
+    if metrics[PRIMARY[task]] >= CORRECT:
+        return None
+    return "reader" if all(read) else "retrieval"

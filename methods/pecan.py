@@ -4,7 +4,8 @@ engine's node cache.
 Search (§3.2, Table A2, App. B-C): the first-turn prompt and the query are prefilled once; the top level is
 appended; then after each appended node a rolled-back probe ("Yes"/"No") decides whether to stop; the next node
 maximises z_i = Σ_j r_j e_ji (r_j: the visited node's attention to the query, times its prompt position) plus its
-embedding similarity to the query; the second-turn prompt then decodes the answer from the same cache.
+embedding similarity to the query. The shared reader then answers from the visited nodes (`reader=paper`: the
+second-turn prompt decodes the answer from the same cache).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Z_SCALES, next_node, positional_relevance
 from .pecan_store import PecanIndex, load, save, to_graphml, to_html
 from .prompts import PromptSpec
+from .reader import READER_OPTION, Reader
 
 FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
               "Do not provide any explanation.\n\nQuestion:\n{}\n\nInformation:\n{}")
@@ -70,6 +72,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
                "visited nodes first", choices=("all", "successors")),
         Option("z_scale", str, "paper", "max: z divided by the largest z among the candidates, so that it weighs like "
                "cosine similarity; paper: Eq. (1) as it is", choices=Z_SCALES),
+        READER_OPTION,
     )
     can_save = True
     exports = {".graphml": "the graph as GraphML", ".html": "the graph drawn in an HTML page"}
@@ -128,10 +131,16 @@ class Pecan(Method, name="pecan", title="PECAN"):
                 if yes_count >= cfg.t_n:
                     trace.append({"stop": "yes"})
                     break
-            text, generated = self.respond(s, question, options)
-            prompt_tokens = len(s) - generated
-        visited = [step["node"] for step in trace if "node" in step]
-        return Answer(text, visited, trace, eng.flops.scopes["query"] - before, prompt_tokens, generated)
+            visited = [step["node"] for step in trace if "node" in step]
+            read = "\n".join("* " + index.graph.nodes[n].text.strip() for n in visited)
+            if cfg.reader == "paper":  # the second turn, answered in the searched session
+                text, generated = self.respond(s, question, options)
+                answer = Answer(text, visited, trace, 0, len(s) - generated, generated, context=read)
+        if cfg.reader == "shared":  # the visited nodes, in the order the search appended them, read by the model
+            reader = self.reader if eng is self.engine else Reader(eng, self.answer_prompt)  # that searched
+            answer = reader.read(read, question, options, visited, trace)
+        answer.flops = eng.flops.scopes["query"] - before
+        return answer
 
     def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
                probe: bool = True) -> Iterator[dict]:

@@ -1,0 +1,141 @@
+"""The shared answer reader: one way to turn (question, what a method chose to read, the dataset's task) into an
+answer, so that two methods differ only in what they read.
+
+A method decides the context (chunks, nodes, facts, synopses); `Reader.read` puts it in the dataset's prompt
+(LongBench's instruction, `prompts.PROMPTS`), in the model's chat template, middle-truncated to the window as
+LongBench does, and answers:
+- free text (QA, summaries): greedy decoding with the dataset's answer budget and stop strings; the dataset's
+  repetition penalty counts the generated tokens only, never the prompt (a penalty over the prompt pushes a
+  summary away from the document's own words);
+- multiple choice: the option letter with the highest probability at the start of the answer (scored over the
+  letters, not parsed from free text), together with contextual calibration (Zhao et al. 2021, "Calibrate
+  Before Use"): the same prompt with a content-free context, question and options ("N/A") gives the letter prior
+  of this prompt format, and the calibrated answer is the argmax of p(letter) / prior(letter). The prior is
+  computed once per reader and charged to the "calibration" FLOP scope, not to any question.
+Closed book (context None) reads the question alone, with the dataset's budget and stops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Hashable, Sequence
+
+from ..engine.engine import Engine
+from ..engine.sampling import RepetitionPenalty
+from .options import Option
+from .prompts import PromptSpec
+
+QUESTION_ONLY = ("Answer the question as concisely as you can. Do not provide any explanation.\n\n"
+                 "Question: {question}\n{options}\nAnswer:")
+CONTENT_FREE = "N/A"  # Zhao et al.'s content-free input
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# every method's `reader` option: the shared reader, or the paper's own final step (the paper-exact rows)
+READER_OPTION = Option("reader", str, "shared", "shared: the dataset's prompt over what the method read "
+                       "(nodekv.methods.reader); paper: the paper's own answer step", choices=("shared", "paper"))
+
+
+@dataclass
+class Answer:
+    """A method's answer to one question, with what it cost and what it looked at."""
+
+    text: str
+    nodes: list[Hashable]            # ids of the nodes (chunks, IPs) the answer was conditioned on
+    trace: list[dict] = field(default_factory=list)
+    flops: int = 0                   # query-dependent FLOPs by the engine's account (the whole answer, every step)
+    prompt_tokens: int = 0           # tokens of the prompt the answer was read from
+    generated_tokens: int = 0
+    truncated: bool = False          # the prompt was cut in the middle to fit the window
+    context: str | None = None       # the text the reader read (None: closed book, or not kept by the paper's step)
+    choice_probs: list[float] | None = None  # multiple choice: p(letter) normalised over the option letters
+    choice_prior: list[float] | None = None  # ... and the content-free prior they are calibrated by
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def calibrated_choice(probs: Sequence[float], prior: Sequence[float]) -> int:
+    """Index of the largest probs[i] / prior[i] (contextual calibration; the first on ties)."""
+    ratios = [p / q for p, q in zip(probs, prior)]
+    return max(range(len(ratios)), key=lambda i: (ratios[i], -i))
+
+
+class Reader:
+    """Answers a question from a context in the dataset's prompt (`spec`); `window` caps the prompt plus the answer
+    below the model's window (how a model with a shorter window reads)."""
+
+    def __init__(self, engine: Engine, spec: PromptSpec, window: int | None = None):
+        self.engine, self.spec, self.window = engine, spec, window
+        self._priors: dict[int, list[float]] = {}
+
+    def prompt_spec(self, context: str | None) -> PromptSpec:
+        """The dataset's prompt, or the question-only one for a closed-book read (context None)."""
+        return replace(self.spec, template=QUESTION_ONLY) if context is None else self.spec
+
+    def prompt_ids(self, context: str | None, question: str, options: Sequence[str] = ()) -> tuple[list[int], bool]:
+        """The chat-templated prompt, cut in the middle so that it plus the answer fits the window. Returns (ids,
+        truncated)."""
+        spec = self.prompt_spec(context)
+        ids = self.engine.tokenizer.chat([{"role": "user", "content": spec.render(context or "", question,
+                                                                                   tuple(options))}])
+        window = min(self.engine.config.max_seq_len, self.window or self.engine.config.max_seq_len)
+        room = window - spec.max_new_tokens
+        if len(ids) <= room:
+            return ids, False
+        half = room // 2
+        return ids[:half] + ids[len(ids) - (room - half):], True
+
+    def shared_length(self, context: str | None, options: Sequence[str] = ()) -> int:
+        """How many leading prompt ids do not depend on the question (the same for every question about one
+        context): where two prompts with different questions part."""
+        a, b = (self.prompt_ids(context, q, options)[0] for q in ("?", "!"))
+        return common_prefix(a, b)
+
+    def read(self, context: str | None, question: str, options: Sequence[str] = (), nodes: Sequence[Hashable] = (),
+             trace: list[dict] | None = None, shared_prefix: bool = False) -> Answer:
+        """The answer to `question` from `context`, charged to the engine's "query" FLOP scope. `options` make it a
+        multiple-choice read. With `shared_prefix`, the prompt up to the question is forked from the engine's
+        prefix cache (prefilled by the first question about this context, skipped and counted as saved by the
+        next)."""
+        ids, truncated = self.prompt_ids(context, question, options)
+        shared = min(self.shared_length(context, options), len(ids) - 1) if shared_prefix else 0
+        prior = self.letter_prior(len(options)) if options else None
+        eng = self.engine
+        before = eng.flops.scopes["query"]
+        with eng.flops.scope("query"), (eng.prefixes.fork(ids[:shared], node_id="shared") if shared > 0
+                                        else eng.session()) as s:
+            s.append(ids[shared:], node_id="prompt")
+            if options:
+                probs = list(s.probe(LETTERS[:len(options)]).values())
+                text, generated = LETTERS[max(range(len(probs)), key=lambda i: (probs[i], -i))], 0
+            else:
+                gen = s.generate(self.spec.max_new_tokens, stop=self.spec.stop,
+                                 logits_processors=self._penalty())
+                text, generated, probs = gen.text.strip(), len(gen.ids), None
+        answer = Answer(text, list(nodes), trace or [], eng.flops.scopes["query"] - before, len(ids), generated,
+                        truncated, context=context)
+        if options:
+            answer.choice_probs, answer.choice_prior = probs, prior
+        return answer
+
+    def letter_prior(self, n_options: int) -> list[float]:
+        """The letter probabilities this prompt gives with a content-free context, question and options (computed
+        once per option count, charged to the "calibration" FLOP scope)."""
+        if n_options not in self._priors:
+            blank = (CONTENT_FREE,) * n_options
+            ids, _ = self.prompt_ids(CONTENT_FREE, CONTENT_FREE, blank)
+            with self.engine.flops.scope("calibration"), self.engine.session() as s:
+                s.append(ids, node_id="prompt")
+                self._priors[n_options] = list(s.probe(LETTERS[:n_options]).values())
+        return self._priors[n_options]
+
+    def _penalty(self) -> list:
+        """The dataset's repetition penalty over the generated tokens only (an empty prompt context)."""
+        if self.spec.repetition_penalty == 1.0:
+            return []
+        return [RepetitionPenalty(self.spec.repetition_penalty, (), self.engine.config.vocab_size)]
