@@ -90,11 +90,13 @@ class Reader:
         half = room // 2
         return ids[:half] + ids[len(ids) - (room - half):], True
 
-    def shared_length(self, context: str | None, options: Sequence[str] = ()) -> int:
-        """How many leading prompt ids do not depend on the question (the same for every question about one
-        context): where two prompts with different questions part."""
+    def shared_length(self, context: str | None, question: str, options: Sequence[str] = ()) -> int:
+        """How many leading ids of this question's prompt every question about `context` shares: where prompts
+        with other questions part from it (two sentinel questions say where the question begins; a middle cut moves
+        with the question's length, so the head alone is shared then)."""
+        ids = self.prompt_ids(context, question, options)[0]
         a, b = (self.prompt_ids(context, q, options)[0] for q in ("?", "!"))
-        return common_prefix(a, b)
+        return common_prefix(ids, a[:common_prefix(a, b)])
 
     def read(self, context: str | None, question: str, options: Sequence[str] = (), nodes: Sequence[Hashable] = (),
              trace: list[dict] | None = None, shared_prefix: bool = False) -> Answer:
@@ -103,7 +105,7 @@ class Reader:
         prefix cache (prefilled by the first question about this context, skipped and counted as saved by the
         next)."""
         ids, truncated = self.prompt_ids(context, question, options)
-        shared = min(self.shared_length(context, options), len(ids) - 1) if shared_prefix else 0
+        shared = min(self.shared_length(context, question, options), len(ids) - 1) if shared_prefix else 0
         prior = self.letter_prior(len(options)) if options else None
         eng = self.engine
         before = eng.flops.scopes["query"]

@@ -38,6 +38,7 @@ def summarize(path: Path) -> dict:
             index_tokens[r["document"]] = r["index_tokens"]
     metric_names = sorted({k for r in ok for k in r["metrics"]})
     out = {"method": method, "dataset": dataset, "n": len(ok), "errors": len(rows) - len(ok),
+           "reader": ok[0].get("reader", "-") if ok else "-",
            "skipped": len(meta.get("skipped", [])), "docs": len(docs)}
     if not ok:
         return out
@@ -61,7 +62,32 @@ def summarize(path: Path) -> dict:
     if fits:
         out["fit_s"] = mean(fits)
     out.update(_search_stats([step for r in ok for step in r.get("trace", [])]))
+    out.update(_diagnostics(ok))
     out["settings"] = {k: f"{meta['options'][k]} ({source})" for k, source in meta.get("option_sources", {}).items()}
+    return out
+
+
+def _diagnostics(ok: list[dict]) -> dict:
+    """Reader-independent counts: on records with marked support, the mean share of supporting passages the reader
+    read and the wrong answers split into retrieval and reader misses; on multiple choice, the accuracy of always
+    answering the letter the gold answers hold most often and of always answering the content-free prior's letter,
+    and how often each letter was answered."""
+    out = {}
+    marked = [r for r in ok if "support" in r]
+    if marked:
+        misses = Counter(r["miss"] for r in marked)
+        out.update(support_n=len(marked), support_recall=100 * mean(r["support_recall"] for r in marked),
+                   retrieval_misses=misses["retrieval"], reader_misses=misses["reader"])
+    scored = [r for r in ok if "choice_probs" in r]
+    if scored:
+        gold = Counter(r["references"][0].strip().upper() for r in scored)
+        prior_letter = Counter(chr(65 + max(range(len(r["choice_prior"])), key=r["choice_prior"].__getitem__))
+                               for r in scored).most_common(1)[0][0]
+        out.update(mc_n=len(scored), majority_letter=gold.most_common(1)[0][0],
+                   majority_letter_acc=100 * gold.most_common(1)[0][1] / len(scored), prior_letter=prior_letter,
+                   prior_letter_acc=100 * gold[prior_letter] / len(scored),
+                   letters_raw=dict(sorted(Counter(r["prediction"] for r in scored).items())),
+                   letters_calibrated=dict(sorted(Counter(r["calibrated"] for r in scored).items())))
     return out
 
 
@@ -131,6 +157,30 @@ def searches(summaries: list[dict]) -> str:
         else:
             picks = "0 | - | - | -"
         lines.append(f"| {s['dataset']} | {s['method']} | {settings} | {stops} | {picks} |")
+    return "\n".join(lines)
+
+
+def diagnostics(summaries: list[dict]) -> str:
+    """Markdown: per run with marked support, support recall and the miss split; per multiple-choice run, raw and
+    calibrated accuracy against the letter baselines, and the letters answered."""
+    lines = ["| dataset | method | reader | n | support recall % | right | retrieval misses | reader misses |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+        if "support_n" in s:
+            right = s["support_n"] - s["retrieval_misses"] - s["reader_misses"]
+            lines.append(f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['support_n']} | "
+                         f"{s['support_recall']:.1f} | {right} | {s['retrieval_misses']} | {s['reader_misses']} |")
+    lines += ["", "| dataset | method | reader | n | accuracy | calibrated | always the majority letter | "
+              "always the prior's letter | letters answered (raw) | letters answered (calibrated) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+        if "mc_n" in s:
+            letters = [" ".join(f"{k}:{v}" for k, v in s[key].items()) for key in ("letters_raw",
+                                                                                    "letters_calibrated")]
+            lines.append(f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['mc_n']} | "
+                         f"{s['accuracy']:.1f} | {s['accuracy_calibrated']:.1f} | "
+                         f"{s['majority_letter_acc']:.1f} ({s['majority_letter']}) | "
+                         f"{s['prior_letter_acc']:.1f} ({s['prior_letter']}) | {letters[0]} | {letters[1]} |")
     return "\n".join(lines)
 
 
@@ -231,6 +281,10 @@ def report(runs: list[Path], out_dir: Path, reference: str | None = None, agains
         raise FileNotFoundError(f"no run files (*.jsonl) in {', '.join(map(str, runs))}")
     summaries = [summarize(f) for f in files]
     text = ("## Quality and query cost\n\n" + table(summaries, reference) +
+            "\n\n## What reached the reader, and why answers were wrong\n\n"
+            "A wrong answer (primary metric below 0.5) is a retrieval miss when a supporting passage did not reach the "
+            "reader (half of its word bigrams absent from what it read), else a reader miss.\n\n" +
+            diagnostics(summaries) +
             "\n\n## How the searches went\n\n" + searches(summaries) +
             "\n\n## Index + query TFLOPs per query for 1, 2, 4, 8 queries per document (8B projection)\n\n" +
             amortization(summaries) + "\n")

@@ -196,8 +196,8 @@ KEYWORDS = ["alpha", "beta", "gamma", "delta", "epsilon"]
 class KeywordEmbedder:
     """Bag of the five keywords: cosine similarity counts shared keywords."""
 
-    def encode(self, texts, batch_size=64):
-        return torch.tensor([[float(t.split().count(k)) + 1e-3 for k in KEYWORDS] for t in texts])
+    def encode(self, texts, batch_size=64):  # 0.125 is exact in binary: equal cosines stay equal after rounding
+        return torch.tensor([[float(t.split().count(k)) + 0.125 for k in KEYWORDS] for t in texts])
 
 
 class RelevanceLM(ScriptedLM):

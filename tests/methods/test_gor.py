@@ -178,16 +178,15 @@ def test_which_model_answers_and_what_is_refused():
 
 @pytest.mark.parametrize("order", ["document", "score"])
 def test_the_prompt_shows_the_k_best_nodes_in_document_or_score_order(monkeypatch, order):
-    import nodekv.methods.gor as gor_module
+    from nodekv.methods.reader import Reader
 
     shown = {}
 
-    def prompt_ids(engine, spec, context, question):
+    def read(self, context, question, options=(), nodes=(), trace=None, shared_prefix=False):
         shown["context"] = context
-        return [], False
+        return nodes, trace
 
-    monkeypatch.setattr(gor_module, "prompt_ids", prompt_ids)
-    monkeypatch.setattr(gor_module, "generate_answer", lambda eng, ids, spec, nodes, cut, trace: (nodes, trace))
+    monkeypatch.setattr(Reader, "read", read)
     gor = _gor(_engine(), train="none", k=5, order=order)
     index = gor.index(DOC)
     question = "which ccc and ggg?"

@@ -118,9 +118,10 @@ def test_the_index_file_round_trips_and_refuses_tampering(tmp_path):
 
 @pytest.mark.parametrize("search", ["mcts", "pagerank"])
 def test_the_answer_reads_the_chosen_entities_pages_and_picks_a_letter(search):
+    """The paper's A.5 step; the shared reader reads the same context (`test_reader`)."""
     eng = _engine()
     lm = ScriptedLM()
-    jerr = _jerr(eng, lm, search=search, top_k=2)
+    jerr = _jerr(eng, lm, search=search, top_k=2, reader="paper")
     index = jerr.index(DOC)
     answer = jerr.answer(index, "Why was the door of Korvin unlocked?", options=("w", "x", "y", "z"))
     trace = answer.trace[0]

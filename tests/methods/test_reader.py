@@ -1,0 +1,202 @@
+"""The shared answer reader: LongBench's middle truncation (slicing by hand), greedy answers against HF's model with
+the repetition penalty over the generated tokens only (a brute-force reference loop), the shared prompt prefix,
+multiple choice scored over letters and calibrated by the content-free prior (a scripted model), and the same prompt
+from two methods that read the same context."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nodekv.engine.flops import FlopAccount, forward_flops
+from nodekv.methods.baselines import BM25TopK, FullContext
+from nodekv.methods.prompts import PromptSpec, prompt_for
+from nodekv.methods.reader import CONTENT_FREE, Reader, calibrated_choice
+
+
+class CharTokenizer:
+    """One id per character (printable ASCII: code point - 32; a line break: 95); chat() is the user turn's
+    characters; id 100 is EOS, as in the tiny models' 101-token vocabulary."""
+
+    eos_ids = (100,)
+
+    def encode(self, text):
+        assert all(32 <= ord(c) < 127 or c == "\n" for c in text), text
+        return [95 if c == "\n" else ord(c) - 32 for c in text]
+
+    def decode(self, ids, skip_special=False):
+        return "".join("\n" if i == 95 else chr(i + 32) for i in ids)
+
+    def decode_stream(self, skip_special=False, context=()):
+        from nodekv.engine.tokenizer import DecodeStream
+
+        return DecodeStream(self, skip_special, context)
+
+    def token_id(self, piece):
+        (i,) = self.encode(piece)
+        return i
+
+    def chat(self, messages):
+        return self.encode(messages[0]["content"])
+
+
+def _char_engine(path):
+    from nodekv.engine.engine import Engine
+    from nodekv.engine.loader import load_checkpoint
+    from nodekv.engine.model import Llama
+    from nodekv.engine.page_pool import PagePool
+
+    ckpt = load_checkpoint(path)
+    model = Llama(ckpt.config, ckpt.tensors, torch.float32, "torch")
+    return Engine(model, CharTokenizer(), PagePool(ckpt.config, model.dtype, 64, 8))
+
+
+def _ids_engine(max_seq_len):
+    """No model: enough for prompt_ids (one id per character of the user turn)."""
+    return SimpleNamespace(tokenizer=CharTokenizer(), config=SimpleNamespace(max_seq_len=max_seq_len))
+
+
+def _hf_greedy(hf, prompt: list[int], n: int, penalty: float) -> list[int]:
+    """Greedy decoding by whole-sequence forwards of HF's model, CTRL's penalty on the generated ids only."""
+    out = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1].clone()
+        if out:
+            seen = torch.tensor(sorted(set(out)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+        token = int(logits.argmax())
+        if token == 100:
+            break
+        out.append(token)
+    return out
+
+
+def test_the_middle_is_cut_to_the_model_window_or_a_smaller_one():
+    spec, text = PromptSpec("{context}|{question}", max_new_tokens=10), "abcdefghij" * 10  # 100 characters
+    whole = CharTokenizer().encode(text + "|q")
+    assert Reader(_ids_engine(1000), spec).prompt_ids(text, "q") == (whole, False)
+    assert Reader(_ids_engine(1000), spec, window=112).prompt_ids(text, "q") == (whole, False)  # 102 + 10 fit
+    ids, cut = Reader(_ids_engine(1000), spec, window=50).prompt_ids(text, "q")  # room 40: first 20, last 20
+    assert cut and ids == whole[:20] + whole[-20:]
+    assert Reader(_ids_engine(50), spec, window=4096).prompt_ids(text, "q") == (ids, True)  # the model's is smaller
+
+
+def test_the_prompt_up_to_the_question_is_what_questions_share():
+    spec, text = PromptSpec("{context}|{question}", max_new_tokens=10), "abcdefghij" * 10
+    assert Reader(_ids_engine(1000), spec).shared_length(text, "why?") == 101  # the document and "|"
+    # cut to 20 + 20: the head; the tail starts where the question's length puts it
+    assert Reader(_ids_engine(1000), spec, window=50).shared_length(text, "why?") == 20
+
+
+def test_full_context_reads_with_its_window_and_shares_its_prefix(monkeypatch):
+    calls = []
+    monkeypatch.setattr(Reader, "read", lambda self, context, question, options=(), nodes=(), trace=None,
+                        shared_prefix=False: calls.append((self.window, context, shared_prefix)))
+    FullContext(_ids_engine(1000), PromptSpec("{context}|{question}", 10)).answer("doc", "why?")
+    FullContext(_ids_engine(1000), PromptSpec("{context}|{question}", 10), window=50,
+                shared_prefix=False).answer("doc", "why?")
+    assert calls == [(None, "doc", True), (50, "doc", False)]
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_free_text_answers_are_greedy_with_the_penalty_over_generated_tokens_only(hf_tiny, penalty):
+    hf, path = hf_tiny
+    eng, context = _char_engine(path), "the cat sat on the mat, the cat sat"
+    spec = PromptSpec("{context}|{question}", 12, repetition_penalty=penalty)
+    answer = Reader(eng, spec).read(context, "who?")
+    prompt = CharTokenizer().encode(context + "|who?")
+    want = _hf_greedy(hf, prompt, 12, penalty)
+    assert answer.text == CharTokenizer().decode(want).strip() and answer.prompt_tokens == len(prompt)
+    assert answer.context == context
+    if penalty != 1.0:  # the reference without the penalty differs here, so the penalty was applied
+        assert want != _hf_greedy(hf, prompt, 12, 1.0)
+
+
+def test_a_shared_prompt_prefix_is_prefilled_once_and_the_answers_stay_the_same(hf_tiny):
+    """The first question pays the prefix and the rest, the second only the rest (by the FLOP formula), and the
+    prefix's prefill is counted as saved; the answers equal HF's greedy ones."""
+    hf, path = hf_tiny
+    eng, spec, context = _char_engine(path), PromptSpec("{context}|{question}", 6), "some shared document text"
+    reader = Reader(eng, spec)
+    for q in ("why", "who is it"):
+        n_shared = reader.shared_length(context, q)
+        prompt = CharTokenizer().encode(f"{context}|{q}")
+        whole = reader.read(context, q)
+        saved = eng.flops.saved
+        shared = reader.read(context, q, shared_prefix=True)
+        decode = whole.flops - forward_flops(eng.config, len(prompt))
+        rest = forward_flops(eng.config, len(prompt) - n_shared, n_shared) + decode
+        first = q == "why"
+        assert shared.flops == rest + (forward_flops(eng.config, n_shared) if first else 0)
+        assert eng.flops.saved - saved == (0 if first else forward_flops(eng.config, n_shared))
+        assert whole.text == shared.text == CharTokenizer().decode(_hf_greedy(hf, prompt, 6, 1.0)).strip()
+
+
+class ScriptedSession:
+    """Letter probabilities by what the prompt holds: the content-free one, or a real one."""
+
+    def __init__(self, probs):
+        self.probs, self.ids = probs, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def append(self, ids, node_id=None):
+        self.ids += list(ids)
+
+    def probe(self, choices):
+        text = CharTokenizer().decode(self.ids)
+        table = self.probs["content-free" if text.startswith(CONTENT_FREE) else "document"]
+        return dict(zip(choices, table))
+
+
+def test_multiple_choice_is_the_most_probable_letter_calibrated_by_the_content_free_prior():
+    probs = {"document": [0.40, 0.35, 0.15, 0.10], "content-free": [0.60, 0.20, 0.10, 0.10]}
+    sessions = []
+
+    def session():
+        sessions.append(ScriptedSession(probs))
+        return sessions[-1]
+
+    eng = SimpleNamespace(tokenizer=CharTokenizer(), config=SimpleNamespace(max_seq_len=1000, vocab_size=101),
+                          flops=FlopAccount(), session=session, prefixes=None)
+    reader = Reader(eng, PromptSpec("{context}|{question}|{options}", 16))
+    answer = reader.read("a story", "which?", ("w", "x", "y", "z"))
+    assert answer.text == "A" and answer.generated_tokens == 0  # scored, not generated
+    assert answer.choice_probs == probs["document"] and answer.choice_prior == probs["content-free"]
+    prior_prompt = CharTokenizer().decode(sessions[0].ids)
+    assert prior_prompt == f"{CONTENT_FREE}|{CONTENT_FREE}|" + "\n".join(f"({c}) {CONTENT_FREE}" for c in "ABCD")
+    # p / prior = .67, 1.75, 1.5, 1.0: B, not the raw A
+    assert calibrated_choice(answer.choice_probs, answer.choice_prior) == 1
+    reader.read("another story", "which?", ("w", "x", "y", "z"))
+    assert len(sessions) == 3  # the prior is computed once
+
+
+def test_calibration_divides_by_the_prior():
+    assert calibrated_choice([0.5, 0.5], [0.5, 0.5]) == 0  # ties: the first
+    assert calibrated_choice([0.3, 0.7], [0.1, 0.9]) == 0  # 3.0 against 0.78
+    assert calibrated_choice([0.3, 0.7], [0.5, 0.5]) == 1
+
+
+def test_two_methods_reading_the_same_context_send_the_same_prompt(monkeypatch):
+    """Full context on a one-chunk document and BM25 retrieving that chunk read the same text: one prompt."""
+    sent = []
+
+    def read(self, context, question, options=(), nodes=(), trace=None, shared_prefix=False):
+        sent.append(self.prompt_ids(context, question, options)[0])
+
+    monkeypatch.setattr(Reader, "read", read)
+    eng, spec = _ids_engine(1000), prompt_for("hotpotqa")
+    eng.tokenizer.decode = CharTokenizer().decode
+    document = "Passage 1:\nRush\nNobody's Hero is a song by Rush."
+    FullContext(eng, spec).answer(document, "Who sang Nobody's Hero?")
+    bm25 = BM25TopK(eng, spec, k=3)
+    bm25.answer(bm25.index(document), "Who sang Nobody's Hero?")
+    assert len(sent) == 2 and sent[0] == sent[1]
+    assert CharTokenizer().decode(sent[0]) == spec.render(document, "Who sang Nobody's Hero?")
