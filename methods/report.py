@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, quantiles
 
 from .evaluate import read_done
+
+
+TOP_K_RUN = re.compile(r"(bm25|dense)-top(\d+)")  # a fixed-k retrieval run's label (`RunConfig.label`)
 
 
 def _meta(path: Path) -> tuple[str, str, dict]:
@@ -217,6 +221,15 @@ def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
         ax.axis("off")
     for ax, (dataset, rows) in zip(axes.flat, sorted(by_dataset.items())):
         key = primary_metric(rows[0])
+        curves = defaultdict(list)  # retriever -> its fixed-k runs: the Top-X curve over k
+        for r in rows:
+            if (m := TOP_K_RUN.fullmatch(r["method"])) is not None:
+                curves[m.group(1)].append(r)
+        for retriever, runs in sorted(curves.items()):
+            runs.sort(key=lambda r: r["query_tflops_8b"])
+            ks = ", ".join(TOP_K_RUN.fullmatch(r["method"]).group(2) for r in runs)
+            ax.plot([r["query_tflops_8b"] for r in runs], [r.get(key, 0) for r in runs], "-", lw=1, alpha=0.6,
+                    label=f"{retriever} Top-k, k = {ks}")
         for k, r in enumerate(sorted(rows, key=lambda r: r["method"])):
             ax.scatter(r["query_tflops_8b"], r.get(key, 0), marker="osD^v<>ph*"[k % 10], s=40,
                        label=f"{r['method']} (n={r['n']})")
