@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-TEXT = Path(__file__).resolve().parents[1] / "examples" / "lost_in_translation.txt"
+from nodekv.paths import example
+
+TEXT = example("lost_in_translation.txt")
 
 
 def prompts(engine, n: int, length: int) -> list[list[int]]:

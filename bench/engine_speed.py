@@ -26,8 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TEXT = ROOT / "examples" / "lost_in_translation.txt"
+from nodekv.paths import example
+
+TEXT = example("lost_in_translation.txt")
 DEFAULT_MODEL = "qwen2.5-0.5b"
 ENGINES = {"nodekv": "nodekv", "hf": "HF transformers sdpa", "hf-eager": "HF transformers eager",
            "llama-cpp": "llama.cpp"}
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from nodekv.engine.registry import resolve_model
+    from nodekv.engine.models import resolve_model
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)

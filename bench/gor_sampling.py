@@ -10,16 +10,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-TEXT = Path(__file__).resolve().parents[1] / "examples" / "lost_in_translation.txt"
+from nodekv.paths import example
+
+TEXT = example("lost_in_translation.txt")
 
 
 def simulate_seconds(engine, chunks: list[str], draws: int, batch: int) -> tuple[float, int]:
     """Seconds to spend `draws` simulation draws `batch` at a time, and the distinct queries they gave."""
-    from nodekv.methods.gor_graph import RecordGraph, engine_sampler, simulate_queries
+    from nodekv.methods.gor.gor_graph import RecordGraph, engine_sampler, simulate_queries
 
     graph = RecordGraph(list(chunks))
     t = time.perf_counter()

@@ -36,7 +36,7 @@ def child(mode: str, tokens: int, node: int, threads: int) -> dict:
 
     import nodekv.hf
     from nodekv.bench.engine_speed import prompt_ids
-    from nodekv.engine.registry import resolve_model
+    from nodekv.engine.models import resolve_model
 
     torch.set_num_threads(threads)
     path = resolve_model("smollm2-135m")

@@ -18,8 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TEXT = ROOT / "examples" / "lost_in_translation.txt"
+from nodekv.paths import example
+
+TEXT = example("lost_in_translation.txt")
 MiB = 1 << 20
 
 

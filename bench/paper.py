@@ -10,7 +10,7 @@
 3. JERR Table 6 (tokens per query), GoR Table 4 (retrieval seconds per query, measured here on a QMSum meeting)
    and DICE Table 4 (minutes per dataset) from our runs, marked where they do not compare.
 
-    nodekv bench paper [--model qwen2.5-0.5b] [--runs bench/results] [--limit N] [--out FILE]
+    nodekv bench paper [--model qwen2.5-0.5b] [--runs results] [--limit N] [--out FILE]
 
 Prompts are tokenised with `--model`'s tokenizer (Llama-3.1's is not here; both are ~130K-entry byte-level BPEs).
 """
@@ -24,14 +24,14 @@ from pathlib import Path
 
 from nodekv.bench import paper_tables as pt
 from nodekv.engine.config import preset
+from nodekv.paths import base, results_dir
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET = "llama-3.1-8b"
 
 
 def prompt_lengths(dataset: str, tokenizer, limit: int | None) -> tuple[list[int], list[int]]:
     """(whole chat prompt, document alone) token counts of each record of `dataset`, as full context builds it."""
-    from nodekv.methods.data import load_dataset
+    from nodekv.evaluation.datasets import load_dataset
     from nodekv.methods.prompts import prompt_for
 
     spec, prompts, docs = prompt_for(dataset), [], []
@@ -125,7 +125,7 @@ def construction_table(runs: Path, label: str, full_exact: dict[str, float]) -> 
         amortised = " | ".join(f"{pt.amortised(build, search, q):.1f}" for q in (1, 2, 4, 8))
         lines.append(f"| {name} ({len(rows)} q., {len(docs)} docs) | {build:.1f} | {search:.2f} | "
                      f"{full_exact.get(name, float('nan')):.1f} | {amortised} | {paper_cells} |")
-    shown = runs.resolve().relative_to(ROOT) if runs.resolve().is_relative_to(ROOT) else runs
+    shown = runs.resolve().relative_to(base()) if runs.resolve().is_relative_to(base()) else runs
     lines.append(f"\nOurs: run `{label}` under {shown}, FLOPs projected to {TARGET} for the same token counts, exact "
                  "causal count (the paper's convention above counts more, most of all at long prompts).")
     return "\n".join(lines)
@@ -137,7 +137,7 @@ def _lines(path: Path) -> list[dict]:
 
 def _runs(runs: Path, prefix: str) -> list[tuple[str, str, list[dict]]]:
     """(label, dataset, good lines) of every run under `runs` whose label starts with `prefix`."""
-    from nodekv.bench.report import run_files
+    from nodekv.bench.results_page import run_files
 
     found = []
     for f in run_files(runs, runs / "report"):
@@ -174,10 +174,10 @@ def gor_latency(repeats: int = 20) -> str:
 
     import torch
 
-    from nodekv.engine.registry import resolve_model
+    from nodekv.engine.models import resolve_model
     from nodekv.engine.tokenizer import Tokenizer
-    from nodekv.methods.data import load_dataset
-    from nodekv.methods.gor import Gor
+    from nodekv.evaluation.datasets import load_dataset
+    from nodekv.methods.gor.gor import Gor
     from nodekv.methods.retrieval import BM25Index, DenseIndex
 
     record = load_dataset("qmsum_general", limit=1).records[0]
@@ -223,15 +223,15 @@ def dice_minutes(runs: Path) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(prog="nodekv bench paper", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-0.5b", help="whose tokenizer measures the prompts")
-    p.add_argument("--runs", type=Path, default=ROOT / "bench" / "results", help="where finished runs are")
+    p.add_argument("--runs", type=Path, default=results_dir(), help="where finished runs are")
     p.add_argument("--pecan-run", default="pecan-prompt_style=restate", help="the PECAN run label for Table A4")
     p.add_argument("--limit", type=int, default=None, help="records per dataset (default: all)")
     p.add_argument("--skip-latency", action="store_true", help="do not time GoR's retrieval")
-    p.add_argument("--out", type=Path, default=None, help="also write the Markdown here (`nodekv bench report` reads "
-                                                           "bench/results/paper.md)")
+    p.add_argument("--out", type=Path, default=None, help="also write the Markdown here (`nodekv bench results_page` reads "
+                                                           "results/paper.md)")
     args = p.parse_args()
 
-    from nodekv.engine.registry import resolve_model
+    from nodekv.engine.models import resolve_model
     from nodekv.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(resolve_model(args.model))

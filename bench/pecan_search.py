@@ -15,8 +15,9 @@ import time
 from itertools import accumulate
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-STORY = ROOT / "examples" / "lost_in_translation.txt"
+from nodekv.paths import base, example
+
+STORY = example("lost_in_translation.txt")
 QUESTION = "Who is Korvin, and where is he held?"
 
 
@@ -24,7 +25,7 @@ def prompt_pieces(method, index, question: str, visited: list[int]) -> dict[str,
     """The token ids of the search prompt's pieces: the first turn ("prefix": head, query, info), the visited
     nodes, the probe and the second turn."""
     from nodekv.methods.base import chat_pieces
-    from nodekv.methods.pecan import FIRST_TURN, SECOND_TURN
+    from nodekv.methods.pecan.pecan import FIRST_TURN, SECOND_TURN
 
     eng = method.search_engine
     tok = eng.tokenizer
@@ -79,7 +80,7 @@ def predicted_ratio(c, prefix: list[int], nodes: list[int], probed: list[bool], 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--index", default=str(ROOT / "build" / "bench-story.pecan"),
+    ap.add_argument("--index", default=str(base() / "build" / "bench-story.pecan"),
                     help="a PECAN index (built from the bundled story with 1.5K-token batches if missing)")
     ap.add_argument("--question", default=QUESTION)
     ap.add_argument("--budget", type=int, default=12, help="nodes beyond the top level")
@@ -88,8 +89,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from nodekv import load_engine
-    from nodekv.methods.pecan import Pecan
-    from nodekv.methods.pecan_store import load, save
+    from nodekv.methods.pecan.pecan import Pecan
+    from nodekv.methods.pecan.pecan_store import load, save
 
     eng = load_engine(threads=args.threads)
     method = Pecan(eng, batch_tokens=1500, node_budget=args.budget, t_p=args.t_p)

@@ -16,7 +16,7 @@ from .loader import load_checkpoint
 from .model import KVCache, Llama
 from .page_pool import PagePool, default_pool_pages
 from .prefix_cache import PrefixCache
-from .registry import resolve_model
+from .models import resolve_model
 from .generation import Generation, GenerationState, check_one_engine, generate, step
 from .session import NodeSpan, Session, append_batch
 

@@ -83,11 +83,9 @@ class Method(ABC):
         return None
 
     @classmethod
-    def dataset_defaults(cls, dataset: str, runs: Path | None = None, options: dict | None = None,
-                         model: str | None = None) -> dict[str, tuple[Any, str]]:
-        """Options this method sets for `dataset` unless given explicitly, each as (value, where it comes from): say,
-        a paper's per-dataset value, or a calibration kept in the run directory `runs` that holds for the run's
-        `options` and `model`."""
+    def dataset_defaults(cls, dataset: str) -> dict[str, tuple[Any, str]]:
+        """Options this method sets for `dataset` unless given explicitly, each as (value, where it comes from):
+        say, a paper's per-dataset value."""
         return {}
 
     def index_key(self) -> dict:

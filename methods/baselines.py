@@ -1,5 +1,6 @@
-"""Baselines on the same engine, so that FLOPs compare: the full document in context (cut in the middle to the
-window, as LongBench does), and BM25 / dense (all-MiniLM-L6-v2) top-k chunks in one prompt."""
+"""Baselines on the same engine, so that FLOPs compare: the question alone (closed book), the full document in
+context (cut in the middle to the window, as LongBench does), and BM25 / dense (all-MiniLM-L6-v2) top-k chunks in
+one prompt."""
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -10,6 +11,18 @@ from .base import Answer, Method
 from .options import Option
 from .prompts import PromptSpec
 from .retrieval import BM25Index, DenseIndex, text_chunk_spans
+
+
+class ClosedBook(Method, name="closed-book"):
+    """The question alone in the prompt, never reading the document: the floor a method that reads must beat, and
+    the smallest whole method (the shared reader's closed-book read: the dataset's answer budget and stop strings;
+    multiple choice scored over the option letters)."""
+
+    def index(self, document: str) -> None:
+        return None  # nothing to read
+
+    def answer(self, index: None, question: str, options: tuple[str, ...] = ()) -> Answer:
+        return self.reader.read(None, question, options)
 
 
 class FullContext(Method, name="full"):
@@ -84,7 +97,7 @@ class DenseTopK(TopK, name="dense"):
         self._embedder = embedder
 
     def search_index(self, chunks: list[str]) -> DenseIndex:
-        from .embedder import Embedder
+        from .retrieval.embedder import Embedder
 
         return DenseIndex(chunks, self._embedder or Embedder.shared())
 

@@ -30,6 +30,8 @@ _QMSUM = ("You are given a meeting transcript and a query containing a question 
           "transcript in one or more sentences.\n\nQuery: {question}\nAnswer:")
 _SUMMARY = ("You are given a long document and an instruction about it.\n\nDocument:\n{context}\n\nNow, follow the "
             "instruction based on the above document.\n\nInstruction: {question}\nAnswer:")
+_VARIABLES = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n\n"
+              "Question: {question}\nAnswer:")  # RULER's variable tracking
 _CHOICE = ("Read the document and answer the multiple-choice question with the letter of the correct option only."
            "\n\nDocument:\n{context}\n\nAnswer the multiple-choice question with the letter of the correct option "
            "only.\n\nQuestion: {question}\n{options}\nAnswer:")
@@ -76,13 +78,13 @@ PROMPTS: dict[str, PromptSpec] = {
     "meeting_summ": PromptSpec(_SUMMARY, 512, repetition_penalty=SUMMARY_PENALTY),
     "news_summ": PromptSpec(_SUMMARY, 512, repetition_penalty=SUMMARY_PENALTY),
     "tv_show_summ": PromptSpec(_SUMMARY, 512, repetition_penalty=SUMMARY_PENALTY),
+    "variable_tracking": PromptSpec(_VARIABLES, 64),  # the names may come one per line
 }
 
 
 def prompt_for(dataset: str) -> PromptSpec:
-    """The dataset's prompt (RULER's for variable tracking); unknown names get the generic document-QA prompt."""
-    from .variable_tracking import TEMPLATE, is_variable_tracking
-
-    if is_variable_tracking(dataset):
-        return PromptSpec(TEMPLATE, 64)  # the names may come one per line
+    """The dataset's prompt (RULER's for every variable-tracking configuration, `variable_tracking_<shape>`); unknown
+    names get the generic document-QA prompt."""
+    if dataset.startswith("variable_tracking_"):
+        dataset = "variable_tracking"
     return PROMPTS.get(dataset, PromptSpec(_DOC_QA, 64))

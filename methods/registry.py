@@ -14,7 +14,7 @@ import warnings
 
 from .base import REGISTERED, Method
 
-BUILTIN_MODULES = ("baselines", "closed_book", "dice", "gor", "jerr", "pecan")
+BUILTIN_MODULES = ("baselines", "dice", "gor", "jerr", "pecan")  # modules and method folders
 ENTRY_POINT_GROUP = "nodekv.methods"
 
 

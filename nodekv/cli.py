@@ -11,7 +11,7 @@ import json
 import sys
 
 from nodekv import commands
-from nodekv.engine.registry import DEFAULT_MODEL, MODELS
+from nodekv.engine.models import DEFAULT_MODEL, MODELS
 from nodekv.methods.prompts import PROMPTS
 
 MODEL_HELP = f"a registered name (`nodekv models`), HF directory or .gguf file (default: {DEFAULT_MODEL})"

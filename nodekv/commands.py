@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from nodekv.engine.registry import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
+from nodekv.engine.models import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
 from nodekv.methods.prompts import prompt_for
 
 
@@ -67,7 +67,7 @@ def index(args: argparse.Namespace) -> int:
 
 def _ray_plan(args: argparse.Namespace):
     """The RayPlan that --ray, --workers and --threads describe (None without --ray)."""
-    from nodekv.methods.ray_tasks import RayPlan
+    from nodekv.evaluation.ray_tasks import RayPlan
 
     if args.ray is None:
         return None
@@ -79,8 +79,8 @@ def _ray_plan(args: argparse.Namespace):
 def index_corpus(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods import get
-    from nodekv.methods.corpus import check_request
-    from nodekv.methods.corpus import index_corpus as run
+    from nodekv.evaluation.index_corpus import check_request
+    from nodekv.evaluation.index_corpus import index_corpus as run
 
     options = dict(args.option)
     check_request(args.method, Path(args.directory))  # bad requests and options fail before the model loads
@@ -149,7 +149,7 @@ def flops(args: argparse.Namespace) -> int:
 
 def evaluate(args: argparse.Namespace) -> int:
     if args.runs and args.runs[0] == "report":
-        from nodekv.methods.report import report
+        from nodekv.evaluation.report import report
 
         try:
             print(report([Path(r) for r in args.runs[1:]] or [Path(args.out)], Path(args.out), args.reference,
@@ -166,8 +166,8 @@ def evaluate(args: argparse.Namespace) -> int:
         return 2
     from nodekv import load_engine
     from nodekv.methods import get
-    from nodekv.methods.data import DataNotFoundError
-    from nodekv.methods.evaluate import run
+    from nodekv.evaluation.datasets import DataNotFoundError
+    from nodekv.evaluation.runner import run
 
     cfg = run_config(args)
     try:
@@ -183,7 +183,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def run_config(args: argparse.Namespace):
     """The RunConfig that `nodekv eval` arguments describe: --option pairs, then --k."""
-    from nodekv.methods.evaluate import RunConfig
+    from nodekv.evaluation.runner import RunConfig
 
     options = dict(args.option)
     if args.k is not None:
@@ -193,8 +193,8 @@ def run_config(args: argparse.Namespace):
 
 def calibrate(args: argparse.Namespace) -> int:
     from nodekv import load_engine
-    from nodekv.methods.data import DataNotFoundError
-    from nodekv.methods.pecan_calibrate import calibrate
+    from nodekv.evaluation.datasets import DataNotFoundError
+    from nodekv.evaluation.pecan_calibration import calibrate
 
     try:
         result = calibrate(load_engine(args.model, threads=args.threads), args.dataset, (args.dev_start, args.dev),

@@ -1,5 +1,5 @@
-"""`nodekv bench report` from hand-written results: the numbers it derives, the page a headless browser renders
-with every plot loaded, and a smoke run of `nodekv bench engine --quick` feeding it."""
+"""`nodekv bench results_page` from hand-written results: the numbers it derives, the page a headless browser renders
+with every plot loaded, and a smoke run of `nodekv bench engine_suite --quick` feeding it."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from nodekv.bench.report import build, markdown_to_html
+from nodekv.bench.results_page import build, markdown_to_html
 
 SPEED = {"cpu": "Test CPU", "torch": "2.x", "threads": 2, "decode_tokens": 8, "rounds": [[100, 100], [400, 400]],
          "fp32_peak_gflops": 100.0,
@@ -86,7 +86,7 @@ def test_engine_bench_quick_run_feeds_the_report(tmp_path, monkeypatch):
     from nodekv.cli import main
 
     monkeypatch.setattr("sys.argv", ["x"])
-    assert main(["bench", "engine", "--quick", "--models", "smollm2-135m", "--engines", "nodekv",
+    assert main(["bench", "engine_suite", "--quick", "--models", "smollm2-135m", "--engines", "nodekv",
                  "--out", str(tmp_path / "engine")]) == 0
     engine = json.loads((tmp_path / "engine" / "engine.json").read_text())
     assert set(engine["speed"]["smollm2-135m"]["results"]) == {"nodekv"}

@@ -139,7 +139,7 @@ def test_mixed_type_projections_run_fused(kind, tied, tmp_path):
 def qwen_gguf() -> Path:
     """The Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF: q5_0, q8_0, q4_k and q6_k tensors, q|k|v = q5_0|q5_0|q8_0."""
     from nodekv.engine.errors import ModelLoadError
-    from nodekv.engine.registry import resolve_model
+    from nodekv.engine.models import resolve_model
 
     try:
         return resolve_model("qwen2.5-0.5b")

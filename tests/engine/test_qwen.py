@@ -84,7 +84,7 @@ TRICKY = [
 def gguf(request) -> Path:
     """The model's GGUF from the registry; skipped when its packages are not installed."""
     from nodekv.engine.errors import ModelLoadError
-    from nodekv.engine.registry import resolve_model
+    from nodekv.engine.models import resolve_model
 
     try:
         return resolve_model(request.param)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nodekv.engine.flops import FlopAccount, forward_flops
-from nodekv.methods.dice import Dice, word_chunks
-from nodekv.methods.dice_algorithms import STOP_REASONS, Budget, Retrieved, constrained_decoding, iterative_qa
-from nodekv.methods.dice_prompts import THOUGHTS, planning_turn
+from nodekv.methods.dice.dice import Dice, word_chunks
+from nodekv.methods.dice.dice_algorithms import STOP_REASONS, Budget, Retrieved, constrained_decoding, iterative_qa
+from nodekv.methods.dice.dice_prompts import THOUGHTS, planning_turn
 
 BUDGET = Budget(max_iterations=5, step_tokens=16, answer_tokens=8, step_room=100)
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nodekv.methods.gor import Gor
-from nodekv.methods.gor_store import IndexFileError, tensors_path
-from nodekv.methods.gor_train import (GAT, GraphData, TrainConfig, _batch_loss, info_nce, pairwise_rank_loss,
+from nodekv.methods.gor.gor import Gor
+from nodekv.methods.gor.gor_store import IndexFileError, tensors_path
+from nodekv.methods.gor.gor_train import (GAT, GraphData, TrainConfig, _batch_loss, info_nce, pairwise_rank_loss,
                                       train_gat)
 
 LETTERS = "abcdefghij"
@@ -200,7 +200,7 @@ def test_the_prompt_shows_the_k_best_nodes_in_document_or_score_order(monkeypatc
 
 
 def test_documents_are_dealt_into_folds_in_order_of_first_appearance():
-    from nodekv.methods.evaluate import document_folds, document_hash
+    from nodekv.evaluation.runner import document_folds, document_hash
 
     records = [SimpleNamespace(document=d) for d in "aabcdefgc"]
     folds = document_folds(records, 3)

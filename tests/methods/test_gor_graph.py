@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nodekv.methods.gor_graph import (RecordGraph, build_records, engine_responder, engine_sampler,
+from nodekv.methods.gor.gor_graph import (RecordGraph, build_records, engine_responder, engine_sampler,
                                       simulate_queries)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nodekv.methods.gor_train import (GAT, GATLayer, bertscore_f1, bertscore_ranking, idf_weights, info_nce,
+from nodekv.methods.gor.gor_train import (GAT, GATLayer, bertscore_f1, bertscore_ranking, idf_weights, info_nce,
                                       pairwise_rank_loss)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from nodekv.engine.flops import FlopAccount
 from nodekv.methods.index_file import IndexFileError
-from nodekv.methods.jerr import Jerr
+from nodekv.methods.jerr.jerr import Jerr
 
 DOC = ("Korvin was held by the Tr'en in a cell.\n\nThe Tr'en never understood democracy or any of it.\n\n"
        "Korvin found the door unlocked and a weapon nearby.")

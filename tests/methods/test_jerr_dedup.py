@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodekv.methods.jerr_dedup import (BloomFilter, ExactSet, Trie, hamming, near_duplicate_groups, normalize,
+from nodekv.methods.jerr.jerr_dedup import (BloomFilter, ExactSet, Trie, hamming, near_duplicate_groups, normalize,
                                        simhash64, unique_names)
 
 simhash = pytest.importorskip("simhash")

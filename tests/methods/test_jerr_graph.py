@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodekv.methods.jerr_graph import EntityGraph, Entity, add_edges, merge_entities, parse_atoms, parse_elements
+from nodekv.methods.jerr.jerr_graph import EntityGraph, Entity, add_edges, merge_entities, parse_atoms, parse_elements
 
 
 def test_atoms_are_one_per_line_without_markers_and_fall_back_to_the_synopsis():
@@ -108,7 +108,7 @@ def test_the_exports_place_entities_by_depth_and_label_edges():
     import xml.etree.ElementTree as ET
 
     from nodekv.methods import graph_view
-    from nodekv.methods.jerr_graph import depths, view
+    from nodekv.methods.jerr.jerr_graph import depths, view
 
     graph = EntityGraph([Entity("Korvin", ["Korvins"], [0, 2]), Entity("Tr'en <rulers>", [], [0]),
                          Entity("door", [], [2]), Entity("ship", [], [1])])

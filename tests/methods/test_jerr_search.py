@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from nodekv.methods.jerr_search import MCTS, pagerank, pagerank_top
+from nodekv.methods.jerr.jerr_search import MCTS, pagerank, pagerank_top
 
 EDGES = {"A": ["C", "D"], "B": ["E"], "C": [], "D": ["F"], "E": [], "F": []}
 SCORE = {"A": 0.2, "B": 0.5, "C": 0.9, "D": 0.1, "E": 0.3, "F": 1.0}

@@ -74,7 +74,7 @@ def test_declarations_are_checked_when_the_class_is_made(registry):
         class BadDefault(Method):
             options = (Option("k", int, 0, "a default out of its own range", low=1),)
     names()
-    with pytest.raises(ValueError, match="'pecan' is taken by nodekv.methods.pecan.Pecan"):
+    with pytest.raises(ValueError, match="'pecan' is taken by nodekv.methods.pecan.pecan.Pecan"):
         class Impostor(Method, name="pecan"):
             pass
     with pytest.raises(ValueError, match="lower-case"):
@@ -142,7 +142,7 @@ def test_cli_index_and_ask_work_for_any_method_that_saves(saver, engine, tmp_pat
 
 
 def test_evaluate_reuses_saved_indexes_by_index_key(saver, engine, tmp_path):
-    from nodekv.methods.evaluate import RunConfig, run
+    from nodekv.evaluation.runner import RunConfig, run
 
     data = str(_write_data(tmp_path / "data"))
     runs = tmp_path / "runs"

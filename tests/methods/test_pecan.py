@@ -20,7 +20,7 @@ DOC = ("The lighthouse keeper of Varn Island was Ida Brecht. Every evening she c
 @pytest.fixture(scope="module")
 def built():
     import nodekv
-    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.pecan.pecan import Pecan
 
     eng = nodekv.load_engine("smollm2-135m")
     method = Pecan(eng, chunk_tokens=40, batch_tokens=120, summary_tokens=80, answer_tokens=24, node_budget=3)
@@ -45,7 +45,7 @@ def test_graph_has_levels_and_normalised_edges(built):
 
 
 def test_save_load_search_is_identical_and_bad_files_are_refused(built, tmp_path):
-    from nodekv.methods.pecan_store import IndexFileError, load, save, to_graphml, to_html
+    from nodekv.methods.pecan.pecan_store import IndexFileError, load, save, to_graphml, to_html
 
     eng, method, index = built
     path = tmp_path / "doc.pecan"
@@ -102,7 +102,7 @@ def test_the_ip_stating_a_planted_fact_points_to_its_chunk(default_engine):
     both against the other chunks and against the weight the other IPs give it. On the default model (qwen2.5-0.5b)
     the stating IP gives its chunk ~0.65; SmolLM2-135M's attention is too diffuse for the check (with Table A1's
     bulleted inputs every chunk gets ~0.25 from every IP)."""
-    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.pecan.pecan import Pecan
 
     eng = default_engine
     index = Pecan(eng, chunk_tokens=40, batch_tokens=2000, summary_tokens=200).index(
@@ -128,7 +128,7 @@ def test_search_flops_are_one_prefill_plus_probes_and_answer(built, style):
     restated question to every probe and to the answer turn, and nothing else."""
     from nodekv.engine.flops import forward_flops
     from nodekv.methods.base import chat_pieces
-    from nodekv.methods.pecan import FIRST_TURN, RESTATED_PROBE, RESTATED_SECOND_TURN, SECOND_TURN, Pecan
+    from nodekv.methods.pecan.pecan import FIRST_TURN, RESTATED_PROBE, RESTATED_SECOND_TURN, SECOND_TURN, Pecan
 
     eng, method, index = built
     method = Pecan(eng, **{**dataclasses.asdict(method.config), "prompt_style": style})
@@ -188,7 +188,7 @@ def test_search_stops_before_the_window_is_full(built, monkeypatch):
 def test_restated_prompts_leave_the_search_order_and_relevance_unchanged(built):
     """The restate style changes only rolled-back probe tokens and the answer turn: the nodes are visited in the
     same order with the same r (relevance read from the cached prompt) until one of the searches stops."""
-    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.pecan.pecan import Pecan
 
     eng, method, index = built
     config = dataclasses.asdict(method.config)
@@ -202,7 +202,7 @@ def test_restated_prompts_leave_the_search_order_and_relevance_unchanged(built):
 
 
 def test_the_trace_carries_z_and_similarity_apart(built):
-    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.pecan.pecan import Pecan
 
     eng, method, index = built
     question = "Who kept the lamps burning?"
@@ -217,7 +217,7 @@ def test_the_trace_carries_z_and_similarity_apart(built):
 
 def test_without_a_node_budget_the_search_reads_the_whole_graph(built):
     """node_budget=0 (the default) leaves the window as the only limit, as in the paper; a budget still cuts."""
-    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.pecan.pecan import Pecan
 
     eng, method, index = built
     config = {**dataclasses.asdict(method.config), "t_p": 1.0}
@@ -229,7 +229,7 @@ def test_without_a_node_budget_the_search_reads_the_whole_graph(built):
 
 
 def test_the_restated_answer_turn_ends_as_the_dataset_prompt_does(built):
-    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.pecan.pecan import Pecan
     from nodekv.methods.prompts import prompt_for
 
     eng, method, _ = built

@@ -15,8 +15,8 @@ def engine():
 
 
 def test_more_but_shorter_points_still_end_in_one_top_batch(engine, monkeypatch):
-    from nodekv.methods.pecan import Pecan
-    from nodekv.methods.pecan_build import GraphBuilder
+    from nodekv.methods.pecan.pecan import Pecan
+    from nodekv.methods.pecan.pecan_build import GraphBuilder
 
     calls = []
 

@@ -3,7 +3,7 @@ positional relevance, the visit order on a toy graph, and IP parsing of messy mo
 import pytest
 import torch
 
-from nodekv.methods.pecan_graph import Graph, edge_weights, next_node, parse_ips, positional_relevance, scores
+from nodekv.methods.pecan.pecan_graph import Graph, edge_weights, next_node, parse_ips, positional_relevance, scores
 
 
 def toy() -> Graph:
@@ -87,7 +87,7 @@ def test_a_looping_point_is_dropped():
 
 
 def test_bad_pecan_options_are_refused_by_name():
-    from nodekv.methods.pecan import Pecan
+    from nodekv.methods.pecan.pecan import Pecan
 
     for options, message in [({"tp": 0.4}, "unknown PECAN option"), ({"t_p": 1.5}, "t_p must be in"),
                              ({"attention": "no"}, "attention must be bool"), ({"t_n": 0}, "t_n must be >= 1"),

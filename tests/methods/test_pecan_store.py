@@ -3,8 +3,8 @@ every node's whole text, and the weight of every edge it draws."""
 import re
 import xml.etree.ElementTree as ET
 
-from nodekv.methods.pecan_graph import Graph
-from nodekv.methods.pecan_store import to_html
+from nodekv.methods.pecan.pecan_graph import Graph
+from nodekv.methods.pecan.pecan_store import to_html
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -4,7 +4,6 @@ multiple choice scored over letters and calibrated by the content-free prior (a 
 from two methods that read the same context."""
 from __future__ import annotations
 
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest

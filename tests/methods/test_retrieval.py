@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nodekv.engine.errors import ModelLoadError
-from nodekv.methods import embedder as embedder_mod
+from nodekv.methods.retrieval import embedder as embedder_mod
 from nodekv.methods.retrieval import (BM25Index, DenseIndex, Embedder, HybridIndex, chunk_text, chunk_tokens,
                                       similarity, text_chunk_spans)
 

@@ -1,0 +1,91 @@
+"""`nodekv index-corpus DIR`: every text file under a directory indexed by one method into an index store (the one
+`nodekv eval` reads, so a corpus indexed on a cluster is not built again), locally or as Ray tasks; resumable, since
+documents the store has are skipped; and a manifest from each file to its index and what building it cost."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+from ..engine.engine import DTYPES, Engine
+from .index_store import IndexStore, document_hash
+from .ray_tasks import RayPlan, WorkerSpec, index_on_ray
+from ..methods.registry import get
+
+
+def check_request(method: str, directory: Path) -> None:
+    """A ValueError naming the problem if `method` cannot store indexes or `directory` is not a directory (checked
+    before a model loads)."""
+    if not get(method).can_save:
+        raise ValueError(f"{method} cannot save an index, so it has nothing to store for a corpus")
+    if not directory.is_dir():
+        raise ValueError(f"corpus directory {directory} does not exist")
+
+
+def read_corpus(directory: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """({relative path: text} of every *.txt under `directory`, sorted; [(relative path, why skipped)]) — empty
+    files and files that are not UTF-8 are skipped, not fatal, so one bad file does not stop a corpus."""
+    texts, skipped = {}, []
+    for path in sorted(p for p in directory.rglob("*.txt") if p.is_file()):
+        name = str(path.relative_to(directory))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            skipped.append((name, f"not UTF-8 ({e.reason} at byte {e.start})"))
+            continue
+        if text.strip():
+            texts[name] = text
+        else:
+            skipped.append((name, "empty"))
+    if not texts:
+        raise ValueError(f"no non-empty *.txt files under {directory}" + (f" ({len(skipped)} skipped)" if skipped
+                                                                          else ""))
+    return texts, skipped
+
+
+def index_corpus(engine: Engine, method: str, options: dict, directory: Path, store_root: Path,
+                 ray: RayPlan | None = None, log: Callable[[str], None] = print) -> tuple[Path, int]:
+    """Index every *.txt under `directory` with `method` (and its `options`) into the store at `store_root` (on Ray
+    with `ray`), then write the manifest (one JSON line per file: file, document hash, index path, TFLOPs, seconds,
+    tokens; or the error that stopped its index); returns its path and how many documents failed. Files with the
+    same text share one index; a document that fails does not stop the others."""
+    check_request(method, directory)
+    texts, skipped = read_corpus(directory)
+    for name, why in skipped:
+        print(f"skipped {name}: {why}", file=sys.stderr)
+    store_method = get(method)(engine, **options)
+    store = IndexStore.for_method(store_root, engine, store_method)
+    documents = {document_hash(text): text for text in texts.values()}
+    todo = {doc: text for doc, text in documents.items() if store.cost(doc) is None}
+    names = {document_hash(text): name for name, text in reversed(texts.items())}  # the first file of each text
+    log(f"{len(texts)} files, {len(documents)} distinct documents, {len(documents) - len(todo)} already in "
+        f"{store_root}")
+    count, errors = iter(range(1, len(todo) + 1)), {}
+
+    def built(doc: str, cost: tuple | str) -> None:
+        if isinstance(cost, str):
+            errors[doc] = cost
+            log(f"[{next(count)}/{len(todo)}] FAILED {names[doc]}: {cost}")
+        else:
+            log(f"[{next(count)}/{len(todo)}] indexed {names[doc]}: {cost[0] / 1e12:.3f} TFLOPs, {cost[2]:.1f}s")
+
+    if ray is not None:
+        dtype = next(name for name, d in DTYPES.items() if d == engine.model.dtype)
+        index_on_ray(ray, WorkerSpec(str(engine.path), dtype, method, options, str(store_root)), todo, built)
+    else:
+        for doc, text in todo.items():
+            built(doc, store.build_cost(store_method, text))
+    store_root.mkdir(parents=True, exist_ok=True)
+    manifest = store_root / f"{store.key}-{directory.resolve().name}.corpus.jsonl"
+    with manifest.open("w") as out:
+        for name, text in texts.items():
+            doc = document_hash(text)
+            row = {"file": name, "document": doc}
+            if doc in errors:
+                row["error"] = errors[doc]
+            else:
+                flops, _, seconds, tokens = store.cost(doc)
+                row.update(index=str(store.index_path(doc)), tflops=flops / 1e12, seconds=seconds, tokens=tokens)
+            out.write(json.dumps(row) + "\n")
+    return manifest, len(errors)

@@ -1,0 +1,104 @@
+"""Where evaluation keeps what it built: indexes of methods that can save them, one file per (document, method, model,
+index key), with the FLOPs and time their construction cost, so a rerun or a resumed run does not rebuild them."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ..engine.engine import Engine
+from ..engine.flops import FlopAccount
+from ..methods.base import Method
+
+PROJECT_TO = "llama-3.1-8b"  # every FLOP count is also projected to this preset for the same token counts
+
+
+def processed_tokens(acc: FlopAccount) -> int:
+    """Tokens the model has run so far (prefill + decode; a forked cached prefix is not run again, so not counted)."""
+    return acc.prefill_tokens + acc.decode_tokens
+
+
+def document_hash(document: str) -> str:
+    """A document's key in eval lines and index stores."""
+    return hashlib.sha256(document.encode()).hexdigest()[:16]
+
+
+class BuiltIndex(NamedTuple):
+    """A document's index and what building it cost: FLOPs on the model and projected to PROJECT_TO, seconds, and
+    tokens the model processed (prefill + decode; None for indexes stored before tokens were counted)."""
+
+    index: Any
+    flops: int
+    flops_8b: int
+    seconds: float
+    tokens: int | None
+
+
+class IndexStore:
+    """Indexes of methods that can save them (`Method.can_save`), one file per (document, method, model, index
+    key), with the FLOPs and time their construction cost: a rerun or resumed run does not rebuild them."""
+
+    def __init__(self, root: Path, key: str, engine: Engine):
+        self.root, self.key, self.engine = root, key, engine
+
+    @classmethod
+    def for_method(cls, root: Path, engine: Engine, method: Method) -> "IndexStore":
+        """The store of `method`'s indexes; only the options its index depends on (`method.index_key()`) enter
+        the key."""
+        ident = json.dumps([str(engine.path), str(engine.model.dtype), method.name, method.index_key()],
+                           sort_keys=True)
+        return cls(root, f"{method.name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}", engine)
+
+    def build_or_load(self, method: Method, document: str) -> BuiltIndex:
+        """`document`'s index and its cost, built (and saved) unless this store has it; construction is charged
+        to the engine's "index" scope."""
+        doc = document_hash(document)
+        found = self.get(method, doc)
+        if found is not None:
+            return found
+        acc = self.engine.flops
+        before, before_8b, tokens, t = acc.total, acc.projected.get(PROJECT_TO, 0), processed_tokens(acc), \
+            time.perf_counter()
+        with acc.scope("index"):
+            built = method.index(document)
+        cost = (acc.total - before, acc.projected.get(PROJECT_TO, 0) - before_8b, time.perf_counter() - t,
+                processed_tokens(acc) - tokens)
+        self.put(method, doc, built, cost)
+        return BuiltIndex(built, *cost)
+
+    def build_cost(self, method: Method, document: str) -> tuple | str:
+        """What building (or finding) `document`'s index cost (BuiltIndex's fields after the index), or the error
+        that stopped it as "Type: message", so that a corpus goes on past one bad document."""
+        try:
+            return tuple(self.build_or_load(method, document))[1:]
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    def index_path(self, doc: str) -> Path:
+        """Where the index of the document hashed `doc` is (or would be) saved."""
+        return self.root / f"{self.key}-{doc}.idx"
+
+    def cost(self, doc: str) -> tuple | None:
+        """What building the stored index of the document hashed `doc` cost (BuiltIndex's fields after the index),
+        or None if this store does not have it."""
+        meta = self.root / f"{self.key}-{doc}.json"
+        if not meta.exists():
+            return None
+        cost = json.loads(meta.read_text())
+        return (*cost, *[None] * (4 - len(cost)))
+
+    def get(self, method: Method, doc: str):
+        cost = self.cost(doc) if method.can_save else None
+        return None if cost is None else BuiltIndex(method.load_index(self.index_path(doc)), *cost)
+
+    def put(self, method: Method, doc: str, built, cost: tuple) -> None:
+        if method.can_save:
+            self.root.mkdir(parents=True, exist_ok=True)
+            method.save_index(built, self.index_path(doc))
+            # the cost file marks the index complete, so it is written last and whole: a process killed before
+            # this leaves a document that the next run builds again
+            meta = self.root / f"{self.key}-{doc}.json"
+            meta.with_suffix(".json.tmp").write_text(json.dumps(cost))
+            meta.with_suffix(".json.tmp").replace(meta)

@@ -1,0 +1,182 @@
+"""Pick PECAN's confidence threshold t_p for a dataset from dev records (small models are poorly calibrated on the
+Yes/No probe: on HotpotQA, SmolLM2's p(Yes) stays between about 0.2 and 0.75 whatever the prompt holds).
+
+The visit order does not depend on t_p (the next node is chosen from attention and similarity only), so one search
+per dev record, run to the node budget with a probe after every node, shows what any threshold would do: at each
+probed step the answer is also decoded and rolled back, with its quality (F1; ROUGE-L for summaries) and the
+query FLOPs a search stopping there costs by the engine's account. A threshold's outcome on a record is the step
+where p(Yes) > t_p for the t_n-th time, or the last step when that never happens (the budget).
+
+Objectives: "nodes" (mean nodes visited closest to a target), "f1" (best mean quality, fewer FLOPs on ties) and
+"f1-per-tflop" (best mean quality per mean query TFLOP, better quality on ties).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..engine.engine import Engine
+from .datasets import Record, load_dataset
+from .metrics import score
+from .index_store import IndexStore
+from ..methods.pecan.pecan import INDEX_OPTIONS, Pecan
+from ..methods.pecan.pecan_store import PecanIndex
+from ..methods.prompts import prompt_for
+
+OBJECTIVES = ("nodes", "f1", "f1-per-tflop")
+
+
+def calibration_path(runs: str | Path, dataset: str, prompt_style: str) -> Path:
+    """Where `nodekv calibrate` keeps the t_p of a dataset and prompt style (probes differ between styles)."""
+    return Path(runs) / f"pecan-calibration-{dataset}-{prompt_style}.json"
+
+
+def with_calibration(method_class: type, defaults: dict, dataset: str, runs: Path, options: dict,
+                     model: str | None) -> dict:
+    """A method's `defaults` for `dataset`, with PECAN's t_p taken from `nodekv calibrate`'s file in the run directory
+    `runs` when there is one made for this dataset, model, prompt style, patience and index options (explicit
+    options win over both, in the runner). A file made for other settings is named in the default's source."""
+    if not issubclass(method_class, Pecan):
+        return defaults
+    run = Pecan.configure(**{k: v for k, v in options.items() if k != "t_p"})
+    path = calibration_path(runs, dataset, run.prompt_style)
+    if not path.is_file():
+        return defaults
+    calibration = json.loads(path.read_text())
+    made_for = Pecan.configure(**{k: v for k, v in calibration["options"].items() if k != "t_p"})
+    differ = [k for k in (*INDEX_OPTIONS, "prompt_style", "t_n") if getattr(run, k) != getattr(made_for, k)]
+    if model is not None and calibration.get("model") != model:
+        differ.append("model")
+    if differ:
+        why = f"{path} was made for another {', '.join(differ)}"
+        return {k: (v, f"{source}; {why}") for k, (v, source) in defaults.items()}
+    return {**defaults, "t_p": (calibration["t_p"], f"calibrated on {len(calibration['dev_ids'])} dev records ({path})")}
+
+
+@dataclass
+class Point:
+    """What a search stopping after this step would give."""
+
+    nodes: int          # nodes visited (top level included)
+    p_yes: float
+    flops: int          # query FLOPs: the search so far, its probes, and this answer
+    quality: float      # F1 (ROUGE-L for summaries) of this answer
+
+
+def sweep(method: Pecan, index: PecanIndex, record: Record) -> list[Point]:
+    """The probed steps of one search run to the node budget, each with the answer it would end in."""
+    eng = method.search_engine
+    account, points, visited, rolled_back = eng.flops, [], 0, 0
+    start = account.total
+    with eng.session() as s:
+        for step in method.search(s, index, record.question, record.options, probe=True):
+            visited += "node" in step
+            if "p_yes" not in step:
+                continue
+            before = account.total
+            text, _ = method.respond(s, record.question, record.options)
+            metrics = score(record, text)
+            points.append(Point(visited, step["p_yes"], account.total - start - rolled_back,
+                                metrics.get("f1", metrics.get("rougeL", 0.0))))
+            rolled_back += account.total - before  # this answer is rolled back: later stops do not pay for it
+            s.truncate(step["node"])
+    return points
+
+
+def outcome(points: list[Point], t_p: float, t_n: int = 1) -> Point:
+    """The point where a search with threshold t_p (patience t_n) stops."""
+    seen = 0
+    for p in points:
+        seen += p.p_yes > t_p
+        if seen >= t_n:
+            return p
+    return points[-1]
+
+
+def thresholds(sweeps: list[list[Point]]) -> list[float]:
+    """Thresholds that cover every distinct outcome: 0, the midpoints between consecutive observed p(Yes), and 1
+    (neighbours may share an outcome)."""
+    seen = sorted({p.p_yes for points in sweeps for p in points})
+    return [0.0] + [round((a + b) / 2, 6) for a, b in zip(seen, seen[1:])] + [1.0]
+
+
+def table(sweeps: list[list[Point]], t_n: int = 1) -> list[dict]:
+    """Mean nodes, quality and query TFLOPs over the dev records for each threshold."""
+    rows = []
+    for t in thresholds(sweeps):
+        stops = [outcome(points, t, t_n) for points in sweeps]
+        rows.append({"t_p": t, "nodes": sum(p.nodes for p in stops) / len(stops),
+                     "f1": 100 * sum(p.quality for p in stops) / len(stops),
+                     "query_tflops": sum(p.flops for p in stops) / len(stops) / 1e12})
+    return rows
+
+
+def probe_auc(sweeps: list[list[Point]], right: float = 0.5) -> float | None:
+    """How well p(Yes) tells a step whose answer is right (quality >= `right`) from one whose answer is wrong: the
+    probability that a right step's p(Yes) is above a wrong step's (ties count half). 0.5 is no signal; None when
+    every step is right or every step is wrong."""
+    points = [p for sweep in sweeps for p in sweep]
+    good = [p.p_yes for p in points if p.quality >= right]
+    bad = [p.p_yes for p in points if p.quality < right]
+    if not good or not bad:
+        return None
+    return sum((g > b) + 0.5 * (g == b) for g in good for b in bad) / (len(good) * len(bad))
+
+
+def check_objective(objective: str, target_nodes: float | None) -> None:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown calibration objective {objective!r}; known: {', '.join(OBJECTIVES)}")
+    if objective == "nodes" and (target_nodes is None or target_nodes <= 0):
+        raise ValueError("the 'nodes' objective needs a positive target number of nodes (--target-nodes)")
+
+
+def choose(rows: list[dict], objective: str, target_nodes: float | None = None) -> dict:
+    """The row that best meets `objective`; ties go to the lower threshold."""
+    check_objective(objective, target_nodes)
+    if objective == "nodes":
+        return min(rows, key=lambda r: (abs(r["nodes"] - target_nodes), -r["f1"], r["t_p"]))
+    if objective == "f1":
+        return min(rows, key=lambda r: (-r["f1"], r["query_tflops"], r["t_p"]))
+    return min(rows, key=lambda r: (-r["f1"] / r["query_tflops"], -r["f1"], r["t_p"]))
+
+
+def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str = "f1-per-tflop",
+              target_nodes: float | None = None, out: str | Path = "runs", data_dir: str | None = None,
+              options: dict | None = None, progress: bool = True) -> dict:
+    """Sweep the dev records `dev` = (first, count) of `dataset` (by default after the 30 an evaluation uses),
+    choose t_p for `objective`, and write <out>/pecan-calibration-<dataset>-<prompt style>.json with the choice, the
+    options it holds for, the dev record ids and the whole table; `nodekv eval` in <out> then uses it by default.
+    Indexes are shared with `nodekv eval` (<out>/indexes)."""
+    check_objective(objective, target_nodes)
+    first, count = dev
+    if first < 0 or count < 1:
+        raise ValueError(f"dev records must be a start >= 0 and a count >= 1, got {dev}")
+    records = load_dataset(dataset, data_dir, first + count).records[first:]
+    if not records:
+        raise ValueError(f"{dataset} has no records from index {first} on to calibrate with")
+    options = dict(options or {})
+    method = Pecan(engine, prompt=prompt_for(dataset), **options)
+    store = IndexStore.for_method(Path(out) / "indexes", engine, method)
+    sweeps = []
+    for record in tqdm(records, unit="rec", desc=f"calibrate {dataset}", disable=not progress):
+        index = store.build_or_load(method, record.document).index
+        points = sweep(method, index, record)
+        if points:
+            sweeps.append(points)
+    if not sweeps:
+        raise ValueError("no dev record reached a probe (each top level used the whole node budget)")
+    rows = table(sweeps, method.config.t_n)
+    best = choose(rows, objective, target_nodes)
+    result = {"dataset": dataset, "t_p": best["t_p"], "objective": objective, "target_nodes": target_nodes,
+              "chosen": best, "probe_auc": probe_auc(sweeps), "options": {**options, "t_p": best["t_p"]},
+              "dev_ids": [r.id for r in records],
+              "model": str(engine.path), "table": rows,
+              "sweeps": [[asdict(p) for p in points] for points in sweeps]}
+    path = calibration_path(out, dataset, method.config.prompt_style)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    result["path"] = str(path)
+    return result

@@ -1,0 +1,121 @@
+"""nodekv's work as Ray tasks: the records of `nodekv eval --ray [ADDRESS]` and the documents of `nodekv index-corpus
+DIR --ray [ADDRESS]`. One engine per worker process, loaded once; one task per document (for eval, its records in
+order, so the worker builds or loads that document's index once). Results go through the same resumable writer and
+index store as a local run: a worker that dies restarts and its task runs again; a driver that dies resumes like a
+local run, since finished records and stored indexes are skipped. With no address a local Ray runtime is started
+for the command and stopped after it. The store must be a directory every worker can write. Ray is an optional
+extra (`.[ray]`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+
+@dataclass(frozen=True)
+class RayPlan:
+    """Where and how wide: `address` of an existing cluster (None: a local runtime for this run), `workers`
+    engine processes of `threads` threads each."""
+
+    address: str | None
+    workers: int
+    threads: int
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker loads: the model file, its dtype, the method with its options, the prompt of `dataset`
+    ("" for the generic one) and the index store's root directory."""
+
+    model: str
+    dtype: str
+    method: str
+    options: dict
+    store_root: str
+    dataset: str = ""
+
+
+class _Worker:
+    """One engine and one method instance, kept for every task this worker process runs."""
+
+    def __init__(self, spec: WorkerSpec, threads: int):
+        from ..engine.config import preset
+        from ..engine.engine import load_engine
+        from .index_store import PROJECT_TO, IndexStore
+        from ..methods.prompts import prompt_for
+        from ..methods.registry import get
+
+        self.engine = load_engine(spec.model, dtype=spec.dtype, threads=threads)
+        self.engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
+        self.method = get(spec.method)(self.engine, prompt=prompt_for(spec.dataset), **spec.options)
+        self.store = IndexStore.for_method(Path(spec.store_root), self.engine, self.method)
+        self.indexes: dict = {}
+
+    def evaluate(self, records: list) -> list[dict]:
+        from .runner import evaluate_record
+
+        return [evaluate_record(self.engine, self.method, r, self.indexes, self.store) for r in records]
+
+    def index(self, document: str) -> tuple | str:
+        """Build and store `document`'s index; its cost, or the error that stopped it (`IndexStore.build_cost`)."""
+        return self.store.build_cost(self.method, document)
+
+
+@contextmanager
+def ray_workers(plan: RayPlan, spec: WorkerSpec) -> Iterator[list]:
+    """`plan.workers` worker actors on `plan.address` (or a local runtime started here and stopped on exit)."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'nodekv[ray]' (or pip install ray)") from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=plan.address, include_dashboard=False, log_to_driver=False,
+                 **({} if plan.address else {"num_cpus": plan.workers * plan.threads}))
+    try:
+        worker = ray.remote(num_cpus=plan.threads, max_restarts=-1, max_task_retries=-1)(_Worker)
+        yield [worker.remote(spec, plan.threads) for _ in range(plan.workers)]
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _spread(actors: list, items: list, call: Callable) -> Iterator[tuple]:
+    """(item, result) for each of `items` as it finishes, each run as `call(actor, item)` on the next idle actor (a
+    long document does not hold up the queue behind it)."""
+    import ray
+
+    idle, queue, running = list(actors), list(items), {}
+    while queue or running:
+        while idle and queue:
+            actor, item = idle.pop(), queue.pop(0)
+            running[call(actor, item)] = actor, item
+        (future,), _ = ray.wait(list(running), num_returns=1)
+        actor, item = running.pop(future)
+        idle.append(actor)
+        yield item, ray.get(future)
+
+
+def evaluate_on_ray(plan: RayPlan, spec: WorkerSpec, todo: list, write: Callable[[dict], None]) -> None:
+    """Evaluate `todo` (records, in run order) on Ray and `write` each line in that order."""
+    groups: dict[str, list] = {}
+    for r in todo:
+        groups.setdefault(r.document, []).append(r)
+    with ray_workers(plan, spec) as actors:
+        lines: dict[str, dict] = {}
+        order, written = [r.id for r in todo], 0
+        for records, results in _spread(actors, list(groups.values()), lambda a, rs: a.evaluate.remote(rs)):
+            lines.update((record.id, line) for record, line in zip(records, results))
+            while written < len(order) and order[written] in lines:
+                write(lines.pop(order[written]))
+                written += 1
+
+
+def index_on_ray(plan: RayPlan, spec: WorkerSpec, documents: dict[str, str],
+                 built: Callable[[str, tuple | str], None]) -> None:
+    """Index `documents` ({key: text}) on Ray into the spec's store; `built(key, cost or error)` as each one ends."""
+    with ray_workers(plan, spec) as actors:
+        for key, cost in _spread(actors, list(documents), lambda a, key: a.index.remote(documents[key])):
+            built(key, cost)

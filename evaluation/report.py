@@ -1,0 +1,311 @@
+"""`nodekv eval report`: a Table-1-style comparison of runs (quality against query TFLOPs, measured on the model
+and projected to llama-3.1-8b, and tokens the model ran per query and per index, JERR's Table 6), Table A4's
+amortisation of index FLOPs over 1/2/4/8 queries per document, paired differences between runs with bootstrap
+intervals, written as Markdown and as a PNG plot of F1 against TFLOPs."""
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from statistics import mean, quantiles
+
+from .runner import read_done
+
+
+TOP_K_RUN = re.compile(r"(bm25|dense)-top(\d+)")  # a fixed-k retrieval run's label (`RunConfig.label`)
+
+
+def _meta(path: Path) -> tuple[str, str, dict]:
+    """A run file's (method, dataset, meta): from its meta file, else from its name (METHOD-DATASET.jsonl)."""
+    meta_path = path.with_suffix(".meta.json")
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    method, dataset = meta.get("method"), meta.get("dataset")
+    if method is None:
+        method, _, dataset = path.stem.rpartition("-")
+    return method, dataset, meta
+
+
+def summarize(path: Path) -> dict:
+    """Means over a run file's answered records, with counts of failed and skipped ones."""
+    rows = read_done(path)
+    ok = [r for r in rows if "error" not in r]
+    method, dataset, meta = _meta(path)
+    docs: dict[str, tuple[int, int]] = {}
+    index_s: dict[str, float] = {}
+    index_tokens: dict[str, int] = {}
+    for r in ok:
+        docs[r["document"]] = (r["index_flops"], r["index_flops_8b"])
+        index_s[r["document"]] = r.get("index_s", 0.0)
+        if r.get("index_tokens") is not None:
+            index_tokens[r["document"]] = r["index_tokens"]
+    metric_names = sorted({k for r in ok for k in r["metrics"]})
+    out = {"method": method, "dataset": dataset, "n": len(ok), "errors": len(rows) - len(ok),
+           "reader": ok[0].get("reader", "-") if ok else "-",
+           "skipped": len(meta.get("skipped", [])), "docs": len(docs)}
+    if not ok:
+        return out
+    out.update({m: 100 * mean(r["metrics"].get(m, 0.0) for r in ok) for m in metric_names})
+    # an index built without the 8B projection set (model FLOPs > 0, projected 0) has no projected cost
+    projected = [f8 for f, f8 in docs.values() if f8 > 0 or f == 0]
+    out.update(nodes=mean(len(r["nodes"]) for r in ok), wall_s=mean(r["wall_s"] for r in ok),
+               query_tflops=mean(r["query_flops"] for r in ok) / 1e12,
+               query_tflops_8b=mean(r["query_flops_8b"] for r in ok) / 1e12,
+               saved_tflops=mean(r.get("query_flops_saved", 0) for r in ok) / 1e12,
+               index_tflops_doc=mean(f for f, _ in docs.values()) / 1e12,
+               index_docs_8b=len(projected), index_s_doc=mean(index_s.values()),
+               truncated=sum(bool(r.get("truncated")) for r in ok))
+    if projected:
+        out["index_tflops_doc_8b"] = mean(projected) / 1e12
+    if all("query_tokens" in r for r in ok):  # lines written before tokens were counted have none
+        out["query_tokens"] = mean(r["query_tokens"] for r in ok)
+    if len(index_tokens) == len(docs):
+        out["index_tokens_doc"] = mean(index_tokens.values())
+    fits = {r["fit_s"] for r in ok if "fit_s" in r}  # one per fold (methods that learn across documents)
+    if fits:
+        out["fit_s"] = mean(fits)
+    out.update(_search_stats([step for r in ok for step in r.get("trace", [])]))
+    out.update(_diagnostics(ok))
+    out["settings"] = {k: f"{meta['options'][k]} ({source})" for k, source in meta.get("option_sources", {}).items()}
+    return out
+
+
+def _diagnostics(ok: list[dict]) -> dict:
+    """Reader-independent counts: on records with marked support, the mean share of supporting passages the reader
+    read and the wrong answers split into retrieval and reader misses; on multiple choice, the accuracy of always
+    answering the letter the gold answers hold most often and of always answering the content-free prior's letter,
+    and how often each letter was answered."""
+    out = {}
+    marked = [r for r in ok if "support" in r]
+    if marked:
+        misses = Counter(r["miss"] for r in marked)
+        out.update(support_n=len(marked), support_recall=100 * mean(r["support_recall"] for r in marked),
+                   retrieval_misses=misses["retrieval"], reader_misses=misses["reader"])
+    scored = [r for r in ok if "choice_probs" in r]
+    if scored:
+        gold = Counter(r["references"][0].strip().upper() for r in scored)
+        prior_letter = Counter(chr(65 + max(range(len(r["choice_prior"])), key=r["choice_prior"].__getitem__))
+                               for r in scored).most_common(1)[0][0]
+        out.update(mc_n=len(scored), majority_letter=gold.most_common(1)[0][0],
+                   majority_letter_acc=100 * gold.most_common(1)[0][1] / len(scored), prior_letter=prior_letter,
+                   prior_letter_acc=100 * gold[prior_letter] / len(scored),
+                   letters_raw=dict(sorted(Counter(r["prediction"] for r in scored).items())),
+                   letters_calibrated=dict(sorted(Counter(r["calibrated"] for r in scored).items())))
+    return out
+
+
+def primary_metric(summary: dict) -> str:
+    """The metric a run's task is judged by: accuracy (multiple choice), EM (variable tracking), ROUGE-L
+    (summaries), else F1 (QA)."""
+    for key, marker in (("accuracy", "accuracy"), ("em", "recall"), ("rougeL", "rougeL")):
+        if marker in summary:
+            return key
+    return "f1"
+
+
+def _search_stats(steps: list[dict]) -> dict:
+    """How searches stopped (steps {"stop": why}) and, for searches that pick nodes by z + similarity (steps with
+    "z", "sim" and "by_sim"), how often z changed the pick from the similarity-only one, and both terms' ranges."""
+    stops = Counter(step["stop"] for step in steps if "stop" in step)
+    picks = [step for step in steps if "by_sim" in step]
+    out = {"stops": dict(stops)} if stops else {}
+    if picks:
+        out.update(picks=len(picks), z_changed=sum(step["by_sim"] != step["node"] for step in picks),
+                   z_range=(min(p["z"] for p in picks), max(p["z"] for p in picks)),
+                   sim_range=(min(p["sim"] for p in picks), max(p["sim"] for p in picks)))
+    return out
+
+
+def table(summaries: list[dict], reference: str | None = None) -> str:
+    """Markdown: one row per (dataset, method); ratio = query TFLOPs over the reference method's on that dataset."""
+    ref = {s["dataset"]: s.get("query_tflops_8b") for s in summaries if s["method"] == reference}
+    head = ("| dataset | method | n | failed | skipped | F1 | EM | ROUGE-1 | ROUGE-2 | ROUGE-L | acc | nodes | "
+            "query TFLOPs (model) | "
+            "prefix TFLOPs saved (model) | query TFLOPs (8B) | ratio | tokens/query | index TFLOPs/doc (model) | "
+            "index TFLOPs/doc (8B) | index tokens/doc | index s/doc | fit s/fold | truncated | s/query |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s.get("query_tflops_8b", 0))):
+        def f(key, fmt="{:.1f}"):
+            return fmt.format(s[key]) if key in s else "-"
+        r = ref.get(s["dataset"])
+        index_8b = f("index_tflops_doc_8b", "{:.2f}")
+        if s.get("index_docs_8b", s["docs"]) < s["docs"]:
+            index_8b += f" ({s['index_docs_8b']} of {s['docs']} docs)"
+        ratio = f"{s['query_tflops_8b'] / r:.2f}" if r and "query_tflops_8b" in s else "-"
+        rouge_l = f("rougeL") if "rougeL" in s else f("rouge_l")  # summaries' rouge-score name, QA's own
+        lines.append(f"| {s['dataset']} | {s['method']} | {s['n']} | {s['errors']} | {s['skipped']} | {f('f1')} | "
+                     f"{f('em')} | {f('rouge1')} | {f('rouge2')} | {rouge_l} | {f('accuracy')} | {f('nodes')} | "
+                     f"{f('query_tflops', '{:.4f}')} | "
+                     f"{f('saved_tflops', '{:.4f}')} | {f('query_tflops_8b', '{:.2f}')} | {ratio} | "
+                     f"{f('query_tokens', '{:.0f}')} | {f('index_tflops_doc', '{:.4f}')} | {index_8b} | "
+                     f"{f('index_tokens_doc', '{:.0f}')} | {f('index_s_doc', '{:.0f}')} | "
+                     f"{f('fit_s', '{:.0f}')} | {s.get('truncated', '-')} | "
+                     f"{f('wall_s', '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def searches(summaries: list[dict]) -> str:
+    """Markdown: per search run, its defaulted settings and where they came from, how its searches stopped, and how
+    often z (Eq. 1) changed the similarity-only pick, with the ranges of both terms over the picks."""
+    lines = ["| dataset | method | settings | stops | picks | z changed the pick | z range | similarity range |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+        if "stops" not in s:
+            continue
+        settings = "; ".join(f"{k}={v}" for k, v in s["settings"].items()) or "-"
+        stops = ", ".join(f"{why} {n}" for why, n in sorted(s["stops"].items()))
+        if "picks" in s:
+            (z0, z1), (s0, s1) = s["z_range"], s["sim_range"]
+            picks = f"{s['picks']} | {s['z_changed']} | {z0:.1e}..{z1:.1e} | {s0:.2f}..{s1:.2f}"
+        else:
+            picks = "0 | - | - | -"
+        lines.append(f"| {s['dataset']} | {s['method']} | {settings} | {stops} | {picks} |")
+    return "\n".join(lines)
+
+
+def diagnostics(summaries: list[dict]) -> str:
+    """Markdown: per run with marked support, support recall and the miss split; per multiple-choice run, raw and
+    calibrated accuracy against the letter baselines, and the letters answered."""
+    lines = ["| dataset | method | reader | n | support recall % | right | retrieval misses | reader misses |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+        if "support_n" in s:
+            right = s["support_n"] - s["retrieval_misses"] - s["reader_misses"]
+            lines.append(f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['support_n']} | "
+                         f"{s['support_recall']:.1f} | {right} | {s['retrieval_misses']} | {s['reader_misses']} |")
+    lines += ["", "| dataset | method | reader | n | accuracy | calibrated | always the majority letter | "
+              "always the prior's letter | letters answered (raw) | letters answered (calibrated) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+        if "mc_n" in s:
+            letters = [" ".join(f"{k}:{v}" for k, v in s[key].items()) for key in ("letters_raw",
+                                                                                    "letters_calibrated")]
+            lines.append(f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['mc_n']} | "
+                         f"{s['accuracy']:.1f} | {s['accuracy_calibrated']:.1f} | "
+                         f"{s['majority_letter_acc']:.1f} ({s['majority_letter']}) | "
+                         f"{s['prior_letter_acc']:.1f} ({s['prior_letter']}) | {letters[0]} | {letters[1]} |")
+    return "\n".join(lines)
+
+
+def amortization(summaries: list[dict]) -> str:
+    """Table A4: (index TFLOPs per document / q + query TFLOPs) for q = 1, 2, 4, 8 queries per document (8B)."""
+    lines = ["| dataset | method | 1 | 2 | 4 | 8 |", "|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+        if "query_tflops_8b" not in s or "index_tflops_doc_8b" not in s:
+            continue
+        cells = " | ".join(f"{s['index_tflops_doc_8b'] / q + s['query_tflops_8b']:.2f}" for q in (1, 2, 4, 8))
+        lines.append(f"| {s['dataset']} | {s['method']} | {cells} |")
+    return "\n".join(lines)
+
+
+def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
+    """Each dataset's `primary_metric` against projected query TFLOPs, one panel per dataset, `columns` a row."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    by_dataset = defaultdict(list)
+    for s in summaries:
+        if "query_tflops_8b" in s:
+            by_dataset[s["dataset"]].append(s)
+    # runs are told apart by marker and colour in a legend under each panel: long run labels overlap as annotations
+    most = max((len(rows) for rows in by_dataset.values()), default=1)
+    ncols = max(1, min(columns, len(by_dataset)))
+    nrows = max(1, -(-len(by_dataset) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, (4 + 0.22 * most) * nrows), squeeze=False)
+    for ax in axes.flat[len(by_dataset):]:
+        ax.axis("off")
+    for ax, (dataset, rows) in zip(axes.flat, sorted(by_dataset.items())):
+        key = primary_metric(rows[0])
+        curves = defaultdict(list)  # retriever -> its fixed-k runs: the Top-X curve over k
+        for r in rows:
+            if (m := TOP_K_RUN.fullmatch(r["method"])) is not None:
+                curves[m.group(1)].append(r)
+        for retriever, runs in sorted(curves.items()):
+            runs.sort(key=lambda r: r["query_tflops_8b"])
+            ks = ", ".join(TOP_K_RUN.fullmatch(r["method"]).group(2) for r in runs)
+            ax.plot([r["query_tflops_8b"] for r in runs], [r.get(key, 0) for r in runs], "-", lw=1, alpha=0.6,
+                    label=f"{retriever} Top-k, k = {ks}")
+        for k, r in enumerate(sorted(rows, key=lambda r: r["method"])):
+            ax.scatter(r["query_tflops_8b"], r.get(key, 0), marker="osD^v<>ph*"[k % 10], s=40,
+                       label=f"{r['method']} (n={r['n']})")
+        ax.set(title=dataset, xlabel="query TFLOPs (llama-3.1-8b projection)", ylabel=key.upper())
+        ax.set_xscale("log")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def bootstrap_difference(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0
+                         ) -> tuple[float, float, float]:
+    """The mean of a[i] - b[i] over paired records and its 95% percentile-bootstrap interval (records drawn with
+    replacement, `resamples` times, seeded)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"a paired difference needs two equally long, non-empty lists (got {len(a)} and {len(b)})")
+    diffs, rng, n = [x - y for x, y in zip(a, b)], random.Random(seed), len(a)
+    means = [sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples)]
+    cuts = quantiles(means, n=40, method="inclusive")  # cut points every 2.5%
+    return mean(diffs), cuts[0], cuts[-1]
+
+
+def paired(files: list[Path], against: list[str]) -> str:
+    """Markdown: on each dataset, every run against each run of a method in `against`, over the records both
+    answered: the mean difference of the primary metric (points) with its 95% bootstrap interval, and how many
+    records it won, tied and lost. An interval that holds 0 is no evidence either way."""
+    scores: dict[tuple[str, str], dict[str, float]] = {}  # (dataset, method) -> {record id: metric}
+    for f in files:
+        method, dataset, _ = _meta(f)
+        ok = [r for r in read_done(f) if "error" not in r]
+        if ok:
+            key = primary_metric({k: 0 for r in ok for k in r["metrics"]})
+            scores[dataset, method] = {r["id"]: 100 * r["metrics"].get(key, 0.0) for r in ok}
+    missing = sorted(set(against) - {method for _, method in scores})
+    if missing:
+        raise ValueError(f"no answered run of {', '.join(missing)} to pair against (runs: "
+                         f"{', '.join(sorted({method for _, method in scores}))})")
+    lines = ["| dataset | method | against | records | mean difference | 95% interval | won / tied / lost |",
+             "|---|---|---|---|---|---|---|"]
+    for (dataset, base), theirs in sorted(scores.items()):
+        if base not in against:
+            continue
+        for (d, method), ours in sorted(scores.items()):
+            common = sorted(set(ours) & set(theirs))
+            if d != dataset or method == base or not common:
+                continue
+            a, b = [ours[i] for i in common], [theirs[i] for i in common]
+            diff, low, high = bootstrap_difference(a, b)
+            won, lost = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
+            lines.append(f"| {dataset} | {method} | {base} | {len(common)} | {diff:+.1f} | {low:+.1f} .. {high:+.1f} | "
+                         f"{won} / {len(common) - won - lost} / {lost} |")
+    return "\n".join(lines)
+
+
+def report(runs: list[Path], out_dir: Path, reference: str | None = None, against: list[str] | None = None) -> str:
+    """Summaries of run files (or directories of them) as Markdown, written to out_dir/report.md (+ report.png);
+    with `against`, each run's paired differences from those methods' runs."""
+    files = sorted({f for p in runs for f in ([p] if p.is_file() else p.glob("*.jsonl"))})
+    if not files:
+        raise FileNotFoundError(f"no run files (*.jsonl) in {', '.join(map(str, runs))}")
+    summaries = [summarize(f) for f in files]
+    text = ("## Quality and query cost\n\n" + table(summaries, reference) +
+            "\n\n## What reached the reader, and why answers were wrong\n\n"
+            "A wrong answer (primary metric below 0.5) is a retrieval miss when a supporting passage did not reach the "
+            "reader (half of its word bigrams absent from what it read), else a reader miss.\n\n" +
+            diagnostics(summaries) +
+            "\n\n## How the searches went\n\n" + searches(summaries) +
+            "\n\n## Index + query TFLOPs per query for 1, 2, 4, 8 queries per document (8B projection)\n\n" +
+            amortization(summaries) + "\n")
+    if against:
+        text += ("\n## Paired differences in the primary metric (points; records both runs answered)\n\n" +
+                 paired(files, against) + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.md").write_text(text)
+    if not plot(summaries, out_dir / "report.png"):
+        text += "\n(no plot: matplotlib is not installed)\n"
+    return text

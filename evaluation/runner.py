@@ -1,0 +1,259 @@
+"""`nodekv eval`: run a method over a dataset, one JSON line per record, resumable.
+
+Each line holds the record's id, question, prediction, references, metrics, the nodes the answer used, the
+query-dependent and indexing FLOPs measured on the model (and projected to the llama-3.1-8b preset for the same
+token counts), the prefill FLOPs that shared prompt prefixes saved the query, wall time, and the document's hash
+(so a report counts each document's index once). A document is indexed once however many questions it has;
+methods that can save indexes (PECAN) keep them under <out>/indexes, keyed by document, method, model and the
+options the index depends on, so a rerun, a resumed run or a run that changes only search options (PECAN's search
+ablations) reuses them. A method that learns across documents (GoR) has every document indexed first; the documents
+are dealt into 5 folds and the method is fit on the other folds' documents before a fold's questions, so no
+document trains the model that answers it (`fit_s` in its lines); with --ray the documents are indexed on the
+workers and the fits and answers run in this process.
+Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
+file is the same as an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..engine.config import preset
+from ..engine.engine import DTYPES, Engine
+from ..methods.base import Method
+from ..methods.baselines import TopK
+from .datasets import load_dataset
+from .index_store import PROJECT_TO, BuiltIndex, IndexStore, document_hash, processed_tokens
+from .metrics import miss, score, support_read
+from .pecan_calibration import with_calibration
+from ..methods.prompts import prompt_for
+from ..methods.reader import LETTERS, calibrated_choice
+from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray, index_on_ray
+from ..methods.registry import get, names
+
+
+@dataclass
+class RunConfig:
+    """What identifies a run: its output file is <out>/<label>-<dataset>.jsonl."""
+
+    method: str
+    dataset: str
+    limit: int | None = None
+    data_dir: str | None = None
+    out: str = "runs"
+    options: dict = field(default_factory=dict)  # method config, e.g. {"k": 3}
+    match: str | None = None  # a reference run file: pick k so that query FLOPs match its mean (Top-X)
+    name: str | None = None   # the run's label; by default the method and its options (e.g. bm25-top3)
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.match is not None:
+            return f"{self.method}-topx"
+        parts = [f"top{v}" if k == "k" else f"{k}={v}" for k, v in sorted(self.options.items())]
+        return "-".join([self.method, *parts])
+
+    @property
+    def path(self) -> Path:
+        return Path(self.out) / f"{self.label}-{self.dataset}.jsonl"
+
+
+def read_done(path: Path) -> list[dict]:
+    """The complete lines of a run file; a torn last line (killed mid-write) is cut off the file."""
+    if not path.exists():
+        return []
+    lines, good = path.read_bytes().split(b"\n"), []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            good.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    text = "".join(json.dumps(r) + "\n" for r in good)
+    if text.encode() != path.read_bytes():
+        path.write_text(text)
+    return good
+
+
+def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sample: int = 10) -> tuple[int, dict]:
+    """Top-X: the k whose predicted mean query FLOPs on cfg's records come closest to the mean of a reference run
+    (as Table 1 matches BM25/dense to PECAN). A prediction is one exact prefill of the k-chunk prompt plus as many
+    decoded tokens as the reference's answers hold on average (their tokens and the line break that ends them:
+    not the reference's own generated tokens, which for DICE include its sub-questions and facts), over the first
+    `sample` records."""
+    from ..engine.flops import forward_flops
+
+    if not issubclass(get(cfg.method), TopK):
+        top_k = " or ".join(n for n in names() if issubclass(get(n), TopK))
+        raise ValueError(f"--match picks k for {top_k}, not {cfg.method!r}")
+    if not reference.is_file():
+        raise ValueError(f"reference run {reference} does not exist")
+    ref = [r for r in read_done(reference) if "error" not in r]
+    if not ref:
+        raise ValueError(f"reference run {reference} has no answered records to match")
+    target = sum(r["query_flops"] for r in ref) / len(ref)
+    gen = round(sum(len(engine.tokenizer.encode(r["prediction"])) + 1 for r in ref) / len(ref))
+    records = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit).records[:sample]
+    method = get(cfg.method)(engine, prompt=prompt_for(cfg.dataset), **{**cfg.options, "k": k_max})
+    c = engine.config
+    predicted = {k: 0.0 for k in range(1, k_max + 1)}
+    for record in records:
+        built = method.index(record.document)
+        for k in predicted:
+            method.config = replace(method.config, k=k)
+            context = method.context(built, record.question)[0]
+            n = len(method.reader.prompt_ids(context, record.question, record.options)[0])
+            predicted[k] += (forward_flops(c, n) + sum(forward_flops(c, 1, n + i) for i in range(gen))) / len(records)
+    k = min(predicted, key=lambda k: (abs(predicted[k] - target), k))
+    return k, {"matched_to": str(reference), "target_query_flops": target, "predicted_query_flops": predicted[k]}
+
+
+def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:
+    """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path. With `ray`, the
+    records run as Ray tasks (`ray_tasks`), the lines the same."""
+    loaded = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit)
+    matched = {}
+    if cfg.match is not None:
+        cfg.options["k"], matched = match_k(engine, cfg, Path(cfg.match))
+    method_class = get(cfg.method)
+    defaults = with_calibration(method_class, method_class.dataset_defaults(cfg.dataset), cfg.dataset,
+                                cfg.path.parent, cfg.options, str(engine.path))
+    options = {**{k: v for k, (v, _) in defaults.items()}, **cfg.options}
+    sources = {k: "--option" if k in cfg.options else source for k, (_, source) in defaults.items()}
+    for k, source in sources.items():
+        print(f"{cfg.label} {cfg.dataset}: {k}={options[k]} ({source})", file=sys.stderr)
+    method = method_class(engine, prompt=prompt_for(cfg.dataset), **options)
+    engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
+    cfg.path.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["id"] for r in read_done(cfg.path)}
+    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": options,
+            "option_sources": sources, **matched, "generation": {k: getattr(method.prompt, k) for k in
+                                                                  ("max_new_tokens", "stop", "repetition_penalty")},
+            "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
+    cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
+    for rid, why in loaded.problems:
+        print(f"skipped record {rid}: {why}", file=sys.stderr)
+    store = IndexStore.for_method(cfg.path.parent / "indexes", engine, method)
+    indexes: dict[str, BuiltIndex] = {}  # doc hash -> its index and what building it cost
+    todo = [r for r in loaded.records if r.id not in done]
+    bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
+               desc=f"{cfg.label} {cfg.dataset}", disable=not progress)
+    with cfg.path.open("a") as out:
+        def write(line: dict) -> None:
+            out.write(json.dumps(line) + "\n")
+            out.flush()
+            bar.update()
+
+        spec = None if ray is None else WorkerSpec(
+            str(engine.path), next(name for name, d in DTYPES.items() if d == engine.model.dtype), cfg.method,
+            options, str(store.root), cfg.dataset)
+        if method_class.learns_across_documents:
+            # every fit needs all the indexes, each one independent work: with Ray they are built on the workers (one
+            # that fails there fails again in _cross_fit, which writes its error lines)
+            docs = {document_hash(r.document): r.document for r in loaded.records} if spec and todo else {}
+            missing = {doc: text for doc, text in docs.items() if store.cost(doc) is None}
+            if missing:
+                index_on_ray(ray, spec, missing, lambda doc, cost: None)
+            _cross_fit(engine, method, loaded.records, todo, store, write, progress)
+        elif spec is not None:
+            evaluate_on_ray(ray, spec, todo, write)
+        else:
+            for record in todo:
+                write(evaluate_record(engine, method, record, indexes, store))
+    bar.close()
+    return cfg.path
+
+
+FOLDS = 5  # documents are split into this many folds for methods that learn across documents
+
+
+def document_folds(records: list, folds: int = FOLDS) -> dict[str, int]:
+    """Each document's fold: documents in order of first appearance, dealt round-robin into `folds` folds."""
+    order: dict[str, int] = {}
+    for r in records:
+        order.setdefault(document_hash(r.document), len(order))
+    return {doc: i % folds for doc, i in order.items()}
+
+
+def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store: IndexStore, write,
+               progress: bool) -> None:
+    """Index every document of the run, then for each fold of documents (`document_folds`) with records to do: fit
+    the method on the (index, record) pairs of the documents outside the fold, answer the fold's records. A
+    document whose index fails gets an error line per record and is left out of every fit."""
+    built, failed = {}, {}
+    for r in tqdm(records, unit="rec", desc="indexing every document first", disable=not progress):
+        doc = document_hash(r.document)
+        if doc not in built and doc not in failed:
+            try:
+                built[doc] = store.build_or_load(method, r.document)
+            except Exception as e:  # as in evaluate_record: one bad document never stops the run
+                failed[doc] = f"{type(e).__name__}: {e}"
+    fold_of = document_folds(records)
+    pending: dict[int, list] = {}
+    for r in todo:
+        pending.setdefault(fold_of[document_hash(r.document)], []).append(r)
+    for fold, mine in sorted(pending.items()):
+        t = time.perf_counter()
+        try:
+            method.fit([(built[d].index, r) for r in records
+                        if fold_of[d := document_hash(r.document)] != fold and d in built])
+        except Exception as e:  # the fold's records fail, the run goes on
+            failed.update({document_hash(r.document): f"fit: {type(e).__name__}: {e}" for r in mine})
+        fit_s = round(time.perf_counter() - t, 3)
+        for r in mine:
+            doc = document_hash(r.document)
+            if doc in failed:
+                write({"id": r.id, "question": r.question, "references": list(r.references), "document": doc,
+                       "error": failed[doc]})
+            else:
+                write({**evaluate_record(engine, method, r, {doc: built[doc]}, store), "fit_s": fit_s})
+
+
+def _reader_of(method: Method) -> str:
+    """Which answer step a method's lines come from: "shared" (`reader.Reader`) or "paper" (its own)."""
+    return getattr(method.config, "reader", "shared")
+
+
+def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store: IndexStore) -> dict:
+    """One record's eval line (an "error" line if its index or answer fails); `indexes` keeps the last document's
+    index alive between calls."""
+    doc = document_hash(record.document)
+    line = {"id": record.id, "question": record.question, "references": list(record.references), "document": doc}
+    acc = engine.flops
+    try:
+        if doc not in indexes:
+            indexes.clear()  # records come grouped by document: keep one index alive
+            indexes[doc] = store.build_or_load(method, record.document)
+        built = indexes[doc]
+        if record.options:  # the letter prior is the prompt format's, computed once: no question pays for it
+            method.reader.letter_prior(len(record.options))
+        before, before_8b, saved, tokens = acc.total, acc.projected[PROJECT_TO], acc.saved, processed_tokens(acc)
+        t = time.perf_counter()
+        with acc.scope("query"):
+            answer = method.answer(built.index, record.question, record.options)
+        wall = time.perf_counter() - t
+    except Exception as e:  # one bad record never stops the run; the report counts it
+        return {**line, "error": f"{type(e).__name__}: {e}"}
+    metrics, diagnostics = score(record, answer.text), {}
+    if answer.choice_probs is not None:
+        calibrated = LETTERS[calibrated_choice(answer.choice_probs, answer.choice_prior)]
+        metrics["accuracy_calibrated"] = float(calibrated == record.references[0].strip().upper())
+        diagnostics = {"choice_probs": answer.choice_probs, "choice_prior": answer.choice_prior,
+                       "calibrated": calibrated}
+    if record.supports:
+        read = support_read(record.supports, answer.context)
+        diagnostics.update(support=read, support_recall=sum(read) / len(read), miss=miss(record.task, metrics, read))
+    return {**line, "prediction": answer.text, "metrics": metrics, **diagnostics, "nodes": answer.nodes,
+            "query_flops": acc.total - before, "query_flops_8b": acc.projected[PROJECT_TO] - before_8b,
+            "query_flops_saved": acc.saved - saved, "query_tokens": processed_tokens(acc) - tokens,
+            "index_flops": built.flops, "index_flops_8b": built.flops_8b, "index_s": round(built.seconds, 3),
+            "index_tokens": built.tokens,
+            "wall_s": round(wall, 3), "prompt_tokens": answer.prompt_tokens, "reader": _reader_of(method),
+            "generated_tokens": answer.generated_tokens, "truncated": answer.truncated, "trace": answer.trace}

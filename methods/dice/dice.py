@@ -1,0 +1,133 @@
+"""DICE, dynamic in-context editing (dice.txt §3), as a method: chunks, retrieval and the two algorithms
+(`dice_algorithms`) on the engine (`dice_lm`).
+
+Retrieval (§3.1): the document is cut into chunks of at most 80 words; a sub-question or drafted step recalls the
+top chunks by bi-encoder (all-MiniLM-L6-v2; `recall=hybrid` fuses its ranking with BM25's, for exact tokens such as
+variable names and numbers), the LLM re-ranks them (log p("Yes") that the passage is relevant:
+the engine replaces the paper's cross-encoder) and the best `top_k` feed the step, in document order.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ...engine.engine import Engine
+from ..base import Answer, Method
+from .dice_algorithms import ALGORITHMS, LM, Budget, Retrieved
+from .dice_prompts import EXAMPLE_SETS
+from ..options import Option
+from ..prompts import PromptSpec
+from ..reader import READER_OPTION
+from ..retrieval import DenseIndex, HybridIndex
+
+
+def word_chunks(document: str, words: int) -> list[str]:
+    """Chunks of at most `words` whitespace-separated words; a chunk never spans a blank line (a passage break)."""
+    chunks = []
+    for paragraph in re.split(r"\n\s*\n", document):
+        w = paragraph.split()
+        chunks += [" ".join(w[i:i + words]) for i in range(0, len(w), words)]
+    return chunks
+
+
+@dataclass
+class DiceIndex:
+    """The document's chunks and their bi-encoder index."""
+
+    chunks: list[str]
+    search: DenseIndex | HybridIndex
+
+
+class Dice(Method, name="dice", title="DICE"):
+    """DICE: the LLM plans sub-questions (Alg. 1) or reasoning steps (Alg. 2), each answered from retrieved chunks;
+    the shared reader answers from every retrieved chunk and the facts or thoughts (`reader=paper`: T's answer).
+
+    index(document) cuts and embeds the chunks; answer(index, question) runs the chosen algorithm. `embedder`
+    replaces the packaged all-MiniLM-L6-v2; `lm` replaces the engine-backed LLM calls (tests script it)."""
+
+    options = (
+        Option("algorithm", int, 2, "1: iterative QA with fact extraction; 2: knowledge-constrained decoding",
+               choices=(1, 2)),
+        Option("max_iterations", int, 5, "M: sub-questions or steps at most", low=1),
+        Option("chunk_words", int, 80, "words per chunk at most", low=1),
+        Option("top_k", int, 3, "chunks that feed each step", low=1),
+        Option("recall", str, "dense", "dense: the bi-encoder recalls (the paper); hybrid: its ranking fused with "
+               "BM25's", choices=("dense", "hybrid")),
+        Option("recall_k", int, 10, "recalled candidates re-ranked by the LLM", low=1),
+        Option("rerank", bool, True, "re-rank the recalled chunks by the LLM's relevance probe"),
+        Option("step_tokens", int, 64, "token budget of a sub-question, a thought or a fact", low=1),
+        Option("prompt_style", str, "paper", "restate: the answer is the reply to a new turn that states the question "
+               "again with the dataset's answer instruction", choices=("paper", "restate")),
+        Option("examples", str, "multihop", "few-shot examples: App. D's multi-hop questions, or chains of variable "
+               "assignments (variable tracking)", choices=tuple(EXAMPLE_SETS)),
+        READER_OPTION,
+    )
+
+    def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, embedder=None,
+                 lm: LM | None = None, **options):
+        super().__init__(engine, prompt, progress, **options)
+        self._embedder, self._lm = embedder, lm
+
+    @property
+    def lm(self) -> LM:
+        if self._lm is None:
+            from .dice_lm import EngineLM
+
+            self._lm = EngineLM(self.engine, self.config.examples)
+        return self._lm
+
+    def index(self, document: str) -> DiceIndex:
+        from ..retrieval.embedder import Embedder
+
+        if not isinstance(document, str) or not document.strip():
+            raise ValueError("the document is empty: nothing to index")
+        chunks = word_chunks(document, self.config.chunk_words)
+        search = DenseIndex if self.config.recall == "dense" else HybridIndex
+        return DiceIndex(chunks, search(chunks, self._embedder or Embedder.shared()))
+
+    def retrieve(self, index: DiceIndex, query: str) -> Retrieved:
+        """The `top_k` chunks for `query`: dense or hybrid recall, LLM re-rank (ties: the bi-encoder's order), then
+        document order."""
+        c = self.config
+        hits = index.search.search(query, c.recall_k if c.rerank else c.top_k)
+        rerank = self.lm.relevance(query, [index.chunks[i] for i, _ in hits]) if c.rerank else [None] * len(hits)
+        ranked = sorted(range(len(hits)), key=lambda j: -rerank[j] if c.rerank else j)[:c.top_k]
+        chosen = sorted(ranked, key=lambda j: hits[j][0])
+        scores = [{"chunk": hits[j][0], c.recall: round(hits[j][1], 4),
+                   **({"rerank": round(rerank[j], 4)} if c.rerank else {})} for j in chosen]
+        return Retrieved([hits[j][0] for j in chosen], "\n".join(index.chunks[hits[j][0]] for j in chosen), scores)
+
+    def answer(self, index: DiceIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
+        if options:
+            raise ValueError("DICE answers open questions; multiple-choice options are not supported")
+        c, acc = self.config, self.engine.flops
+        before, saved, prefill, decode = acc.total, acc.saved, acc.prefill_tokens, acc.decode_tokens
+        answer_tokens = self.answer_prompt.max_new_tokens
+        # with the shared reader the loop only gathers: its own answer step decodes nothing
+        budget = Budget(c.max_iterations, c.step_tokens, answer_tokens if c.reader == "paper" else 0,
+                        step_room=3 * c.step_tokens + answer_tokens + 2 * c.top_k * c.chunk_words)
+        answer_turn = self.answer_prompt.instruction(question) if c.prompt_style == "restate" else None
+        run = ALGORITHMS[c.algorithm](self.lm, lambda q: self.retrieve(index, q), question, budget, answer_turn)
+        run.trace[-1]["prefix_flops_saved"] = acc.saved - saved
+        notes = [f"- {step[k]}" for step in run.trace for k in ("fact", "thought") if step.get(k)]
+        context = "\n\n".join([*(index.chunks[i] for i in run.chunks), *(["Notes:\n" + "\n".join(notes)] if notes
+                                                                          else [])])
+        if c.reader == "shared":  # the chunks every step retrieved, in document order, then the facts or thoughts
+            answer = self.reader.read(context, question, (), run.chunks, run.trace)
+            answer.flops = acc.total - before
+            return answer
+        return Answer(run.answer, run.chunks, run.trace, acc.total - before, acc.prefill_tokens - prefill,
+                      acc.decode_tokens - decode, context=context)
+
+    def trace_lines(self, index: DiceIndex, trace: list[dict]) -> list[str]:
+        lines = []
+        for step in trace:
+            if "stop" in step:
+                lines.append(f"stopped: {step['stop']}; answer: {step['answer']!r}")
+                continue
+            asked = step.get("subquestion", step.get("draft"))
+            got = ", ".join(f"{s['chunk']}" + (f" ({s['rerank']:.2f})" if "rerank" in s else "")
+                            for s in step.get("retrieved", ()))
+            said = step.get("fact", step.get("thought", f"[{step.get('broken')}]"))
+            lines.append(f"{step['step']}. {asked}\n   chunks {got or '-'}\n   -> {said}")
+        return lines

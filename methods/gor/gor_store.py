@@ -1,0 +1,79 @@
+"""GoR's index (the graph of records, its MiniLM node and query vectors, the BERTScore rankings and a GAT trained on
+the graph) and its files: an index file (JSON, methods/index_file.py) for the graph and the configs, and a
+safetensors file beside it for every tensor and the GAT's weights; the JSON holds the SHA-256 of the safetensors
+file, so a pair that does not belong together is refused. No pickle anywhere."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as to_bytes
+
+from ...engine.engine import Engine
+from .gor_graph import RecordGraph
+from .gor_train import GAT, TrainConfig
+from ..index_file import IndexFileError, read_index_file, write_index_file
+
+FORMAT, VERSION = "nodekv-gor-index", 1
+__all__ = ["GorIndex", "IndexFileError", "load", "save", "tensors_path"]
+
+
+@dataclass
+class GorIndex:
+    """A document's graph of records with what retrieval and training need of it.
+
+    features [N, d]: MiniLM embeddings of graph.texts (chunks, then responses); queries [Q, d]: of the simulated
+    queries; ranking [Q, N]: each query's nodes by BERTScore F1 against its source chunk, best first (Eq. 4);
+    gat / trained_with: a GAT trained on this graph alone and its TrainConfig (None for an untrained index)."""
+
+    graph: RecordGraph
+    features: torch.Tensor
+    queries: torch.Tensor
+    ranking: torch.Tensor
+    gat: GAT | None = None
+    trained_with: TrainConfig | None = None
+    config: dict = field(default_factory=dict)
+
+
+def tensors_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".safetensors")
+
+
+def save(index: GorIndex, path: str | Path, engine: Engine) -> None:
+    tensors = {"features": index.features, "queries": index.queries, "ranking": index.ranking}
+    if index.gat is not None:
+        tensors.update({f"gat.{k}": v for k, v in index.gat.state_dict().items()})
+    data = to_bytes({k: v.contiguous() for k, v in tensors.items()})
+    tensors_path(path).write_bytes(data)  # as any file here is written (safetensors' own writer makes it owner-only)
+    g = index.graph
+    body = {"config": index.config, "tensors_sha256": hashlib.sha256(data).hexdigest(),
+            "graph": {"chunks": g.chunks, "queries": g.queries, "sources": g.sources, "responses": g.responses,
+                      "edges": g.edges, "draws": g.draws},
+            "trained_with": None if index.trained_with is None else vars(index.trained_with)}
+    write_index_file(path, FORMAT, VERSION, engine, body)
+
+
+def load(path: str | Path, engine: Engine) -> GorIndex:
+    """Read an index, refusing a corrupt or foreign file, one built with another model, and a safetensors file
+    that is missing or is not the one written with it."""
+    data = read_index_file(path, FORMAT, VERSION, engine, "GoR index")
+    sidecar = tensors_path(path)
+    if not sidecar.exists():
+        raise IndexFileError(f"{path} has no tensor file {sidecar.name} beside it")
+    if hashlib.sha256(sidecar.read_bytes()).hexdigest() != data["tensors_sha256"]:
+        raise IndexFileError(f"{sidecar} is not the tensor file written with {path} (its SHA-256 differs)")
+    tensors = load_file(str(sidecar))
+    g = data["graph"]
+    graph = RecordGraph(g["chunks"], g["queries"], g["sources"], g["responses"], [tuple(e) for e in g["edges"]],
+                        g["draws"])
+    trained = None if data["trained_with"] is None else TrainConfig(**data["trained_with"])
+    gat = None
+    if trained is not None:
+        gat = GAT(tensors["features"].shape[1], trained.hidden, trained.heads, trained.dropout)
+        gat.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("gat.")})
+        gat.eval()
+    return GorIndex(graph, tensors["features"], tensors["queries"], tensors["ranking"], gat, trained, data["config"])

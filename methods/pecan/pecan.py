@@ -1,0 +1,237 @@
+"""PECAN (pecan.txt §3): attention-guided graph construction (`pecan_build`) and dynamic graph search on the
+engine's node cache.
+
+Search (§3.2, Table A2, App. B-C): the first-turn prompt and the query are prefilled once; the top level is
+appended; then after each appended node a rolled-back probe ("Yes"/"No") decides whether to stop; the next node
+maximises z_i = Σ_j r_j e_ji (r_j: the visited node's attention to the query, times its prompt position) plus its
+embedding similarity to the query. The shared reader then answers from the visited nodes (`reader=paper`: the
+second-turn prompt decodes the answer from the same cache).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterator
+
+from ...engine.engine import Engine
+from ..base import Answer, Method, chat_pieces
+from ..options import Option
+from .pecan_build import BUILD_VERSION, GraphBuilder
+from .pecan_graph import Z_SCALES, next_node, positional_relevance
+from .pecan_store import PecanIndex, load, save, to_graphml, to_html
+from ..prompts import PromptSpec
+from ..reader import READER_OPTION, Reader
+
+FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
+              "Do not provide any explanation.\n\nQuestion:\n{}\n\nInformation:\n{}")
+SECOND_TURN = "Given the above information and question, answer the question as concisely as you can."
+# prompt_style="restate": small models lose the question by the end of a long first turn (they answer "Yes" or
+# repeat a name), so the probe and the answer turn state it again; the cached prompt is the paper's either way
+RESTATED_PROBE = ("\n\nCan the question \"{}\" be answered by the information above? Response \"Yes\" or \"No\" "
+                  "in one word.")
+# ... and the answer turn restates it: with the dataset prompt's closing instruction and question where there is a
+# dataset prompt (PromptSpec.instruction), else with this turn
+RESTATED_SECOND_TURN = "Given the above information, answer this question as concisely as you can.\n\nQuestion: {}"
+PROMPT_STYLES = ("paper", "restate")
+
+# App. E: the confidence threshold t_p the paper used per dataset with Llama-3.1-8B (t_n = 1 throughout).
+PAPER_T_P = {"narrativeqa": 0.5, "qasper": 0.98, "hotpotqa": 0.5, "musique": 0.55}
+# The options a graph depends on (the others only steer the search), so that ablations of the search share one index.
+INDEX_OPTIONS = ("chunk_tokens", "batch_tokens", "summary_tokens", "max_levels", "ip_graph", "prime_summary")
+GRAPH_WRITERS = {".graphml": to_graphml, ".html": to_html}
+
+
+class Pecan(Method, name="pecan", title="PECAN"):
+    """PECAN: a graph of chunks and summary points built by attention, searched per question.
+
+    index(document) builds the graph; answer(index, question) searches it and answers from the same cache.
+    `search_engine` may be a different model than the one that built the graph (Table 2); `progress` shows a bar
+    per level while the graph is built."""
+
+    # the paper's hyper-parameters and the Table 3 ablation switches
+    options = (
+        Option("chunk_tokens", int, 300, "tokens per level-1 chunk", low=1),
+        Option("batch_tokens", int, 8192, "s: tokens of the nodes summarised together", low=1),
+        Option("summary_tokens", int, 512, "generation budget of one batch summary", low=1),
+        Option("max_levels", int, 5, "levels at most, the chunks' included", low=2),
+        Option("t_n", int, 1, "stop patience: confident probes before the search stops", low=1),
+        Option("t_p", float, 0.5, "confidence threshold on the normalised p(Yes)", low=0.0, high=1.0),
+        Option("node_budget", int, 0, "nodes retrieved beyond the top level at most; 0: no budget, the window is "
+               "the limit (the paper's rule)", low=0),
+        Option("answer_tokens", int, 64, "answer budget when no dataset prompt gives one", low=1),
+        Option("attention", bool, True, "false: w/o attention-guided retrieval (embedding similarity only)"),
+        Option("embedding", bool, True, "false: w/o embedding similarity"),
+        Option("dynamic", bool, True, "false: w/o dynamic progress control (no probes, fixed_nodes retrieved)"),
+        Option("fixed_nodes", int, 4, "nodes retrieved beyond the top level when dynamic is false", low=0),
+        Option("ip_graph", bool, True, "false: w/o IP graph (each batch summarised into one node, RAPTOR-like)"),
+        Option("prime_summary", bool, True, "the summary turn starts with '* ' (false: the paper's bare turn)"),
+        Option("prompt_style", str, "paper", "restate: the probe and the answer turn repeat the question",
+               choices=PROMPT_STYLES),
+        Option("candidates", str, "all", "all: every unvisited node is scored (§3.2.2); successors: children of "
+               "visited nodes first", choices=("all", "successors")),
+        Option("z_scale", str, "paper", "max: z divided by the largest z among the candidates, so that it weighs like "
+               "cosine similarity; paper: Eq. (1) as it is", choices=Z_SCALES),
+        READER_OPTION,
+    )
+    can_save = True
+    exports = {".graphml": "the graph as GraphML", ".html": "the graph drawn in an HTML page"}
+
+    def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False,
+                 search_engine: Engine | None = None, embedder=None, **options):
+        super().__init__(engine, prompt, progress, **options)
+        self.search_engine = search_engine or engine
+        self._embedder = embedder
+
+    @property
+    def embedder(self):
+        from ..retrieval.embedder import Embedder
+
+        return self._embedder or Embedder.shared()
+
+    @classmethod
+    def dataset_defaults(cls, dataset: str) -> dict[str, tuple[float, str]]:
+        """App. E's t_p for the datasets the paper evaluated (tuned there for Llama-3.1-8B); `nodekv calibrate`
+        tunes it for a model (`nodekv.evaluation.pecan_calibration`)."""
+        return {"t_p": (PAPER_T_P[dataset], "App. E (tuned for Llama-3.1-8B)")} if dataset in PAPER_T_P else {}
+
+    def index_key(self) -> dict:
+        return {"build_version": BUILD_VERSION, **{k: v for k, v in asdict(self.config).items() if k in INDEX_OPTIONS}}
+
+    # ---------------------------------------------------------------- construction
+    def index(self, document: str) -> PecanIndex:
+        graph, log = GraphBuilder(self.engine, self.config, self.progress).build(document)
+        return PecanIndex(graph, self.embedder.encode([n.text for n in graph.nodes.values()]), asdict(self.config),
+                          log)
+
+    # ---------------------------------------------------------------- search
+    def answer(self, index: PecanIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
+        eng, cfg = self.search_engine, self.config
+        trace, yes_count = [], 0
+        before = eng.flops.scopes["query"]
+        with eng.flops.scope("query"), eng.session() as s:
+            for step in self.search(s, index, question, options, probe=cfg.dynamic):
+                trace.append(step)
+                yes_count += step.get("p_yes", 0.0) > cfg.t_p
+                if yes_count >= cfg.t_n:
+                    trace.append({"stop": "yes"})
+                    break
+            visited = [step["node"] for step in trace if "node" in step]
+            read = "\n".join("* " + index.graph.nodes[n].text.strip() for n in visited)
+            if cfg.reader == "paper":  # the second turn, answered in the searched session
+                text, generated = self.respond(s, question, options)
+                answer = Answer(text, visited, trace, 0, len(s) - generated, generated, context=read)
+        if cfg.reader == "shared":  # the visited nodes, in the order the search appended them, read by the model
+            reader = self.reader if eng is self.engine else Reader(eng, self.answer_prompt)  # that searched
+            answer = reader.read(read, question, options, visited, trace)
+        answer.flops = eng.flops.scopes["query"] - before
+        return answer
+
+    def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
+               probe: bool = True) -> Iterator[dict]:
+        """Prefill the first turn and the query into the empty session `s`, then append nodes one at a time, top
+        level first, then by z + similarity; yield a step after each append: {"node", "level", "r"}, for a picked
+        node also "z", "sim" and "by_sim" (the node similarity alone would have picked), plus
+        "p_yes" from a rolled-back probe once the whole top level is in (when `probe`). Ends with a step
+        {"stop": "budget" | "graph exhausted" | "context full"} unless the caller stops first; "context full" when
+        the next node would leave no room in the window for the probe, the second turn and the answer."""
+        eng, cfg, graph = self.search_engine, self.config, index.graph
+        tok = eng.tokenizer
+        question = _with_options(question, options)
+        head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
+        probe_ids = tok.encode(probe_tail, parse_special=True)
+        if cfg.prompt_style == "restate":
+            probe_ids = tok.encode(RESTATED_PROBE.format(question)) + probe_ids
+        room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids(question, options))
+                                            + self._answer_budget())
+        sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
+        s.append(tok.encode(head, parse_special=True), node_id="head")
+        q_len = len(s.append(tok.encode(question), node_id="query"))
+        s.append(tok.encode(info), node_id="info")
+        visited, query_mass = [], []
+        pending, n_top = list(graph.top_level), len(graph.top_level)
+        while True:
+            why = {}
+            if pending:
+                node = pending.pop(0)
+            else:
+                picked = next_node(graph, visited, dict(zip(visited, positional_relevance(query_mass))), sim,
+                                   cfg.attention, cfg.embedding, successors_only=cfg.candidates == "successors",
+                                   z_scale=cfg.z_scale)
+                limit = self._limit()
+                if picked is None or (limit is not None and len(visited) - n_top >= limit):
+                    yield {"stop": "graph exhausted" if picked is None else "budget"}
+                    return
+                node, why = picked.node, {"z": picked.z, "sim": picked.similarity, "by_sim": picked.by_similarity}
+            ids = tok.encode("* " + graph.nodes[node].text.strip() + "\n")
+            if len(s) + len(ids) > room:
+                yield {"stop": "context full"}
+                return
+            s.append(ids, node_id=node, collect=True)
+            visited.append(node)
+            query_mass.append(float(s.token_mass(node)[:, 1].mean()) / q_len)  # node -> query, token-to-node mean
+            step = {"node": node, "level": graph.nodes[node].level, **why, "r": query_mass[-1]}
+            if probe and not pending:  # probes start once the whole top level is in
+                step["p_yes"] = s.probe(["Yes", "No"], tokens=probe_ids)["Yes"]
+            yield step
+
+    def respond(self, s, question: str, options: tuple[str, ...] = ()) -> tuple[str, int]:
+        """Append the second turn (Table A2) to a searched session and decode the answer: (text, tokens)."""
+        s.append(self._second_turn_ids(question, options), node_id="second turn")
+        stops = None if self.prompt is None else list(self.prompt.stop) or None
+        gen = s.generate(self._answer_budget(), stop=stops, node_id="answer")
+        return gen.text.strip(), len(gen.ids)
+
+    def _second_turn_ids(self, question: str, options: tuple[str, ...] = ()) -> list[int]:
+        eng = self.search_engine
+        if self.config.prompt_style == "paper":
+            turn = SECOND_TURN
+        elif self.prompt is not None:
+            turn = self.prompt.instruction(question, options)
+        else:
+            turn = RESTATED_SECOND_TURN.replace("{}", _with_options(question, options))
+        tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
+                                 {"role": "user", "content": turn}])[-1]
+        return eng.tokenizer.encode(tail, parse_special=True)
+
+    def _answer_budget(self) -> int:
+        return self.config.answer_tokens if self.prompt is None else self.prompt.max_new_tokens
+
+    def save_index(self, index: PecanIndex, path: str | Path) -> None:
+        save(index, path, self.engine)
+
+    def load_index(self, path: str | Path) -> PecanIndex:
+        return load(path, self.engine)
+
+    def export(self, index: PecanIndex, path: str | Path) -> None:
+        write = GRAPH_WRITERS.get(Path(path).suffix)
+        if write is None:
+            return super().export(index, path)
+        Path(path).write_text(write(index.graph))
+
+    def describe(self, index: PecanIndex) -> list[str]:
+        levels = sorted({n.level for n in index.graph.nodes.values()})
+        edges = sum(map(len, index.graph.edges.values()))
+        return [f"{len(index.graph.nodes)} nodes on levels {levels}, {edges} edges", *index.log]
+
+    def trace_lines(self, index: PecanIndex, trace: list[dict]) -> list[str]:
+        lines = []
+        for step in trace:
+            if "node" not in step:
+                lines.append(f"stop: {step['stop']}")
+                continue
+            node = index.graph.nodes[step["node"]]
+            z = f" z={step['z']:.2e} sim={step['sim']:.3f}" if "z" in step else ""
+            p = f" p_yes={step['p_yes']:.3f}" if "p_yes" in step else ""
+            lines.append(f"  #{node.id} L{node.level}{z} r={step['r']:.4f}{p}  {' '.join(node.text.split())[:70]}")
+        return lines
+
+    def _limit(self) -> int | None:
+        """Nodes beyond the top level at most; None: the window is the only limit."""
+        if not self.config.dynamic:
+            return self.config.fixed_nodes
+        return self.config.node_budget or None
+
+
+def _with_options(question: str, options: tuple[str, ...]) -> str:
+    """The question with its multiple-choice options, (A) ... (D), one per line."""
+    return "\n".join([question, *(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))])

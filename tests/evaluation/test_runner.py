@@ -1,0 +1,102 @@
+"""`nodekv eval` end to end on SmolLM2 over a small hotpotqa-format directory: output fields, one index per
+document, malformed records skipped and counted, resume after a kill gives the uninterrupted run's file, and
+the report."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nodekv.cli import main as cli_main
+
+pytestmark = pytest.mark.model
+
+PARAS = [["Alpha", ["The Alpha river flows north.", " It is 40 km long."]],
+         ["Beta", ["Beta town was founded in 1802 by Mara Quill.", " Its mayor is Tom Reed."]],
+         ["Gamma", ["Gamma is a lake near Beta town."]]]
+
+
+def _write_data(root):
+    records = [
+        {"_id": "q1", "question": "Who founded Beta town?", "answer": "Mara Quill", "context": PARAS},
+        {"_id": "q2", "question": "How long is the Alpha river?", "answer": "40 km", "context": PARAS},
+        {"_id": "bad", "question": "", "answer": "x", "context": PARAS},  # empty question: skipped
+        {"_id": "q3", "question": "What is Gamma?", "answer": "a lake", "context": PARAS[2:] + PARAS[:1]},
+    ]
+    (root / "multihop").mkdir(parents=True)
+    (root / "multihop" / "hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _eval(data, out, *extra):
+    return cli_main(["eval", "--method", "bm25", "--k", "2", "--dataset", "hotpotqa", "--data-dir", str(data),
+                     "--out", str(out), "--model", "smollm2-135m", *extra])
+
+
+def test_run_resume_and_report(tmp_path, capsys):
+    data = tmp_path / "data"
+    _write_data(data)
+    assert _eval(data, tmp_path / "a") == 0
+    full = (tmp_path / "a" / "bm25-top2-hotpotqa.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in full]
+    assert [r["id"] for r in rows] == ["q1", "q2", "q3"]
+    for r in rows:
+        assert {"id", "question", "prediction", "references", "metrics", "nodes", "query_flops", "index_flops",
+                "wall_s", "query_flops_8b"} <= set(r)
+        assert r["query_flops"] > 0 and r["query_flops_8b"] > 40 * r["query_flops"]  # 8B vs 135M
+        # the model ran the prompt and every generated token (each stays cached), and nothing at index time
+        assert (r["query_tokens"], r["index_tokens"]) == (r["prompt_tokens"] + r["generated_tokens"], 0)
+        assert set(r["metrics"]) >= {"f1", "rouge_l"}
+    assert rows[0]["document"] == rows[1]["document"] != rows[2]["document"]
+    meta = json.loads((tmp_path / "a" / "bm25-top2-hotpotqa.meta.json").read_text())
+    assert meta["skipped"][0]["id"] == "bad"
+
+    # a run killed after its first record, mid-way through writing the second line
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "bm25-top2-hotpotqa.jsonl").write_text(full[0] + "\n" + full[1][: len(full[1]) // 2])
+    assert _eval(data, tmp_path / "b") == 0
+    resumed = [json.loads(x) for x in (tmp_path / "b" / "bm25-top2-hotpotqa.jsonl").read_text().splitlines()]
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "index_s")}  # noqa: E731
+    assert [strip(r) for r in resumed] == [strip(r) for r in rows]
+
+    capsys.readouterr()
+    assert cli_main(["eval", "report", str(tmp_path / "a"), "--out", str(tmp_path / "rep")]) == 0
+    text = capsys.readouterr().out
+    assert "| hotpotqa | bm25-top2 | 3 | 0 | 1 |" in text
+    assert (tmp_path / "rep" / "report.md").read_text() in text
+    assert (tmp_path / "rep" / "report.png").stat().st_size > 1000  # matplotlib comes with the bench extra
+
+
+@pytest.mark.parametrize("argv, label, options", [
+    (["--method", "bm25", "--k", "3"], "bm25-top3", {"k": 3}),
+    (["--method", "pecan", "--option", "attention=false"], "pecan-attention=False", {"attention": False}),
+    (["--method", "pecan", "--option", "t_p=0.4", "--option", "mode=fast", "--label", "p4"], "p4",
+     {"t_p": 0.4, "mode": "fast"}),
+])
+def test_options_and_labels(argv, label, options):
+    from nodekv.cli import build_parser
+    from nodekv.commands import run_config
+
+    cfg = run_config(build_parser().parse_args(["eval", "--dataset", "hotpotqa", *argv]))
+    assert (cfg.label, cfg.options, cfg.path.name) == (label, options, f"{label}-hotpotqa.jsonl")
+
+
+def test_missing_data_dir_exits_nonzero(tmp_path, capsys):
+    assert _eval(tmp_path / "nowhere", tmp_path / "out") == 2
+    assert "nowhere" in capsys.readouterr().err
+
+
+def test_top_x_matches_a_reference_runs_flops(tmp_path):
+    import nodekv
+    from nodekv.evaluation.runner import RunConfig, match_k, run
+
+    data = tmp_path / "data"
+    _write_data(data)
+    eng = nodekv.load_engine("smollm2-135m")
+    ref = run(eng, RunConfig("bm25", "hotpotqa", data_dir=str(data), out=str(tmp_path),
+                             options={"k": 3, "chunk_tokens": 16}), progress=False)
+    cfg = RunConfig("dense", "hotpotqa", data_dir=str(data), out=str(tmp_path), options={"chunk_tokens": 16},
+                    match=str(ref))
+    k, info = match_k(eng, cfg, ref)
+    assert k == 3 and abs(info["predicted_query_flops"] / info["target_query_flops"] - 1) < 0.02
+    with pytest.raises(ValueError, match="bm25 or dense"):
+        match_k(eng, RunConfig("full", "hotpotqa", data_dir=str(data), match=str(ref)), ref)
