@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from nodekv.paths import example
+from nodekv.paths import example, write_atomic
 
 TEXT = example("lost_in_translation.txt")
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| one append_batch | {1e3 * bat:.0f} | {n / bat:.0f} |")
     print(f"\nbatched prefill: {seq / bat:.2f}x the sequential tokens/s")
     if args.json:
-        args.json.write_text(json.dumps({
+        write_atomic(args.json, json.dumps({
             "model": args.model, "threads": torch.get_num_threads(), "tokens": args.tokens,
             "prompt_tokens": args.prompt_tokens, "decode_s": {b: statistics.median(decode[b]) for b in sizes},
             "prefill_prompts": args.prefill_prompts, "prefill_s": {"sequential": seq, "batched": bat}}, indent=1))

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from nodekv.paths import example
+from nodekv.paths import example, write_atomic
 
 TEXT = example("lost_in_translation.txt")
 DEFAULT_MODEL = "qwen2.5-0.5b"
@@ -199,10 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     if ours:
         report_nodekv(results, fp32_peak, args)
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "file": path.name, "threads": args.threads,
-                                         "decode_tokens": args.decode, "rounds": args.rounds, "cpu": cpu_summary(),
-                                         "torch": torch.__version__, "fp32_peak_gflops": fp32_peak,
-                                         "bf16_peak_gflops": bf16_peak, "results": results}, indent=1))
+        write_atomic(args.json, json.dumps({"model": args.model, "file": path.name, "threads": args.threads,
+                                            "decode_tokens": args.decode, "rounds": args.rounds, "cpu": cpu_summary(),
+                                            "torch": torch.__version__, "fp32_peak_gflops": fp32_peak,
+                                            "bf16_peak_gflops": bf16_peak, "results": results}, indent=1))
 
 
 def report_nodekv(results: dict[str, dict], fp32_peak: float, args) -> None:

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from nodekv.paths import results_dir
+from nodekv.paths import results_dir, write_atomic
 
 MODELS = ("qwen2.5-0.5b", "smollm2-135m")
 ENGINES = "nodekv,hf,llama-cpp"
@@ -123,8 +123,9 @@ def main() -> None:
     result["node_mass"] = _run("node_mass", ["--tokens", cfg["mass_tokens"], "--threads", str(args.threads)],
                                args.out / "node_mass.json", args.threads)
     result["minutes"]["node mass"] = _lap(started, result["minutes"])
-    proc = subprocess.run([sys.executable, "-m", "nodekv.bench.engine_suite", "--append-child", args.models[0], "--threads",
-                           str(args.threads), *(["--quick"] if args.quick else [])], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "nodekv.bench.engine_suite", "--append-child", args.models[0],
+                           "--threads", str(args.threads), *(["--quick"] if args.quick else [])],
+                          capture_output=True, text=True)
     result["append"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
     print(f"# one {NODE}-token node appended, probed and rolled back vs the whole prompt prefilled again "
           f"({args.models[0]})\n\n| cached tokens | append + probe + roll back s | prefill again s | speed-up |\n"
@@ -134,7 +135,7 @@ def main() -> None:
               f"{row['prefill_s'] / row['append_s']:.1f}x |")
     result["minutes"]["append"] = _lap(started, result["minutes"])
     result["seconds"] = time.perf_counter() - started
-    (args.out / "engine.json").write_text(json.dumps(result, indent=1))
+    write_atomic(args.out / "engine.json", json.dumps(result, indent=1))
     laps = ", ".join(f"{k} {v:.1f}" for k, v in result["minutes"].items())
     print(f"\nwhole run {result['seconds'] / 60:.1f} min ({laps}); results in {args.out / 'engine.json'}")
 

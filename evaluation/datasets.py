@@ -33,10 +33,10 @@ from typing import Callable, Iterator, Union
 
 from ..paths import DATA_ENV, data_dir
 from .records import LoadResult, Record
-from .variable_tracking import is_variable_tracking, records
+from .variable_tracking import is_variable_tracking, records, shape
 
-__all__ = ["DATASETS", "DataNotFoundError", "LoadResult", "Record", "default_data_dir", "find_dataset_file",
-           "load_dataset"]
+__all__ = ["DATASETS", "DataNotFoundError", "LoadResult", "Record", "check_dataset", "default_data_dir",
+           "find_dataset_file", "load_dataset"]
 
 TASKS = ("qa", "summary", "multiple_choice", "variables")
 
@@ -96,6 +96,15 @@ def find_dataset_file(name: str, data_dir: Union[str, Path, None] = None) -> Pat
     if len(hits) > 1:
         raise ValueError(f"dataset {name!r}: several files under {root}: {', '.join(map(str, hits))}")
     return hits[0]
+
+
+def check_dataset(name: str, data_dir: Union[str, Path, None] = None) -> None:
+    """An error naming the problem (unknown name, missing data directory or file) if `load_dataset(name, data_dir)`
+    cannot read the dataset: the CLI checks before a model loads."""
+    if is_variable_tracking(name):
+        shape(name)
+    else:
+        find_dataset_file(name, data_dir)
 
 
 # ---------------------------------------------------------------------------------------------- field checks
@@ -289,6 +298,8 @@ _PARSERS: dict[str, Callable[[str, dict, int], Iterator[Item]]] = {
 def load_dataset(name: str, data_dir: Union[str, Path, None] = None, limit: int | None = None) -> LoadResult:
     """Good records of dataset `name` (at most `limit`) and the (id, reason) of each record skipped. Variable
     tracking names (`variable_tracking`) are generated, not read."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
     if is_variable_tracking(name):
         return LoadResult(records(name, limit))
     path = find_dataset_file(name, data_dir)

@@ -12,6 +12,7 @@ from ..engine.engine import DTYPES, Engine
 from .index_store import IndexStore, document_hash
 from .ray_tasks import RayPlan, WorkerSpec, index_on_ray
 from ..methods.registry import get
+from ..paths import NotUTF8Error, read_text, write_atomic
 
 
 def check_request(method: str, directory: Path) -> None:
@@ -19,6 +20,8 @@ def check_request(method: str, directory: Path) -> None:
     before a model loads)."""
     if not get(method).can_save:
         raise ValueError(f"{method} cannot save an index, so it has nothing to store for a corpus")
+    if directory.is_file():
+        raise ValueError(f"{directory} is a file, not a corpus directory")
     if not directory.is_dir():
         raise ValueError(f"corpus directory {directory} does not exist")
 
@@ -30,9 +33,9 @@ def read_corpus(directory: Path) -> tuple[dict[str, str], list[tuple[str, str]]]
     for path in sorted(p for p in directory.rglob("*.txt") if p.is_file()):
         name = str(path.relative_to(directory))
         try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            skipped.append((name, f"not UTF-8 ({e.reason} at byte {e.start})"))
+            text = read_text(path)
+        except NotUTF8Error as e:
+            skipped.append((name, f"not UTF-8 (byte 0x{e.byte:02x} at offset {e.offset})"))
             continue
         if text.strip():
             texts[name] = text
@@ -78,14 +81,15 @@ def index_corpus(engine: Engine, method: str, options: dict, directory: Path, st
             built(doc, store.build_cost(store_method, text))
     store_root.mkdir(parents=True, exist_ok=True)
     manifest = store_root / f"{store.key}-{directory.resolve().name}.corpus.jsonl"
-    with manifest.open("w") as out:
-        for name, text in texts.items():
-            doc = document_hash(text)
-            row = {"file": name, "document": doc}
-            if doc in errors:
-                row["error"] = errors[doc]
-            else:
-                flops, _, seconds, tokens = store.cost(doc)
-                row.update(index=str(store.index_path(doc)), tflops=flops / 1e12, seconds=seconds, tokens=tokens)
-            out.write(json.dumps(row) + "\n")
+    rows = []
+    for name, text in texts.items():
+        doc = document_hash(text)
+        row = {"file": name, "document": doc}
+        if doc in errors:
+            row["error"] = errors[doc]
+        else:
+            flops, _, seconds, tokens = store.cost(doc)
+            row.update(index=str(store.index_path(doc)), tflops=flops / 1e12, seconds=seconds, tokens=tokens)
+        rows.append(json.dumps(row) + "\n")
+    write_atomic(manifest, "".join(rows))
     return manifest, len(errors)

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from ..engine.engine import Engine
 from ..engine.flops import FlopAccount
 from ..methods.base import Method
+from ..paths import write_atomic
 
 PROJECT_TO = "llama-3.1-8b"  # every FLOP count is also projected to this preset for the same token counts
 
@@ -99,6 +100,4 @@ class IndexStore:
             method.save_index(built, self.index_path(doc))
             # the cost file marks the index complete, so it is written last and whole: a process killed before
             # this leaves a document that the next run builds again
-            meta = self.root / f"{self.key}-{doc}.json"
-            meta.with_suffix(".json.tmp").write_text(json.dumps(cost))
-            meta.with_suffix(".json.tmp").replace(meta)
+            write_atomic(self.root / f"{self.key}-{doc}.json", json.dumps(cost))

@@ -25,6 +25,7 @@ from .index_store import IndexStore
 from ..methods.pecan.pecan import INDEX_OPTIONS, Pecan
 from ..methods.pecan.pecan_store import PecanIndex
 from ..methods.prompts import prompt_for
+from ..paths import write_atomic
 
 OBJECTIVES = ("nodes", "f1", "f1-per-tflop")
 
@@ -53,7 +54,8 @@ def with_calibration(method_class: type, defaults: dict, dataset: str, runs: Pat
     if differ:
         why = f"{path} was made for another {', '.join(differ)}"
         return {k: (v, f"{source}; {why}") for k, (v, source) in defaults.items()}
-    return {**defaults, "t_p": (calibration["t_p"], f"calibrated on {len(calibration['dev_ids'])} dev records ({path})")}
+    source = f"calibrated on {len(calibration['dev_ids'])} dev records ({path})"
+    return {**defaults, "t_p": (calibration["t_p"], source)}
 
 
 @dataclass
@@ -71,18 +73,20 @@ def sweep(method: Pecan, index: PecanIndex, record: Record) -> list[Point]:
     eng = method.search_engine
     account, points, visited, rolled_back = eng.flops, [], 0, 0
     start = account.total
+    trace = []
     with eng.session() as s:
         for step in method.search(s, index, record.question, record.options, probe=True):
+            trace.append(step)
             visited += "node" in step
             if "p_yes" not in step:
                 continue
             before = account.total
-            text, _ = method.respond(s, record.question, record.options)
+            text = method.conclude(s, index, trace, record.question, record.options).text
             metrics = score(record, text)
             points.append(Point(visited, step["p_yes"], account.total - start - rolled_back,
-                                metrics.get("f1", metrics.get("rougeL", 0.0))))
+                                metrics.get("f1", metrics.get("rougeL", metrics.get("accuracy", 0.0)))))
             rolled_back += account.total - before  # this answer is rolled back: later stops do not pay for it
-            s.truncate(step["node"])
+            s.truncate(step["node"])  # takes back the paper's second turn (the shared reader reads apart)
     return points
 
 
@@ -177,6 +181,6 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
               "sweeps": [[asdict(p) for p in points] for points in sweeps]}
     path = calibration_path(out, dataset, method.config.prompt_style)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    write_atomic(path, json.dumps(result, indent=1))
     result["path"] = str(path)
     return result

@@ -54,7 +54,7 @@ class _Worker:
         self.indexes: dict = {}
 
     def evaluate(self, records: list) -> list[dict]:
-        from .runner import evaluate_record
+        from .eval_line import evaluate_record
 
         return [evaluate_record(self.engine, self.method, r, self.indexes, self.store) for r in records]
 

@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, quantiles
 
+from ..paths import atomic_path, write_atomic
 from .runner import read_done
 
 
@@ -237,7 +238,8 @@ def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
         ax.set_xscale("log")
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=path.suffix[1:])
     plt.close(fig)
     return True
 
@@ -305,7 +307,7 @@ def report(runs: list[Path], out_dir: Path, reference: str | None = None, agains
         text += ("\n## Paired differences in the primary metric (points; records both runs answered)\n\n" +
                  paired(files, against) + "\n")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.md").write_text(text)
+    write_atomic(out_dir / "report.md", text)
     if not plot(summaries, out_dir / "report.png"):
         text += "\n(no plot: matplotlib is not installed)\n"
     return text

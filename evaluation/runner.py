@@ -27,14 +27,14 @@ from ..engine.config import preset
 from ..engine.engine import DTYPES, Engine
 from ..methods.base import Method
 from ..methods.baselines import TopK
-from .datasets import load_dataset
-from .index_store import PROJECT_TO, BuiltIndex, IndexStore, document_hash, processed_tokens
-from .metrics import miss, score, support_read
-from .pecan_calibration import with_calibration
 from ..methods.prompts import prompt_for
-from ..methods.reader import LETTERS, calibrated_choice
-from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray, index_on_ray
 from ..methods.registry import get, names
+from ..paths import write_atomic
+from .datasets import load_dataset
+from .eval_line import evaluate_record
+from .index_store import PROJECT_TO, BuiltIndex, IndexStore, document_hash
+from .pecan_calibration import with_calibration
+from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray, index_on_ray
 
 
 @dataclass
@@ -78,7 +78,7 @@ def read_done(path: Path) -> list[dict]:
             break
     text = "".join(json.dumps(r) + "\n" for r in good)
     if text.encode() != path.read_bytes():
-        path.write_text(text)
+        write_atomic(path, text)  # a kill while cutting must not lose the lines kept
     return good
 
 
@@ -137,7 +137,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
             "option_sources": sources, **matched, "generation": {k: getattr(method.prompt, k) for k in
                                                                   ("max_new_tokens", "stop", "repetition_penalty")},
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
-    cfg.path.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
+    write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
     for rid, why in loaded.problems:
         print(f"skipped record {rid}: {why}", file=sys.stderr)
     store = IndexStore.for_method(cfg.path.parent / "indexes", engine, method)
@@ -214,46 +214,3 @@ def _cross_fit(engine: Engine, method: Method, records: list, todo: list, store:
                        "error": failed[doc]})
             else:
                 write({**evaluate_record(engine, method, r, {doc: built[doc]}, store), "fit_s": fit_s})
-
-
-def _reader_of(method: Method) -> str:
-    """Which answer step a method's lines come from: "shared" (`reader.Reader`) or "paper" (its own)."""
-    return getattr(method.config, "reader", "shared")
-
-
-def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store: IndexStore) -> dict:
-    """One record's eval line (an "error" line if its index or answer fails); `indexes` keeps the last document's
-    index alive between calls."""
-    doc = document_hash(record.document)
-    line = {"id": record.id, "question": record.question, "references": list(record.references), "document": doc}
-    acc = engine.flops
-    try:
-        if doc not in indexes:
-            indexes.clear()  # records come grouped by document: keep one index alive
-            indexes[doc] = store.build_or_load(method, record.document)
-        built = indexes[doc]
-        if record.options:  # the letter prior is the prompt format's, computed once: no question pays for it
-            method.reader.letter_prior(len(record.options))
-        before, before_8b, saved, tokens = acc.total, acc.projected[PROJECT_TO], acc.saved, processed_tokens(acc)
-        t = time.perf_counter()
-        with acc.scope("query"):
-            answer = method.answer(built.index, record.question, record.options)
-        wall = time.perf_counter() - t
-    except Exception as e:  # one bad record never stops the run; the report counts it
-        return {**line, "error": f"{type(e).__name__}: {e}"}
-    metrics, diagnostics = score(record, answer.text), {}
-    if answer.choice_probs is not None:
-        calibrated = LETTERS[calibrated_choice(answer.choice_probs, answer.choice_prior)]
-        metrics["accuracy_calibrated"] = float(calibrated == record.references[0].strip().upper())
-        diagnostics = {"choice_probs": answer.choice_probs, "choice_prior": answer.choice_prior,
-                       "calibrated": calibrated}
-    if record.supports:
-        read = support_read(record.supports, answer.context)
-        diagnostics.update(support=read, support_recall=sum(read) / len(read), miss=miss(record.task, metrics, read))
-    return {**line, "prediction": answer.text, "metrics": metrics, **diagnostics, "nodes": answer.nodes,
-            "query_flops": acc.total - before, "query_flops_8b": acc.projected[PROJECT_TO] - before_8b,
-            "query_flops_saved": acc.saved - saved, "query_tokens": processed_tokens(acc) - tokens,
-            "index_flops": built.flops, "index_flops_8b": built.flops_8b, "index_s": round(built.seconds, 3),
-            "index_tokens": built.tokens,
-            "wall_s": round(wall, 3), "prompt_tokens": answer.prompt_tokens, "reader": _reader_of(method),
-            "generated_tokens": answer.generated_tokens, "truncated": answer.truncated, "trace": answer.trace}

@@ -2,6 +2,7 @@
 name, its optional hooks), the Answer it returns (`reader`), and chat pieces for prompts appended node by node."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 from abc import ABC, abstractmethod
@@ -17,6 +18,30 @@ from .reader import Answer, Reader
 REGISTERED: dict[str, type[Method]] = {}
 """Every Method subclass declared with a name, by name; `nodekv.methods.get` and `names` read it after importing
 the built-in method modules and the `nodekv.methods` entry points."""
+
+
+def check_question(question: str) -> str:
+    """`question`, or a ValueError if it is not text or is blank: every method's `answer` checks it before any
+    prefill (`Method.__init_subclass__`), and the CLI before a model loads."""
+    if not isinstance(question, str):
+        raise ValueError(f"the question must be text, got {type(question).__name__}")
+    if not question.strip():
+        raise ValueError("the question is empty (nothing to ask)")
+    return question
+
+
+def _checking_question(answer):
+    """`answer` refusing an empty question before it runs (applied once to each class's own `answer`)."""
+    if getattr(answer, "checks_question", False):
+        return answer
+
+    @functools.wraps(answer)
+    def checked(self, index, question, *args, **kwargs):
+        check_question(question)
+        return answer(self, index, question, *args, **kwargs)
+
+    checked.checks_question = True
+    return checked
 
 
 class Method(ABC):
@@ -48,6 +73,8 @@ class Method(ABC):
                 raise ValueError(f"method name {name!r} is taken by {taken.__module__}.{taken.__qualname__}")
             cls.name, cls.title = name, title or name
             REGISTERED[name] = cls
+        if "answer" in cls.__dict__:  # one check for every method, theirs and plugins' alike
+            cls.answer = _checking_question(cls.__dict__["answer"])
         cls.Config = config_class(cls, cls.options, cls.title or cls.__name__)
         cls.Config()  # a declared default that its own option refuses fails here, at import
 

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..engine.engine import Engine
+from ..paths import write_atomic
 
 
 class IndexFileError(ValueError):
@@ -25,9 +26,10 @@ def _checksum(body: dict) -> str:
 
 
 def write_index_file(path: str | Path, fmt: str, version: int, engine: Engine, body: dict) -> None:
-    """Write `body` (JSON-able, without the keys format, version, model and checksum) under that header."""
+    """Write `body` (JSON-able, without the keys format, version, model and checksum) under that header, whole or
+    not at all (a kill mid-write leaves the previous file)."""
     data = {"format": fmt, "version": version, "model": model_id(engine), **body}
-    Path(path).write_text(json.dumps({**data, "checksum": _checksum(data)}))
+    write_atomic(path, json.dumps({**data, "checksum": _checksum(data)}))
 
 
 def read_index_file(path: str | Path, fmt: str, version: int, engine: Engine, what: str) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..engine.sampling import SamplingParams
+
 _MULTIHOP = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
              "words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given "
              "passages. Only give me the answer and do not output any other words.\n\nQuestion: {question}\nAnswer:")
@@ -46,6 +48,13 @@ class PromptSpec:
     max_new_tokens: int
     stop: tuple[str, ...] = ()
     repetition_penalty: float = 1.0
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The answer's decoding: greedy within the budget, the stops, the repetition penalty over the generated
+        tokens only (a penalty over the prompt pushes a summary away from the document's own words)."""
+        return SamplingParams(self.max_new_tokens, self.stop, repetition_penalty=self.repetition_penalty,
+                              penalize_prompt=False)
 
     def render(self, context: str, question: str, options: tuple[str, ...] = ()) -> str:
         letters = "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from typing import Hashable, Sequence
 
 from ..engine.engine import Engine
-from ..engine.sampling import RepetitionPenalty
 from .options import Option
 from .prompts import PromptSpec
 
@@ -116,8 +115,7 @@ class Reader:
                 probs = list(s.probe(LETTERS[:len(options)]).values())
                 text, generated = LETTERS[max(range(len(probs)), key=lambda i: (probs[i], -i))], 0
             else:
-                gen = s.generate(self.spec.max_new_tokens, stop=self.spec.stop,
-                                 logits_processors=self._penalty())
+                gen = s.generate(self.spec.sampling)
                 text, generated, probs = gen.text.strip(), len(gen.ids), None
         answer = Answer(text, list(nodes), trace or [], eng.flops.scopes["query"] - before, len(ids), generated,
                         truncated, context=context)
@@ -135,9 +133,3 @@ class Reader:
                 s.append(ids, node_id="prompt")
                 self._priors[n_options] = list(s.probe(LETTERS[:n_options]).values())
         return self._priors[n_options]
-
-    def _penalty(self) -> list:
-        """The dataset's repetition penalty over the generated tokens only (an empty prompt context)."""
-        if self.spec.repetition_penalty == 1.0:
-            return []
-        return [RepetitionPenalty(self.spec.repetition_penalty, (), self.engine.config.vocab_size)]

@@ -6,6 +6,8 @@ account. `load_engine()` with no argument loads the default registered model, qw
 from nodekv.engine.engine import Engine, load_engine
 from nodekv.engine.config import ModelConfig
 from nodekv.engine.generation import Generation
+from nodekv.engine.sampling import SamplingParams
+from nodekv.engine.session import NodeMass, Session
 
-__all__ = ["Engine", "Generation", "ModelConfig", "load_engine"]
+__all__ = ["Engine", "Generation", "ModelConfig", "NodeMass", "SamplingParams", "Session", "load_engine"]
 __version__ = "0.1.0"

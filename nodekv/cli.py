@@ -36,7 +36,14 @@ def methods_help(saving_only: bool = False) -> str:
     return "\n".join(lines)
 
 
-class _CommandParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors are one line naming the problem (argparse's usage block buries it; --help has it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+class _CommandParser(_Parser):
     """A subcommand's parser; with `methods` ("all" or "saving"), its --help ends with those registered methods,
     imported only then (so that a method plugin that fails to load cannot break other commands)."""
 
@@ -69,7 +76,7 @@ def _ray_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nodekv", description=__doc__)
+    p = _Parser(prog="nodekv", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     ix = sub.add_parser("index", methods="saving", help="save a method's index of a text file (PECAN's graph)")
@@ -92,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--method", default="pecan", help="a method that can save its index (default: pecan)")
     co.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                     help="a method option, repeatable")
-    co.add_argument("--out", default="runs/indexes", help="the index store (default runs/indexes: the one "
-                                                          "`nodekv eval --out runs` reads)")
+    co.add_argument("--out", default=None, help="the index store (default runs/indexes: the one "
+                                                "`nodekv eval --out runs` reads)")
     co.add_argument("--model", default=None, help=MODEL_HELP)
     co.add_argument("--threads", type=int, default=None, help="torch threads (with --ray: per worker, default 1)")
     _ray_arguments(co, "documents")
@@ -185,9 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+COUNTS = ("limit", "threads", "max_new_tokens", "dev", "tokens", "n_ctx")  # arguments that must be >= 1
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    """A ValueError naming the first count argument given below 1 (`--limit 0` would run nothing, `--threads 0`
+    fail inside torch): refused before any work."""
+    for name in COUNTS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_counts(args)
         return args.func(args)
     except ValueError as e:  # nodekv's input errors are ValueErrors with a message naming the problem
         print(f"error: {e}", file=sys.stderr)

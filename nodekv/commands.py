@@ -11,6 +11,7 @@ from pathlib import Path
 
 from nodekv.engine.models import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
 from nodekv.methods.prompts import prompt_for
+from nodekv.paths import check_input, check_output_file, check_output_folder, read_text
 
 
 def _saved_by(path: str | Path | None) -> str | None:
@@ -24,12 +25,19 @@ def _saved_by(path: str | Path | None) -> str | None:
 
 
 def _read_document(path: Path) -> str:
-    if not path.is_file():
-        raise ValueError(f"document {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(check_input(path, "document"))
     if not text.strip():
         raise ValueError(f"document {path} is empty (nothing to read)")
     return text
+
+
+def _check_exports(method_class: type, paths: list[str]) -> None:
+    """Each --export file in a format the method writes, in a folder that exists (before any model work)."""
+    for path in paths:
+        if Path(path).suffix not in method_class.exports:
+            raise ValueError(f"{method_class.name} cannot export its index as {path}; formats: "
+                             f"{', '.join(method_class.exports) or 'none'}")
+        check_output_file(path)
 
 
 def index(args: argparse.Namespace) -> int:
@@ -41,19 +49,16 @@ def index(args: argparse.Namespace) -> int:
         problem = "name a --method" if name is None else f"{name} cannot save an index"
         raise ValueError(f"{problem}; methods that can: {', '.join(n for n in names() if get(n).can_save)}")
     method_class, options = get(name), dict(args.option)
-    method_class.configure(**options)  # bad options and exports fail before the model loads
-    for path in args.export:
-        if Path(path).suffix not in method_class.exports:
-            raise ValueError(f"{name} cannot export its index as {path}; formats: "
-                             f"{', '.join(method_class.exports) or 'none'}")
+    method_class.configure(**options)  # bad options, exports and paths fail before the model loads
+    _check_exports(method_class, args.export)
     doc = Path(args.document)
     text = _read_document(doc)
+    out = check_output_file(args.output or f"{doc}.{name}")
     eng = load_engine(args.model, threads=args.threads)
     method = method_class(eng, progress=True, **options)
     before, t = eng.flops.total, time.perf_counter()
     with eng.flops.scope("index"):
         index = method.index(text)
-    out = Path(args.output or f"{doc}.{name}")
     method.save_index(index, out)
     summary, *notes = method.describe(index) or [""]
     print(f"indexed {doc.name}: {summary + ', ' if summary else ''}{(eng.flops.total - before) / 1e12:.3f} TFLOPs, "
@@ -83,11 +88,12 @@ def index_corpus(args: argparse.Namespace) -> int:
     from nodekv.evaluation.index_corpus import index_corpus as run
 
     options = dict(args.option)
-    check_request(args.method, Path(args.directory))  # bad requests and options fail before the model loads
+    check_request(args.method, Path(args.directory))  # bad requests, options and paths fail before the model loads
     get(args.method).configure(**options)
+    out = Path("runs/indexes") if args.out is None else check_output_folder(args.out)  # the default is made
     plan = _ray_plan(args)
     manifest, failed = run(load_engine(args.model, threads=args.threads), args.method, options,
-                           Path(args.directory), Path(args.out), plan)
+                           Path(args.directory), out, plan)
     print(f"wrote {manifest}" + (f"; {failed} document(s) failed (their lines say why), a rerun tries them again"
                                  if failed else ""))
     return 1 if failed else 0
@@ -96,10 +102,10 @@ def index_corpus(args: argparse.Namespace) -> int:
 def ask(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods import get
+    from nodekv.methods.base import check_question
 
-    doc = Path(args.document)
-    if not doc.is_file():
-        raise ValueError(f"document {doc} does not exist")
+    check_question(args.question)
+    doc = check_input(args.document, "document")
     name = args.method or _saved_by(doc) or "full"
     method_class, options = get(name), dict(args.option)
     method_class.configure(**options)
@@ -152,8 +158,8 @@ def evaluate(args: argparse.Namespace) -> int:
         from nodekv.evaluation.report import report
 
         try:
-            print(report([Path(r) for r in args.runs[1:]] or [Path(args.out)], Path(args.out), args.reference,
-                         args.paired))
+            print(report([Path(r) for r in args.runs[1:]] or [Path(args.out)], check_output_folder(args.out),
+                         args.reference, args.paired))
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -166,13 +172,17 @@ def evaluate(args: argparse.Namespace) -> int:
         return 2
     from nodekv import load_engine
     from nodekv.methods import get
-    from nodekv.evaluation.datasets import DataNotFoundError
+    from nodekv.evaluation.datasets import DataNotFoundError, check_dataset
     from nodekv.evaluation.runner import run
 
-    cfg = run_config(args)
     try:
+        cfg = run_config(args)
         plan = _ray_plan(args)
-        get(cfg.method).configure(**cfg.options)  # before the model loads
+        get(cfg.method).configure(**cfg.options)  # bad options, data and paths fail before the model loads
+        check_dataset(cfg.dataset, cfg.data_dir)
+        check_output_folder(cfg.out)
+        if cfg.match is not None:
+            check_input(cfg.match, "reference run")
         path = run(load_engine(args.model, threads=args.threads), cfg, ray=plan)
     except (DataNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -193,10 +203,17 @@ def run_config(args: argparse.Namespace):
 
 def calibrate(args: argparse.Namespace) -> int:
     from nodekv import load_engine
-    from nodekv.evaluation.datasets import DataNotFoundError
-    from nodekv.evaluation.pecan_calibration import calibrate
+    from nodekv.evaluation.datasets import DataNotFoundError, check_dataset
+    from nodekv.evaluation.pecan_calibration import calibrate, check_objective
+    from nodekv.methods.pecan.pecan import Pecan
 
     try:
+        check_objective(args.objective, args.target_nodes)  # bad requests, data and paths fail before the model loads
+        if args.dev_start < 0:
+            raise ValueError(f"--dev-start must be >= 0, got {args.dev_start}")
+        Pecan.configure(**dict(args.option))
+        check_dataset(args.dataset, args.data_dir)
+        check_output_folder(args.out)
         result = calibrate(load_engine(args.model, threads=args.threads), args.dataset, (args.dev_start, args.dev),
                            args.objective, args.target_nodes, args.out, args.data_dir, dict(args.option))
     except (DataNotFoundError, ValueError) as e:
@@ -237,18 +254,13 @@ def graph(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods import get, names
 
-    path = Path(args.index)
-    if not path.is_file():
-        raise ValueError(f"index {path} does not exist")
+    path = check_input(args.index, "index")
     name = args.method or _saved_by(path)
     if name is None or not get(name).can_save:
         raise ValueError(f"{path} is not named like a saved index (DOCUMENT.<method>); name a --method: "
                          f"{', '.join(n for n in names() if get(n).can_save)}")
     method_class = get(name)
-    for out in args.export:
-        if Path(out).suffix not in method_class.exports:
-            raise ValueError(f"{name} cannot export its index as {out}; formats: "
-                             f"{', '.join(method_class.exports) or 'none'}")
+    _check_exports(method_class, args.export)
     method = method_class(load_engine(args.model, threads=args.threads))
     index = method.load_index(path)
     for out in args.export:

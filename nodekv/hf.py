@@ -3,15 +3,15 @@
     import nodekv.hf
     nodekv.hf.register()                                      # attn_implementation="nodekv" now exists
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="nodekv")
-    mass = nodekv.hf.NodeMass([0, 120, 300, 410])             # node boundaries over the prompt's tokens
+    mass = nodekv.hf.NodeMassCollector([0, 120, 300, 410])             # node boundaries over the prompt's tokens
     out = model(input_ids, node_mass=mass)                    # logits as with sdpa
     mass.mean()                                               # [B, T, N]: head- and layer-averaged mass per node
 
 Every attention layer runs nodekv's paged-attention kernel on HF's own key/value tensors (viewed as one page, no
-copy): the fp32 C++ kernel on CPU float32, the torch reference otherwise. With a `NodeMass` passed to the forward, the
-kernel also adds each query token's attention on every node's keys, summed over heads, into [B, T, N] — O(T·N)
-memory, never the T×T attention maps `output_attentions` returns. Keys past the last boundary (tokens generated
-after the prompt) count as one more node.
+copy): the fp32 C++ kernel on CPU float32, the torch reference otherwise. With a `NodeMassCollector` passed to the
+forward, the kernel also adds each query token's attention on every node's keys, summed over heads, into [B, T, N]
+— O(T·N) memory, never the T×T attention maps `output_attentions` returns. Keys past the last boundary (tokens
+generated after the prompt) count as one more node.
 
 Limits, each refused with a message: causal decoder attention without padding (a padding or custom mask is
 refused), no dropout, the 1/√head_dim scale (Llama, Qwen2, Mistral), no sliding window or soft-capping. Needs
@@ -26,7 +26,7 @@ import torch
 NAME = "nodekv"
 
 
-class NodeMass:
+class NodeMassCollector:
     """Collects attention mass per (query token, key node) across the layers of the forwards it is passed to.
 
     `bounds` are node boundaries over key positions: 0 = b[0] < b[1] < ... < b[N]; keys at b[N] and beyond are one
@@ -55,7 +55,8 @@ class NodeMass:
         """(bounds over `keys` keys as int32, this layer's [B, T, nodes] mass to add into) for one layer's forward;
         `first`: the model's first layer, where a forward begins."""
         if first and self.layers:
-            raise ValueError("this NodeMass already holds a forward's mass: call reset() before the next forward")
+            raise ValueError("this NodeMassCollector already holds a forward's mass: call reset() before the next "
+                             "forward")
         b = [x for x in self.bounds if x < keys] + [keys]
         if self.sum is None:
             self.sum = torch.zeros(batch, queries, len(self.bounds) - 1 + (keys > self.bounds[-1]), device=device)
@@ -68,13 +69,13 @@ def nodekv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
     """HF's attention-function contract: query [B, H, T, D], key/value [B, Hkv, S, D] (the whole cache) ->
-    (output [B, T, H, D], None). A `node_mass=NodeMass(...)` forward kwarg collects mass per node."""
+    (output [B, T, H, D], None). A `node_mass=NodeMassCollector(...)` forward kwarg collects mass per node."""
     from nodekv.kernels import backend_ops
 
     batch, heads, queries, dim = query.shape
     keys = key.shape[2]
     _check(module, attention_mask, dropout, scaling, dim, kwargs)
-    collector: NodeMass | None = kwargs.get("node_mass")
+    collector: NodeMassCollector | None = kwargs.get("node_mass")
     ops = backend_ops("auto" if query.is_cpu else "torch", query.dtype)
     table = torch.zeros(1, dtype=torch.int32)
     bounds, mass = (None, None) if collector is None else \

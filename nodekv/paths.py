@@ -1,10 +1,14 @@
 """Where nodekv finds what lives beside its code rather than in it: the source checkout (examples, results) and the
 evaluation data. Defaults resolve from the checkout, or from the current folder outside one; nothing is ever
-written inside the installed package."""
+written inside the installed package. Also how nodekv reads and writes files: documents checked before any model
+work, every file written atomically (`atomic_path`, `write_atomic`)."""
 from __future__ import annotations
 
 import os
+import secrets
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 DATA_ENV = "NODEKV_DATA_DIR"
 
@@ -45,3 +49,92 @@ def data_dir() -> Path:
 def example(name: str) -> Path:
     """A file of the checkout's examples/ (the benchmarks read its story; outside a checkout, ./examples/)."""
     return base() / "examples" / name
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A fresh temporary path in `path`'s folder for the whole file to be written to, renamed onto `path` with
+    os.replace (atomic on one file system) once the block ends, after an fsync, and deleted if the block raises. A
+    crash or a kill mid-write leaves the previous file whole under its name, never a partial one. The temporary
+    name is hidden and ends in .tmp, so that no glob for `path`'s kind of file finds one a kill left behind (a
+    writer that reads the format from the suffix must be told it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name[:200]}.{os.getpid()}-{secrets.token_hex(4)}.tmp")  # within NAME_MAX
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # 0o666 less the umask, as open() makes
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write `data` (text as UTF-8) to `path` whole or not at all (`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+class NotUTF8Error(ValueError):
+    """A text file that is not UTF-8: the message names the file, the first bad byte and its offset, and how to
+    convert the file; `byte` and `offset` are those."""
+
+    def __init__(self, path: Path, byte: int, offset: int):
+        self.byte, self.offset = byte, offset
+        super().__init__(f"{path} is not UTF-8 text (byte 0x{byte:02x} at offset {offset}); convert it, e.g. "
+                         f"iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}")
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """`path`'s text (UTF-8, newlines as `Path.read_text` reads them), or a NotUTF8Error."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        try:
+            path.read_bytes().decode("utf-8")  # again as a whole: the error's offset is then the file's
+        except UnicodeDecodeError as e:
+            raise NotUTF8Error(path, e.object[e.start], e.start) from None
+        raise
+
+
+def check_input(path: str | os.PathLike, what: str) -> Path:
+    """`path` if it is an existing file, else a ValueError naming `what` it should be (e.g. "document")."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not {'an' if what[0] in 'aeiou' else 'a'} {what} file")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} does not exist")
+    return path
+
+
+def _check_folder(folder: Path, lead: str = "the output folder ") -> None:
+    if not folder.exists():
+        raise ValueError(f"{lead}{folder} does not exist")
+    if not folder.is_dir():
+        raise ValueError(f"{lead}{folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{lead}{folder} is not writable")
+
+
+def check_output_file(path: str | os.PathLike) -> Path:
+    """`path` if a file can be written there, else a ValueError naming the problem (its folder missing, not a
+    folder or not writable; `path` a directory): checked before any work, so that a typo costs no build."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"the output {path} is a directory, not a file")
+    _check_folder(path.parent)
+    return path
+
+
+def check_output_folder(path: str | os.PathLike) -> Path:
+    """`path` if it is a writable folder, or one that can be made in an existing folder (missing folders are made
+    one level deep: a path deeper into nowhere is more likely a typo), else a ValueError naming the problem."""
+    path = Path(path)
+    if path.exists():
+        _check_folder(path)
+    else:
+        _check_folder(path.parent, f"cannot make the output folder {path}: ")
+    return path

@@ -16,6 +16,7 @@ from ...engine.engine import Engine
 from .gor_graph import RecordGraph
 from .gor_train import GAT, TrainConfig
 from ..index_file import IndexFileError, read_index_file, write_index_file
+from ...paths import write_atomic
 
 FORMAT, VERSION = "nodekv-gor-index", 1
 __all__ = ["GorIndex", "IndexFileError", "load", "save", "tensors_path"]
@@ -48,7 +49,7 @@ def save(index: GorIndex, path: str | Path, engine: Engine) -> None:
     if index.gat is not None:
         tensors.update({f"gat.{k}": v for k, v in index.gat.state_dict().items()})
     data = to_bytes({k: v.contiguous() for k, v in tensors.items()})
-    tensors_path(path).write_bytes(data)  # as any file here is written (safetensors' own writer makes it owner-only)
+    write_atomic(tensors_path(path), data)  # as any file here is written (safetensors' own writer makes it owner-only)
     g = index.graph
     body = {"config": index.config, "tensors_sha256": hashlib.sha256(data).hexdigest(),
             "graph": {"chunks": g.chunks, "queries": g.queries, "sources": g.sources, "responses": g.responses,

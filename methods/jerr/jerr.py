@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...engine.engine import Engine
+from ...paths import write_atomic
 from ..base import Answer, Method
 from .. import graph_view
 from ..index_file import read_index_file, write_index_file
@@ -193,7 +194,7 @@ class Jerr(Method, name="jerr", title="JERR"):
         write = {".graphml": graph_view.to_graphml, ".html": graph_view.to_html}.get(Path(path).suffix)
         if write is None:
             return super().export(index, path)
-        Path(path).write_text(write(view(index.graph)))
+        write_atomic(path, write(view(index.graph)))
 
     def describe(self, index: JerrIndex) -> list[str]:
         g = index.graph

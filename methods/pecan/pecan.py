@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ...engine.engine import Engine
+from ...paths import write_atomic
 from ..base import Answer, Method, chat_pieces
 from ..options import Option
 from .pecan_build import BUILD_VERSION, GraphBuilder
@@ -115,16 +116,23 @@ class Pecan(Method, name="pecan", title="PECAN"):
                 if yes_count >= cfg.t_n:
                     trace.append({"stop": "yes"})
                     break
-            visited = [step["node"] for step in trace if "node" in step]
-            read = "\n".join("* " + index.graph.nodes[n].text.strip() for n in visited)
-            if cfg.reader == "paper":  # the second turn, answered in the searched session
-                text, generated = self.respond(s, question, options)
-                answer = Answer(text, visited, trace, 0, len(s) - generated, generated, context=read)
-        if cfg.reader == "shared":  # the visited nodes, in the order the search appended them, read by the model
-            reader = self.reader if eng is self.engine else Reader(eng, self.answer_prompt)  # that searched
-            answer = reader.read(read, question, options, visited, trace)
+            answer = self.conclude(s, index, trace, question, options)
         answer.flops = eng.flops.scopes["query"] - before
         return answer
+
+    def conclude(self, s, index: PecanIndex, trace: list[dict], question: str,
+                 options: tuple[str, ...] = ()) -> Answer:
+        """The answer after a search in session `s` whose steps are `trace`: the shared reader over the visited nodes
+        (in the order the search appended them, read by the model that searched), or with reader=paper the second
+        turn decoded in `s` itself (the caller truncates `s` to take it back)."""
+        visited = [step["node"] for step in trace if "node" in step]
+        read = "\n".join("* " + index.graph.nodes[n].text.strip() for n in visited)
+        if self.config.reader == "paper":
+            text, generated = self.respond(s, question, options)
+            return Answer(text, visited, trace, 0, len(s) - generated, generated, context=read)
+        eng = self.search_engine
+        reader = self.reader if eng is self.engine else Reader(eng, self.answer_prompt)
+        return reader.read(read, question, options, visited, trace)
 
     def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
                probe: bool = True) -> Iterator[dict]:
@@ -206,7 +214,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
         write = GRAPH_WRITERS.get(Path(path).suffix)
         if write is None:
             return super().export(index, path)
-        Path(path).write_text(write(index.graph))
+        write_atomic(path, write(index.graph))
 
     def describe(self, index: PecanIndex) -> list[str]:
         levels = sorted({n.level for n in index.graph.nodes.values()})

@@ -7,8 +7,10 @@ import pytest
 
 from nodekv.bench import paper_tables as pt
 from nodekv.engine.config import preset
+from nodekv.evaluation.datasets import default_data_dir
 
 LLAMA = preset("llama-3.1-8b")
+DATA = default_data_dir()
 
 
 @pytest.mark.parametrize("conv", pt.CONVENTIONS, ids=lambda c: c.name)
@@ -51,6 +53,7 @@ def test_impossible_length_model_is_refused():
 
 
 @pytest.mark.model
+@pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA} (the tables measure prompts on it)")
 def test_bench_paper_runs_and_names_the_convention(tmp_path, capsys, monkeypatch):
     from nodekv.cli import main
 

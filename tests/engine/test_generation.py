@@ -164,6 +164,42 @@ def test_repetition_penalty_is_hfs(tiny, penalty):
         s.generate(2, repetition_penalty=0.0)
 
 
+def test_sampling_params_is_one_value_for_every_generate_call(tiny):
+    """A SamplingParams gives what its keywords give, in a session and across a batch; penalize_prompt=False
+    penalises the generated tokens only (the reference: HF's logits, CTRL's penalty over the generated ids)."""
+    from nodekv import SamplingParams
+
+    hf, eng = tiny
+    params = SamplingParams(8, temperature=0.9, top_p=0.8, seed=3, repetition_penalty=1.3)
+    by_keywords, by_value = eng.session(), eng.session()
+    for s in (by_keywords, by_value):
+        s.append(PROMPT)
+    assert by_value.generate(params).ids == by_keywords.generate(8, temperature=0.9, top_p=0.8, seed=3,
+                                                                 repetition_penalty=1.3).ids
+    batch = [eng.session() for _ in range(2)]
+    for s in batch:
+        s.append(PROMPT)
+    assert [g.ids for g in eng.generate_batch(batch, params)] == [by_value.tokens[len(PROMPT):]] * 2
+
+    generated_only = eng.session()
+    generated_only.append(PROMPT)
+    gen = generated_only.generate(SamplingParams(8, repetition_penalty=1.5, penalize_prompt=False))
+    out = []
+    for _ in range(len(gen.ids)):
+        logits = hf_logits(hf, PROMPT + out)[-1].clone()
+        if out:
+            seen = torch.tensor(sorted(set(out)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 1.5, logits[seen] * 1.5)
+        out.append(int(logits.argmax()))
+    assert gen.ids == out
+    for bad, msg in [(dict(max_new_tokens=-1), "max_new_tokens"), (dict(top_p=0.0), "top_p"),
+                     (dict(stop=("",)), "stop strings"), (dict(repetition_penalty=0.0), "repetition_penalty")]:
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**bad)
+    with pytest.raises(TypeError, match="unknown sampling option"):
+        eng.session().generate(3, temprature=0.5)
+
+
 def test_finish_reasons(tiny):
     _, eng = tiny
     s = eng.session()

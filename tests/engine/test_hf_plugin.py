@@ -33,7 +33,7 @@ def _run(model, impl: str, ids, **kwargs):
 def test_logits_equal_sdpa_and_mass_equals_eager_attentions(kind):
     model = tiny_hf_model(kind)
     ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1))
-    mass = nodekv_hf.NodeMass(BOUNDS)
+    mass = nodekv_hf.NodeMassCollector(BOUNDS)
     ours = _run(model, "nodekv", ids, node_mass=mass).logits
     torch.testing.assert_close(ours, _run(model, "sdpa", ids).logits, atol=1e-5, rtol=0)
     eager = _run(model, "eager", ids, output_attentions=True).attentions  # L x [B, H, T, S]
@@ -45,7 +45,7 @@ def test_mass_equals_nodekv_session_node_mass(tmp_path):
     model = tiny_hf_model()
     model.save_pretrained(tmp_path)
     ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(2))
-    mass = nodekv_hf.NodeMass(BOUNDS)
+    mass = nodekv_hf.NodeMassCollector(BOUNDS)
     _run(model, "nodekv", ids, node_mass=mass)
     engine = tiny_engine(tmp_path)
     with engine.session() as s:
@@ -61,7 +61,7 @@ def test_a_decode_step_through_the_cache_counts_new_keys_as_one_more_node():
     model.set_attn_implementation("nodekv")
     with torch.no_grad():
         past = model(ids[:, :40], use_cache=True).past_key_values
-        mass = nodekv_hf.NodeMass(BOUNDS)
+        mass = nodekv_hf.NodeMassCollector(BOUNDS)
         step = model(ids[:, 40:], past_key_values=past, use_cache=True, node_mass=mass).logits
     full = _run(model, "eager", ids, output_attentions=True)
     torch.testing.assert_close(step[:, -1], full.logits[:, -1], atol=1e-5, rtol=0)
@@ -72,18 +72,18 @@ def test_a_decode_step_through_the_cache_counts_new_keys_as_one_more_node():
 
 def test_refusals():
     with pytest.raises(ValueError, match="increase strictly"):
-        nodekv_hf.NodeMass([0, 5, 5])
+        nodekv_hf.NodeMassCollector([0, 5, 5])
     with pytest.raises(ValueError, match="start at 0"):
-        nodekv_hf.NodeMass([1, 5])
+        nodekv_hf.NodeMassCollector([1, 5])
     model = tiny_hf_model()
     ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(4))
     padded = torch.ones(2, 12, dtype=torch.long)
     padded[1, :3] = 0
     with pytest.raises(ValueError, match="without padding"):
         _run(model, "nodekv", ids, attention_mask=padded)
-    mass = nodekv_hf.NodeMass([0, 6, 12])
+    mass = nodekv_hf.NodeMassCollector([0, 6, 12])
     _run(model, "nodekv", ids, node_mass=mass)
     with pytest.raises(ValueError, match="reset"):
         _run(model, "nodekv", ids, node_mass=mass)
     with pytest.raises(ValueError, match="no attention has been collected"):
-        nodekv_hf.NodeMass([0, 6]).mean()
+        nodekv_hf.NodeMassCollector([0, 6]).mean()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from nodekv.engine.flops import FlopAccount
 from nodekv.evaluation.datasets import load_dataset
-from nodekv.evaluation.runner import evaluate_record
+from nodekv.evaluation.eval_line import evaluate_record
 from nodekv.evaluation.index_store import BuiltIndex
 from nodekv.evaluation.metrics import miss, support_read
 from nodekv.methods.reader import Answer

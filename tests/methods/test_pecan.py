@@ -131,7 +131,7 @@ def test_search_flops_are_one_prefill_plus_probes_and_answer(built, style):
     from nodekv.methods.pecan.pecan import FIRST_TURN, RESTATED_PROBE, RESTATED_SECOND_TURN, SECOND_TURN, Pecan
 
     eng, method, index = built
-    method = Pecan(eng, **{**dataclasses.asdict(method.config), "prompt_style": style})
+    method = Pecan(eng, **{**dataclasses.asdict(method.config), "prompt_style": style, "reader": "paper"})
     question = "Who kept the lamps burning?"
     answer = method.answer(index, question)
     tok, c = eng.tokenizer, eng.config
@@ -169,8 +169,33 @@ def test_search_flops_are_one_prefill_plus_probes_and_answer(built, style):
     assert 0 < prompt_share - forward_flops(c, end) <= extras
 
 
-def test_search_stops_before_the_window_is_full(built, monkeypatch):
+def test_the_shared_reader_pays_the_search_without_its_answer_turn_plus_one_reading(built):
+    """reader=shared: the same search (the same nodes, probes and cached prompt, without the second turn), then one
+    prefill of the reader's prompt over the visited nodes and one forward per answer token."""
+    from nodekv.engine.flops import forward_flops
+    from nodekv.methods.pecan.pecan import Pecan
+
     eng, method, index = built
+    question = "Who kept the lamps burning?"
+    paper = Pecan(eng, **{**dataclasses.asdict(method.config), "reader": "paper"}).answer(index, question)
+    shared = Pecan(eng, **{**dataclasses.asdict(method.config), "reader": "shared"}).answer(index, question)
+    assert shared.nodes == paper.nodes and shared.context == paper.context
+    assert shared.context == "\n".join("* " + index.graph.nodes[n].text.strip() for n in shared.nodes)
+    c = eng.config
+    second_turn = len(method._second_turn_ids(question))
+    search = paper.flops - forward_flops(c, second_turn, paper.prompt_tokens - second_turn) - sum(
+        forward_flops(c, 1, paper.prompt_tokens + i) for i in range(paper.generated_tokens))
+    ids, _ = method.reader.prompt_ids(shared.context, question)
+    reading = forward_flops(c, len(ids)) + sum(forward_flops(c, 1, len(ids) + i)
+                                               for i in range(shared.generated_tokens))
+    assert shared.prompt_tokens == len(ids) and shared.flops == search + reading
+
+
+def test_search_stops_before_the_window_is_full(built, monkeypatch):
+    from nodekv.methods.pecan.pecan import Pecan
+
+    eng, method, index = built
+    method = Pecan(eng, **{**dataclasses.asdict(method.config), "reader": "paper"})  # the window holds its answer
     free = method.answer(index, "Who kept the lamps burning?")
     steps = [s for s in free.trace if "node" in s]
     assert len(steps) >= 2

@@ -1,0 +1,225 @@
+"""Bad input is refused before any model work, in one line naming the problem (exit status 2 from the CLI, a
+ValueError from the Python API), and every file nodekv writes is written atomically: a write killed midway leaves
+the previous file whole and byte for byte the same."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import nodekv
+from nodekv.cli import main
+from nodekv.engine.config import preset
+from nodekv.methods import get, names
+from nodekv.methods.index_file import read_index_file, write_index_file
+from nodekv.paths import NotUTF8Error, atomic_path, read_text, write_atomic
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: a refusal must come before it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded for input that should have been refused")
+
+    monkeypatch.setattr(nodekv, "load_engine", refuse)
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """A folder (the current one) with a document, a latin-1 file, an empty file and a data folder of hotpotqa."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text("The mill was built in 1821.")
+    (tmp_path / "latin.txt").write_bytes(b"x" * 1234 + "Caf\xe9".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "data" / "multihop").mkdir(parents=True)
+    (tmp_path / "data" / "multihop" / "hotpotqa.jsonl").write_text("")
+    (tmp_path / "run.jsonl").write_text("")
+    return tmp_path
+
+
+EVAL = ["eval", "--method", "bm25", "--dataset", "hotpotqa", "--data-dir", "data"]
+CASES = [  # argv, the one line on stderr
+    (["ask", "doc.txt", ""], "error: the question is empty"),
+    (["ask", "doc.txt", "  \n"], "error: the question is empty"),
+    (["ask", "{tmp}", "q"], "error: {tmp} is a directory, not a document file"),
+    (["index", "{tmp}", "--method", "pecan"], "error: {tmp} is a directory, not a document file"),
+    (["graph", "{tmp}", "-o", "x.html"], "error: {tmp} is a directory, not an index file"),
+    (["index-corpus", "doc.txt"], "error: doc.txt is a file, not a corpus directory"),
+    (["ask", "latin.txt", "q"], "error: latin.txt is not UTF-8 text (byte 0xe9 at offset 1237); convert it, e.g. "
+                                "iconv -f latin1 -t utf-8 latin.txt > latin.utf8.txt"),
+    (["index", "latin.txt", "--method", "pecan"], "error: latin.txt is not UTF-8 text (byte 0xe9 at offset 1237)"),
+    (["ask", "empty.txt", "q"], "error: document empty.txt is empty"),
+    (["ask", "missing.pecan", "q"], "error: document missing.pecan does not exist"),
+    ([*EVAL, "--limit", "-3"], "error: --limit must be >= 1, got -3"),
+    ([*EVAL, "--limit", "0"], "error: --limit must be >= 1, got 0"),
+    ([*EVAL, "--limit", "three"], "error: argument --limit: invalid int value: 'three' (see nodekv eval --help)"),
+    (["ask", "--threads", "0", "doc.txt", "q"], "error: --threads must be >= 1, got 0"),
+    (["ask", "--max-new-tokens", "0", "doc.txt", "q"], "error: --max-new-tokens must be >= 1, got 0"),
+    (["flops", "--model", "smollm2-135m", "--tokens", "0"], "error: --tokens must be >= 1, got 0"),
+    (["ask", "--prompt", "nope", "doc.txt", "q"], "error: argument --prompt: invalid choice: 'nope'"),
+    (["ask", "--method", "bm25", "--option", "k=three", "doc.txt", "q"], "error: bm25 option k must be int"),
+    (["index", "doc.txt", "-o", "/no/such/dir/x.pecan"], "error: the output folder /no/such/dir does not exist"),
+    (["index", "doc.txt", "--method", "pecan", "-o", "{tmp}"], "error: the output {tmp} is a directory, not a file"),
+    (["index", "doc.txt", "--method", "pecan", "--export", "/no/such/dir/x.html"],
+     "error: the output folder /no/such/dir does not exist"),
+    (["graph", "doc.txt.pecan", "-o", "/no/such/dir/x.html"], "error: the output folder /no/such/dir does not exist"),
+    ([*EVAL, "--out", "/no/such/dir"], "error: cannot make the output folder /no/such/dir: /no/such does not exist"),
+    ([*EVAL, "--out", "doc.txt"], "error: the output folder doc.txt is a file, not a folder"),
+    (["eval", "report", "run.jsonl", "--out", "/no/such/dir"], "error: cannot make the output folder /no/such/dir"),
+    (["index-corpus", ".", "--out", "/no/such/dir"], "error: cannot make the output folder /no/such/dir"),
+    (["calibrate", "--dataset", "hotpotqa", "--data-dir", "data", "--out", "/no/such/dir"],
+     "error: cannot make the output folder /no/such/dir"),
+    (["eval", "--method", "bm25", "--dataset", "nope"], "error: unknown dataset 'nope'"),
+    (["eval", "--method", "bm25", "--dataset", "hotpotqa", "--data-dir", "nowhere"],
+     "error: data directory nowhere does not exist"),
+    ([*EVAL, "--match", "nope.jsonl"], "error: reference run nope.jsonl does not exist"),
+    (["calibrate", "--dataset", "hotpotqa", "--data-dir", "nowhere"], "error: data directory nowhere does not exist"),
+    (["calibrate", "--dataset", "hotpotqa", "--data-dir", "data", "--dev-start", "-1"],
+     "error: --dev-start must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_the_cli_refuses_bad_input_in_one_line_before_any_model_work(argv, message, files, no_model, capsys):
+    (files / "doc.txt.pecan").write_text("{}")
+    t = time.perf_counter()
+    try:
+        status = main([a.format(tmp=files) for a in argv])
+    except SystemExit as e:  # argparse's own refusals (types, choices) exit from the parser
+        status = e.code
+    assert status == 2 and time.perf_counter() - t < 5
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(tmp=files)) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("name", names())
+def test_every_method_refuses_an_empty_question_before_any_prefill(name):
+    method = get(name)(None)  # no engine: any model work would fail on it
+    for question in ("", "  \n\t"):
+        with pytest.raises(ValueError, match="^the question is empty"):
+            method.answer(None, question)
+    with pytest.raises(ValueError, match="^the question must be text, got NoneType"):
+        method.answer(None, None)
+
+
+def test_a_plugin_method_gets_the_same_check(registry):
+    from nodekv.methods.base import Answer, Method
+
+    class Echo(Method, name="test-echo-check"):
+        def index(self, document):
+            return None
+
+        def answer(self, index, question, options=()):
+            return Answer(question, [])
+
+    assert Echo(None).answer(None, question="echo?").text == "echo?"
+    with pytest.raises(ValueError, match="the question is empty"):
+        Echo(None).answer(None, question=" ")
+
+
+def test_the_python_api_refuses_a_limit_below_one():
+    from nodekv.evaluation.datasets import load_dataset
+
+    for limit in (0, -3):
+        with pytest.raises(ValueError, match=f"limit must be >= 1, got {limit}"):
+            load_dataset("variable_tracking_2hop_2k", limit=limit)
+
+
+def test_not_utf8_names_the_file_byte_and_offset_past_the_first_read_chunk(tmp_path):
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"a\r\n" * 30_000 + b"\xff tail")  # text mode reads in chunks: the offset is still the file's
+    with pytest.raises(NotUTF8Error, match=r"big.txt is not UTF-8 text \(byte 0xff at offset 90000\)") as e:
+        read_text(path)
+    assert (e.value.byte, e.value.offset) == (0xFF, 90_000)
+    path.write_bytes("line\r\nnext".encode())
+    assert read_text(path) == path.read_text(encoding="utf-8") == "line\nnext"  # newlines as before
+
+
+def _index_engine():
+    return SimpleNamespace(config=preset("smollm2-135m"), path=Path("model.gguf"))
+
+
+def _hidden(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("failure", ["serializer", "replace"])
+def test_an_index_write_that_fails_midway_leaves_the_old_file_whole(tmp_path, monkeypatch, failure):
+    path, engine = tmp_path / "doc.txt.pecan", _index_engine()
+    write_index_file(path, "nodekv-test-index", 1, engine, {"words": [1, 2, 3]})
+    old = path.read_bytes()
+
+    if failure == "serializer":  # half the bytes written, then the process is interrupted
+        def half_then_interrupt(self, data):
+            with open(self, "wb") as f:
+                f.write(data[: len(data) // 2])
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Path, "write_bytes", half_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            write_index_file(path, "nodekv-test-index", 1, engine, {"words": list(range(10_000))})
+    else:
+        def full_disk(src, dst):
+            assert Path(src).stat().st_size > len(old)  # the new index was written whole, under another name
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "replace", full_disk)
+        with pytest.raises(OSError, match="No space"):
+            write_index_file(path, "nodekv-test-index", 1, engine, {"words": list(range(10_000))})
+    monkeypatch.undo()
+    assert path.read_bytes() == old
+    assert read_index_file(path, "nodekv-test-index", 1, engine, "test index") == {"words": [1, 2, 3]}
+    assert _hidden(tmp_path) == []  # the temporary file went with the failure
+
+
+KILLED_WRITER = """
+import sys, time
+from pathlib import Path
+from nodekv.paths import write_atomic
+
+def half_then_hang(self, data):
+    with open(self, "wb") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+    print("half written", flush=True)
+    time.sleep(60)
+
+Path.write_bytes = half_then_hang
+write_atomic(sys.argv[1], "new " * 100_000)
+"""
+
+
+def test_a_killed_writer_leaves_the_old_file_byte_identical(tmp_path):
+    path = tmp_path / "report.md"
+    write_atomic(path, "old report\n")
+    old = path.read_bytes()
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "half written\n"
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+    assert path.read_bytes() == old
+    (left,) = _hidden(tmp_path)  # what the kill left is hidden and no *.md: globs for reports skip it
+    assert left.startswith(".report.md.") and left.endswith(".tmp") and list(tmp_path.glob("*.md")) == [path]
+    write_atomic(path, "next report\n")  # and does not stand in the way of the next write
+    assert path.read_text() == "next report\n"
+
+
+def test_atomic_writes_keep_ordinary_permissions_and_replace_whole(tmp_path):
+    path = tmp_path / "meta.json"
+    write_atomic(path, json.dumps({"a": 1}))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() would make it, not mkstemp's 0600
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(b"partial")
+        assert path.read_text() == '{"a": 1}'  # the old file stays until the block ends
+    assert path.read_bytes() == b"partial" and _hidden(tmp_path) == []
