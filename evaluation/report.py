@@ -68,6 +68,7 @@ def summarize(path: Path) -> dict:
         out["fit_s"] = mean(fits)
     out.update(_search_stats([step for r in ok for step in r.get("trace", [])]))
     out.update(_diagnostics(ok))
+    out.update(_summaries(ok, meta))
     out["settings"] = {k: f"{meta['options'][k]} ({source})" for k, source in meta.get("option_sources", {}).items()}
     return out
 
@@ -93,6 +94,23 @@ def _diagnostics(ok: list[dict]) -> dict:
                    prior_letter_acc=100 * gold[prior_letter] / len(scored),
                    letters_raw=dict(sorted(Counter(r["prediction"] for r in scored).items())),
                    letters_calibrated=dict(sorted(Counter(r["calibrated"] for r in scored).items())))
+    return out
+
+
+def _summaries(ok: list[dict], meta: dict) -> dict:
+    """For summarisation runs (ROUGE metrics): mean generated tokens, how many summaries ran to the token budget
+    (the run's meta records it), and for runs whose traces name node kinds (GoR) the LLM responses among the
+    retrieved nodes."""
+    if not ok or "rougeL" not in ok[0]["metrics"] or any("generated_tokens" not in r for r in ok):
+        return {}
+    limit = meta.get("generation", {}).get("max_new_tokens")
+    kinds = [n["kind"] for r in ok for t in r.get("trace") or [] if isinstance(t, dict)
+             for n in t.get("nodes") or [] if isinstance(n, dict) and "kind" in n]
+    out = {"summary_tokens": mean(r["generated_tokens"] for r in ok)}
+    if limit is not None:
+        out["at_limit"] = sum(r["generated_tokens"] >= limit for r in ok)
+    if kinds:
+        out["responses"] = f"{kinds.count('response')}/{len(kinds)}"
     return out
 
 
@@ -167,7 +185,8 @@ def searches(summaries: list[dict]) -> str:
 
 def diagnostics(summaries: list[dict]) -> str:
     """Markdown: per run with marked support, support recall and the miss split; per multiple-choice run, raw and
-    calibrated accuracy against the letter baselines, and the letters answered."""
+    calibrated accuracy against the letter baselines, and the letters answered; per summarisation run, the
+    summaries' lengths, how many ran to the budget, and GoR's share of responses among the retrieved nodes."""
     lines = ["| dataset | method | reader | n | support recall % | right | retrieval misses | reader misses |",
              "|---|---|---|---|---|---|---|---|"]
     for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
@@ -186,6 +205,12 @@ def diagnostics(summaries: list[dict]) -> str:
                          f"{s['accuracy']:.1f} | {s['accuracy_calibrated']:.1f} | "
                          f"{s['majority_letter_acc']:.1f} ({s['majority_letter']}) | "
                          f"{s['prior_letter_acc']:.1f} ({s['prior_letter']}) | {letters[0]} | {letters[1]} |")
+    lines += ["", "| dataset | method | n | ROUGE-L | generated tokens | at the token budget | responses among nodes |",
+              "|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+        if "summary_tokens" in s:
+            lines.append(f"| {s['dataset']} | {s['method']} | {s['n']} | {s['rougeL']:.1f} | "
+                         f"{s['summary_tokens']:.0f} | {s.get('at_limit', '-')} | {s.get('responses', '-')} |")
     return "\n".join(lines)
 
 
