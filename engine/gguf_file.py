@@ -26,12 +26,14 @@ _FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: 
 
 @dataclass(frozen=True)
 class GGUFTensor:
-    """One tensor: `shape` in GGUF order (fastest-varying first) and its payload as a 2-D (or 1-D) numpy view."""
+    """One tensor: `shape` in GGUF order (fastest-varying first), its payload as a 2-D (or 1-D) numpy view of the
+    map, and where that payload starts in the file (`offset`, bytes)."""
 
     name: str
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    offset: int
 
 
 @dataclass(frozen=True)
@@ -136,5 +138,5 @@ def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
                                  count=rows * cols, offset=start).reshape(rows, cols)
         else:
             data = np.frombuffer(mm, dtype=np.uint8, count=rows * row_bytes, offset=start).reshape(rows, row_bytes)
-        tensors[name] = GGUFTensor(name, qtype, dims, data if len(dims) > 1 else data[0])
+        tensors[name] = GGUFTensor(name, qtype, dims, data if len(dims) > 1 else data[0], start)
     return GGUFFile(path, metadata, tensors)

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import BinaryIO, Union
 
 import gguf
 import numpy as np
@@ -136,17 +136,18 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], dict]:
     config = _gguf_config(file)
     permuted = file.metadata["general.architecture"] in _GGUF_PERMUTED_QK
     tensors: dict[str, Tensor] = {}
-    for t in file.tensors.values():
-        canonical = _gguf_canonical(t.name)
-        if canonical is None:
-            continue
-        value = _gguf_tensor(t)
+    with open(path, "rb") as raw:
+        for t in file.tensors.values():
+            canonical = _gguf_canonical(t.name)
+            if canonical is None:
+                continue
+            tensors[canonical] = _gguf_tensor(t, raw)
+    for canonical, value in tensors.items():
         kind = canonical.rsplit(".", 1)[-1]
         if permuted and kind in ("wq", "bq"):
-            value = _unpermute_rows(value, config.n_heads, t.name)
+            tensors[canonical] = _unpermute_rows(value, config.n_heads, canonical)
         elif permuted and kind in ("wk", "bk"):
-            value = _unpermute_rows(value, config.n_kv_heads, t.name)
-        tensors[canonical] = value
+            tensors[canonical] = _unpermute_rows(value, config.n_kv_heads, canonical)
     return config, tensors, file.metadata
 
 
@@ -199,10 +200,17 @@ def _gguf_canonical(name: str) -> str | None:
     return None
 
 
-def _gguf_tensor(t: GGUFTensor) -> Tensor:
+def _gguf_tensor(t: GGUFTensor, raw: BinaryIO) -> Tensor:
+    """A GGUF tensor as the model holds it: quantised blocks read from the open file `raw` into memory of their own
+    (a read, not a copy out of the map: the map's pages would count as resident beside the copy, doubling the peak
+    while a model loads), anything else decoded to float32."""
     qname = t.qtype.name.lower()
     if qname in QTYPES and t.data.ndim == 2:
-        return QuantWeight(torch.from_numpy(np.array(t.data)), qname, t.shape[0])  # a copy: the map is read-only
+        blocks = torch.empty(t.data.shape, dtype=torch.uint8)
+        raw.seek(t.offset)
+        if raw.readinto(blocks.numpy()) != blocks.numel():
+            raise ModelLoadError(f"GGUF tensor {t.name}: the file ends inside its data")
+        return QuantWeight(blocks, qname, t.shape[0])
     try:
         values = gguf.quants.dequantize(t.data, t.qtype)
     except (ValueError, NotImplementedError) as e:

@@ -50,25 +50,46 @@ class KVCache(Protocol):
     def truncate(self, length: int) -> None: ...  # forget positions from `length` on
 
 
+class DequantScratch:
+    """One fp32 buffer that many-token steps decode a quantised weight into, one linear at a time, so that a GGUF
+    model keeps no dense copy: resident memory is the file's blocks plus the largest layer. Each weight serves one
+    GEMM per forward, so decoding it costs O(weights) beside the GEMM's O(tokens × weights); the GEMM sees the same
+    values as from a dense copy (the dequantisation is bit-exact), so the numbers are the dense path's."""
+
+    def __init__(self):
+        self.buffer = torch.empty(0, dtype=torch.float32)
+
+    def weight(self, quant: QuantLinearWeight) -> torch.Tensor:
+        """float32 [out, in]: `quant` decoded into the buffer (valid until the next call)."""
+        n = quant.out_features * quant.in_features
+        if self.buffer.numel() < n:
+            self.buffer = torch.empty(n, dtype=torch.float32)
+        return quant.dequantize(self.buffer[:n].view(quant.out_features, quant.in_features))
+
+
 @dataclass
 class Linear:
-    """A linear layer: `dense` [out, in] (in the dtype its matmul runs in) for many-token steps and, for GGUF
-    models, the quantised blocks (one type, or row segments of several) for few-token steps. Without `dense` every
-    step runs on the blocks."""
+    """A linear layer: for GGUF models the quantised blocks (one type, or row segments of several), run directly for
+    few-token steps and, for many-token steps, either decoded into a shared `scratch` per call or taken from a `dense`
+    copy [out, in] (in the dtype its matmul runs in; the older, memory-hungry path); without either every step runs
+    on the blocks. Non-quantised weights have only `dense`."""
 
     dense: torch.Tensor | None
     quant: QuantLinearWeight | None = None
     bias: torch.Tensor | None = None
+    scratch: DequantScratch | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and (x.shape[0] <= QUANT_MAX_TOKENS or self.dense is None):
+        quant = self.quant
+        if quant is not None and (x.shape[0] <= QUANT_MAX_TOKENS or (self.dense is None and self.scratch is None)):
             if x.dtype is torch.float32:  # the decode hot path: no conversions, not even no-op ones (~2 µs each)
-                return quant_linear(x, self.quant, self.bias)
+                return quant_linear(x, quant, self.bias)
             bias = None if self.bias is None else self.bias.float()
-            return quant_linear(x.float(), self.quant, bias).to(x.dtype)
-        if x.dtype != self.dense.dtype:
-            return F.linear(x.to(self.dense.dtype), self.dense, self.bias).to(x.dtype)
-        return F.linear(x, self.dense, self.bias)
+            return quant_linear(x.float(), quant, bias).to(x.dtype)
+        weight = self.dense if self.dense is not None else self.scratch.weight(quant)
+        if x.dtype != weight.dtype:
+            return F.linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
+        return F.linear(x, weight, self.bias)
 
 
 @dataclass
@@ -87,8 +108,10 @@ class Llama:
     """A Llama-family decoder with fused weights; `forward` runs new tokens through a KV cache."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, Union[torch.Tensor, QuantWeight]],
-                 dtype: torch.dtype = torch.float32, backend: str = "auto"):
-        """backend: the kernels' backend (see `nodekv.kernels.backend_ops`)."""
+                 dtype: torch.dtype = torch.float32, backend: str = "auto", dense_copy: bool = False):
+        """backend: the kernels' backend (see `nodekv.kernels.backend_ops`). dense_copy: keep a dense fp32 copy of
+        every quantised projection for many-token steps (the older path: ~4-7x the file's size in memory) instead
+        of decoding each into a shared scratch buffer per step (`DequantScratch`); bf16 models always keep one."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         self.config = config
@@ -97,7 +120,9 @@ class Llama:
         # by per-op overhead, and a 512-token prefill runs ~10% faster; other dtypes take the torch reference
         self.ops = backend_ops(backend, dtype)
         matmul_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
-        weights = _WeightReader(tensors, dtype, matmul_dtype)
+        # the scratch decodes fp32 values only: bf16 models round their dense weights to bf16 once, at load
+        scratch = None if dense_copy or dtype != torch.float32 else DequantScratch()
+        weights = _WeightReader(tensors, dtype, matmul_dtype, scratch)
 
         head = "embed" if config.tie_embeddings else "lm_head"
         # Logits leave the bf16 lm_head unrounded (bf16 inputs, fp32 accumulation and output): rounded to bf16's 8
@@ -301,8 +326,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class _WeightReader:
     """Checks each canonical tensor's presence and shape, fuses, and converts to the model's dtypes."""
 
-    def __init__(self, tensors, dtype, matmul_dtype):
-        self.tensors, self.dtype, self.matmul_dtype = tensors, dtype, matmul_dtype
+    def __init__(self, tensors, dtype, matmul_dtype, scratch: DequantScratch | None):
+        self.tensors, self.dtype, self.matmul_dtype, self.scratch = tensors, dtype, matmul_dtype, scratch
 
     def get(self, name: str, shape: tuple[int, ...]):
         t = self.tensors.get(name)
@@ -322,7 +347,8 @@ class _WeightReader:
     def linear(self, names: list[str], in_features: int, bias: list[str] | None = None, *,
                out_sizes: list[int], matmul_dtype: torch.dtype | None = None, dense: bool = True) -> Linear:
         """The parts `names` stacked along out_features. Quantised parts stay quantised (a `QuantStack` where their
-        types differ), with a dense copy for many-token steps unless dense=False."""
+        types differ); many-token steps decode them into the reader's scratch, or, without one, into a dense copy
+        made here, unless dense=False (every step on the blocks)."""
         parts = [self.get(n, (o, in_features)) for n, o in zip(names, out_sizes)]
         quant = None
         if all(isinstance(p, QuantWeight) for p in parts):
@@ -331,11 +357,11 @@ class _WeightReader:
         weight = None
         if quant is None:
             weight = torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
-        elif dense:
+        elif dense and self.scratch is None:
             weight = quant.dequantize()
         if weight is not None:  # bf16 numerics: round weights to bf16 even when the matmul itself runs in fp32
             weight = weight.to(self.dtype).to(matmul_dtype).contiguous()
         b = None
         if bias is not None:
             b = torch.cat([self.get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(matmul_dtype)
-        return Linear(weight, quant, b)
+        return Linear(weight, quant, b, self.scratch if quant is not None and dense else None)

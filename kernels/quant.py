@@ -92,9 +92,10 @@ class QuantWeight(_QuantRows):
         object.__setattr__(self, "_segs", _segment_table([(data.data_ptr(), self._qid, self._n)]))
         object.__setattr__(self, "_nseg", 1)
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [out_features, in_features], bit-identical to gguf.quants.dequantize of the same bytes."""
-        out = torch.empty(self._n, self.in_features, dtype=torch.float32)
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [out_features, in_features], bit-identical to gguf.quants.dequantize of the same bytes; into
+        `out` (a contiguous float32 CPU tensor of that shape) when given."""
+        out = _dequantize_target(out, self._n, self.in_features)
         _C.quant_dequantize(self.data.data_ptr(), self._n, self.in_features, self._qid, out.data_ptr(),
                             torch.get_num_threads())
         return out
@@ -151,9 +152,24 @@ class QuantStack(_QuantRows):
         object.__setattr__(self, "_segs", _segment_table([(p.data.data_ptr(), p._qid, p._n) for p in merged]))
         object.__setattr__(self, "_nseg", len(merged))
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [out_features, in_features]: the parts' dequantisations stacked."""
-        return torch.cat([p.dequantize() for p in self.parts])
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [out_features, in_features]: the parts' dequantisations stacked (into `out` when given)."""
+        out = _dequantize_target(out, self._n, self.in_features)
+        row = 0
+        for p in self.parts:
+            p.dequantize(out[row:row + p.out_features])
+            row += p.out_features
+        return out
+
+
+def _dequantize_target(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+    """`out`, checked to be what the dequantise kernel may write (float32, contiguous, CPU, [n, k]), or a new one."""
+    if out is None:
+        return torch.empty(n, k, dtype=torch.float32)
+    if out.dtype != torch.float32 or not out.is_cpu or not out.is_contiguous() or tuple(out.shape) != (n, k):
+        raise ValueError(f"dequantize: out must be a contiguous float32 CPU tensor [{n}, {k}], got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
+    return out
 
 
 QuantLinearWeight = Union[QuantWeight, QuantStack]

@@ -97,6 +97,12 @@ MIXED = {"wq": "q5_0", "wk": "q5_0", "wv": "q8_0", "wo": "q4_1", "w1": "q4_0", "
 def _mixed_model(tmp_path, kind: str, tied: bool):
     """A tiny model with MIXED's type per tensor (gguf's quantisation of the weights) and the HF model holding the
     same numbers."""
+    hf, ckpt = _mixed_checkpoint(tmp_path, kind, tied)
+    return hf, Llama(ckpt.config, ckpt.tensors)
+
+
+def _mixed_checkpoint(tmp_path, kind: str, tied: bool):
+    """`_mixed_model`'s HF model and checkpoint."""
     import gguf
 
     hf = tiny_hf_model(kind, tied=tied)
@@ -113,7 +119,7 @@ def _mixed_model(tmp_path, kind: str, tied: bool):
             w = ckpt.tensors.get(_hf_canonical(key))
             if isinstance(w, QuantWeight):
                 p.copy_(w.dequantize())
-    return hf, Llama(ckpt.config, ckpt.tensors)
+    return hf, ckpt
 
 
 @pytest.mark.parametrize("kind,tied", [("qwen2", False), ("llama", True)])
@@ -158,6 +164,31 @@ def test_real_qwen_decodes_fused_as_the_dense_path(qwen_gguf):
     assert isinstance(model._decoder, cpu_ops.Decoder) and model._decoder.has_lm_head
     dense = model.forward(ids, new_cache(model), logits="all")[16:]  # 24 tokens: the layers' dense fp32 GEMMs
     _close(fused, dense, 1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1", "q4_0", "mixed"])
+def test_prompts_on_the_blocks_equal_the_dense_copy_bit_for_bit(qtype, tmp_path):
+    """Many-token steps decode each quantised projection into the shared scratch (no dense copy kept): the logits
+    and K/V of a prompt longer than QUANT_MAX_TOKENS equal the dense-copy path's exactly, one scratch serves every
+    layer, and the model holds no dense projection."""
+    from nodekv.engine.model import DequantScratch
+
+    ckpt = _mixed_checkpoint(tmp_path, "qwen2", False)[1] if qtype == "mixed" else \
+        load_checkpoint(_gguf(tmp_path, qtype)[1])
+    tensors = ckpt.tensors
+    ids = torch.randint(0, 100, (QUANT_MAX_TOKENS + 9,), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for dense in (True, False):
+        model = Llama(ckpt.config, tensors, dense_copy=dense)
+        cache = new_cache(model)
+        out[dense] = (model.forward(ids, cache, logits="all"), *_kv(cache))
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
+    layers = model.layers
+    assert all(lin.dense is None for layer in layers for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2))
+    scratches = {id(lin.scratch) for layer in layers for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2)}
+    assert len(scratches) == 1 and isinstance(layers[0].w13.scratch, DequantScratch)
+    if qtype == "mixed":
+        assert isinstance(layers[0].wqkv.quant, QuantStack)
 
 
 def test_dense_lm_head_runs_in_python(tmp_path):

@@ -215,6 +215,25 @@ def test_stack_of_mixed_types(isa, types, t):
     assert_close_to_exact(quant_linear(x, w, bias), x, ref, bias=bias)
 
 
+@pytest.mark.parametrize("types", STACKS)
+def test_dequantize_into_a_buffer_view(isa, types):
+    """dequantize(out) writes the reference values into a view of a larger, dirty buffer (the model's scratch) and
+    refuses a target the kernel must not write."""
+    k = 512
+    parts = [make_weight(q, n, k, seed=i) for i, (q, n) in enumerate(zip(types, [64, 16, 37, 5, 8]))]
+    w = QuantStack([p for p, _ in parts])
+    ref = torch.cat([r for _, r in parts])
+    buffer = torch.full((ref.numel() + 100,), float("nan"))
+    view = buffer[:ref.numel()].view(ref.shape)
+    assert w.dequantize(view) is view and torch.equal(view, ref) and buffer[ref.numel():].isnan().all()
+    single, single_ref = parts[0]
+    assert torch.equal(single.dequantize(torch.empty(single_ref.shape)), single_ref)
+    for bad in (torch.empty(ref.shape[0], k + 1), torch.empty(ref.shape, dtype=torch.float64),
+                torch.empty(k, ref.shape[0]).t()):
+        with pytest.raises(ValueError, match="dequantize: out must be"):
+            w.dequantize(bad)
+
+
 def test_stack_validation():
     a, _ = make_weight("q8_0", 4, 256)
     with pytest.raises(ValueError, match="no parts"):
