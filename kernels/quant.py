@@ -9,13 +9,13 @@ formats with native kernels (block sizes and type ids from gguf's tables):
 
 so in_features must be a multiple of the type's block (32 or 256). A fused projection whose parts differ in type
 (Qwen2.5's q|k|v = q5_0|q5_0|q8_0) is a `QuantStack`: row segments of one type each, run by the same kernels in one
-call. Activations are never quantised: `quant_linear(x, w)` equals `x @ w.dequantize().T` up to fp32 rounding,
+call, with no copy of the parts. Activations are never quantised: `quant_linear(x, w)` equals `x @ w.dequantize().T` up to fp32 rounding,
 while reading only the quantised bytes (about 1/6 of fp32 for q4_1); dense fp32 decode is bound by those bytes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -105,27 +105,13 @@ class QuantWeight(_QuantRows):
         lookup that never decodes the whole table); an id out of range raises IndexError."""
         return QuantWeight(self.data[ids], self.qtype, self.in_features).dequantize()
 
-    @staticmethod
-    def cat(parts: Sequence[QuantWeight]) -> QuantWeight:
-        """Stack along out_features (fuses q/k/v or gate/up into one matmul); same qtype and in_features needed
-        (`QuantStack` stacks parts of different types)."""
-        if not parts:
-            raise ValueError("QuantWeight.cat: no parts given")
-        first = parts[0]
-        for i, p in enumerate(parts[1:], 1):
-            if p.qtype != first.qtype:
-                raise ValueError(f"QuantWeight.cat: part {i} is {p.qtype}, part 0 is {first.qtype}")
-            if p.in_features != first.in_features:
-                raise ValueError(f"QuantWeight.cat: part {i} has in_features {p.in_features}, "
-                                 f"part 0 has {first.in_features}")
-        return QuantWeight(torch.cat([p.data for p in parts]), first.qtype, first.in_features)
-
 
 @dataclass(frozen=True, eq=False)
 class QuantStack(_QuantRows):
-    """QuantWeights of possibly different types stacked along out_features, kept as row segments of one type each
-    (adjacent parts of one type are merged): a fused projection such as q|k|v = q5_0|q5_0|q8_0, run by
-    `quant_linear` in one call in which each segment writes its slice of the output. Frozen, as QuantWeight."""
+    """QuantWeights of possibly different types stacked along out_features, each a row segment of the kernels' one
+    call (a fused projection such as q|k|v = q5_0|q5_0|q8_0), in which each segment writes its slice of the output.
+    The parts are not copied: a fused projection takes no memory beyond the file's blocks (segments of one type
+    share the activations the kernel prepares, so unmerged runs cost it nothing). Frozen, as QuantWeight."""
 
     parts: tuple[QuantWeight, ...]
 
@@ -139,18 +125,11 @@ class QuantStack(_QuantRows):
             if p.in_features != parts[0].in_features:
                 raise ValueError(f"QuantStack: part {i} has in_features {p.in_features}, "
                                  f"part 0 has {parts[0].in_features}")
-        runs: list[list[QuantWeight]] = []
-        for p in parts:
-            if runs and runs[-1][0].qtype == p.qtype:
-                runs[-1].append(p)
-            else:
-                runs.append([p])
-        merged = tuple(r[0] if len(r) == 1 else QuantWeight.cat(r) for r in runs)
-        object.__setattr__(self, "parts", merged)
+        object.__setattr__(self, "parts", parts)
         object.__setattr__(self, "in_features", parts[0].in_features)
-        object.__setattr__(self, "_n", sum(p.out_features for p in merged))
-        object.__setattr__(self, "_segs", _segment_table([(p.data.data_ptr(), p._qid, p._n) for p in merged]))
-        object.__setattr__(self, "_nseg", len(merged))
+        object.__setattr__(self, "_n", sum(p.out_features for p in parts))
+        object.__setattr__(self, "_segs", _segment_table([(p.data.data_ptr(), p._qid, p._n) for p in parts]))
+        object.__setattr__(self, "_nseg", len(parts))
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [out_features, in_features]: the parts' dequantisations stacked (into `out` when given)."""

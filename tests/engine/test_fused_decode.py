@@ -126,7 +126,7 @@ def _mixed_checkpoint(tmp_path, kind: str, tied: bool):
 def test_mixed_type_projections_run_fused(kind, tied, tmp_path):
     hf, model = _mixed_model(tmp_path, kind, tied)
     layer = model.layers[0]
-    assert [p.qtype for p in layer.wqkv.quant.parts] == ["q5_0", "q8_0"]  # q|k merged into one segment
+    assert [p.qtype for p in layer.wqkv.quant.parts] == ["q5_0", "q5_0", "q8_0"]
     assert [p.qtype for p in layer.w13.quant.parts] == ["q4_0", "q5_0"]
     assert isinstance(model.embed, QuantWeight) and model.lm_head.dense is None
     ids = torch.randint(0, 101, (30,), generator=torch.Generator().manual_seed(6))
