@@ -28,8 +28,8 @@ def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store
             indexes.clear()  # records come grouped by document: keep one index alive
             indexes[doc] = store.build_or_load(method, record.document)
         built = indexes[doc]
-        if record.options:  # the letter prior is the prompt format's, computed once: no question pays for it
-            method.reader.letter_prior(len(record.options))
+        if record.options:  # the content-free letter prior is calibration, not the query's cost
+            method.reader.letter_prior(record.question, record.options)
         before, before_8b, saved, tokens = acc.total, acc.projected[PROJECT_TO], acc.saved, processed_tokens(acc)
         t = time.perf_counter()
         with acc.scope("query"):

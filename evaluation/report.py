@@ -76,8 +76,8 @@ def summarize(path: Path) -> dict:
 def _diagnostics(ok: list[dict]) -> dict:
     """Reader-independent counts: on records with marked support, the mean share of supporting passages the reader
     read and the wrong answers split into retrieval and reader misses; on multiple choice, the accuracy of always
-    answering the letter the gold answers hold most often and of always answering the content-free prior's letter,
-    and how often each letter was answered."""
+    answering the letter the gold answers hold most often and of the content-free prompts' own answers (each
+    prior's most probable letter), and how often each letter was answered."""
     out = {}
     marked = [r for r in ok if "support" in r]
     if marked:
@@ -87,11 +87,12 @@ def _diagnostics(ok: list[dict]) -> dict:
     scored = [r for r in ok if "choice_probs" in r]
     if scored:
         gold = Counter(r["references"][0].strip().upper() for r in scored)
-        prior_letter = Counter(chr(65 + max(range(len(r["choice_prior"])), key=r["choice_prior"].__getitem__))
-                               for r in scored).most_common(1)[0][0]
+        content_free = [chr(65 + max(range(len(r["choice_prior"])), key=r["choice_prior"].__getitem__))
+                        for r in scored]
+        right = sum(c == r["references"][0].strip().upper() for c, r in zip(content_free, scored))
         out.update(mc_n=len(scored), majority_letter=gold.most_common(1)[0][0],
-                   majority_letter_acc=100 * gold.most_common(1)[0][1] / len(scored), prior_letter=prior_letter,
-                   prior_letter_acc=100 * gold[prior_letter] / len(scored),
+                   majority_letter_acc=100 * gold.most_common(1)[0][1] / len(scored),
+                   content_free_acc=100 * right / len(scored),
                    letters_raw=dict(sorted(Counter(r["prediction"] for r in scored).items())),
                    letters_calibrated=dict(sorted(Counter(r["calibrated"] for r in scored).items())))
     return out
@@ -195,7 +196,7 @@ def diagnostics(summaries: list[dict]) -> str:
             lines.append(f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['support_n']} | "
                          f"{s['support_recall']:.1f} | {right} | {s['retrieval_misses']} | {s['reader_misses']} |")
     lines += ["", "| dataset | method | reader | n | accuracy | calibrated | always the majority letter | "
-              "always the prior's letter | letters answered (raw) | letters answered (calibrated) |",
+              "content-free answer | letters answered (raw) | letters answered (calibrated) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
         if "mc_n" in s:
@@ -204,7 +205,7 @@ def diagnostics(summaries: list[dict]) -> str:
             lines.append(f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['mc_n']} | "
                          f"{s['accuracy']:.1f} | {s['accuracy_calibrated']:.1f} | "
                          f"{s['majority_letter_acc']:.1f} ({s['majority_letter']}) | "
-                         f"{s['prior_letter_acc']:.1f} ({s['prior_letter']}) | {letters[0]} | {letters[1]} |")
+                         f"{s['content_free_acc']:.1f} | {letters[0]} | {letters[1]} |")
     lines += ["", "| dataset | method | n | ROUGE-L | generated tokens | at the token budget | responses among nodes |",
               "|---|---|---|---|---|---|---|"]
     for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):

@@ -9,9 +9,10 @@ LongBench does, and answers:
   summary away from the document's own words);
 - multiple choice: the option letter with the highest probability at the start of the answer (scored over the
   letters, not parsed from free text), together with contextual calibration (Zhao et al. 2021, "Calibrate
-  Before Use"): the same prompt with a content-free context, question and options ("N/A") gives the letter prior
-  of this prompt format, and the calibrated answer is the argmax of p(letter) / prior(letter). The prior is
-  computed once per reader and charged to the "calibration" FLOP scope, not to any question.
+  Before Use"): the same prompt with a content-free context ("N/A" where the document goes; the question and its
+  options kept) gives the letter prior of that prompt, and the calibrated answer is the argmax of
+  p(letter) / prior(letter). The prior is computed once per question and charged to the "calibration" FLOP scope,
+  not to the question's query.
 Closed book (context None) reads the question alone, with the dataset's budget and stops.
 """
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Reader:
 
     def __init__(self, engine: Engine, spec: PromptSpec, window: int | None = None):
         self.engine, self.spec, self.window = engine, spec, window
-        self._priors: dict[int, list[float]] = {}
+        self._priors: dict[tuple, list[float]] = {}
 
     def prompt_spec(self, context: str | None) -> PromptSpec:
         """The dataset's prompt, or the question-only one for a closed-book read (context None)."""
@@ -105,7 +106,7 @@ class Reader:
         next)."""
         ids, truncated = self.prompt_ids(context, question, options)
         shared = min(self.shared_length(context, question, options), len(ids) - 1) if shared_prefix else 0
-        prior = self.letter_prior(len(options)) if options else None
+        prior = self.letter_prior(question, options) if options else None
         eng = self.engine
         before = eng.flops.scopes["query"]
         with eng.flops.scope("query"), (eng.prefixes.fork(ids[:shared], node_id="shared") if shared > 0
@@ -123,13 +124,13 @@ class Reader:
             answer.choice_probs, answer.choice_prior = probs, prior
         return answer
 
-    def letter_prior(self, n_options: int) -> list[float]:
-        """The letter probabilities this prompt gives with a content-free context, question and options (computed
-        once per option count, charged to the "calibration" FLOP scope)."""
-        if n_options not in self._priors:
-            blank = (CONTENT_FREE,) * n_options
-            ids, _ = self.prompt_ids(CONTENT_FREE, CONTENT_FREE, blank)
+    def letter_prior(self, question: str, options: Sequence[str]) -> list[float]:
+        """The letter probabilities this question's prompt gives with a content-free context ("N/A" where the
+        document goes; computed once per question and options, charged to the "calibration" FLOP scope)."""
+        key = (question, tuple(options))
+        if key not in self._priors:
+            ids, _ = self.prompt_ids(CONTENT_FREE, question, options)
             with self.engine.flops.scope("calibration"), self.engine.session() as s:
                 s.append(ids, node_id="prompt")
-                self._priors[n_options] = list(s.probe(LETTERS[:n_options]).values())
-        return self._priors[n_options]
+                self._priors[key] = list(s.probe(LETTERS[:len(options)]).values())
+        return self._priors[key]

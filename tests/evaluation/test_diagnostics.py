@@ -57,7 +57,7 @@ class ReadsGiven:
 
     def __init__(self, text, context, probs=None, prior=None):
         self.answer_args = (text, context, probs, prior)
-        self.reader = SimpleNamespace(letter_prior=lambda n: None)
+        self.reader = SimpleNamespace(letter_prior=lambda question, options: None)
 
     def answer(self, index, question, options=()):
         text, context, probs, prior = self.answer_args
@@ -107,6 +107,6 @@ def test_multiple_choice_lines_are_scored_raw_and_calibrated(tmp_path):
     path.write_text(json.dumps(line) + "\n" + json.dumps(other) + "\n")
     s = summarize(path)
     assert (s["accuracy"], s["accuracy_calibrated"]) == (50.0, 100.0)
-    # gold letters B, C: a constant answer gets one of two; the prior's letter is A: none
-    assert (s["majority_letter_acc"], s["prior_letter"], s["prior_letter_acc"]) == (50.0, "A", 0.0)
+    # gold letters B, C: a constant answer gets one of two; the content-free prompts answer A both times: none
+    assert (s["majority_letter_acc"], s["content_free_acc"]) == (50.0, 0.0)
     assert s["letters_raw"] == {"A": 1, "C": 1} and s["letters_calibrated"] == {"B": 1, "C": 1}

@@ -169,12 +169,14 @@ def test_multiple_choice_is_the_most_probable_letter_calibrated_by_the_content_f
     answer = reader.read("a story", "which?", ("w", "x", "y", "z"))
     assert answer.text == "A" and answer.generated_tokens == 0  # scored, not generated
     assert answer.choice_probs == probs["document"] and answer.choice_prior == probs["content-free"]
-    prior_prompt = CharTokenizer().decode(sessions[0].ids)
-    assert prior_prompt == f"{CONTENT_FREE}|{CONTENT_FREE}|" + "\n".join(f"({c}) {CONTENT_FREE}" for c in "ABCD")
+    prior_prompt = CharTokenizer().decode(sessions[0].ids)  # this question's prompt, "N/A" for the story
+    assert prior_prompt == f"{CONTENT_FREE}|which?|" + "\n".join(f"({c}) {o}" for c, o in zip("ABCD", "wxyz"))
     # p / prior = .67, 1.75, 1.5, 1.0: B, not the raw A
     assert calibrated_choice(answer.choice_probs, answer.choice_prior) == 1
     reader.read("another story", "which?", ("w", "x", "y", "z"))
-    assert len(sessions) == 3  # the prior is computed once
+    assert len(sessions) == 3  # the same question's prior is computed once
+    reader.read("a story", "why?", ("w", "x", "y", "z"))
+    assert len(sessions) == 5  # another question has its own
 
 
 def test_calibration_divides_by_the_prior():
