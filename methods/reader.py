@@ -126,7 +126,8 @@ class Reader:
 
     def letter_prior(self, question: str, options: Sequence[str]) -> list[float]:
         """The letter probabilities this question's prompt gives with a content-free context ("N/A" where the
-        document goes; computed once per question and options, charged to the "calibration" FLOP scope)."""
+        document goes; computed once per question and options, charged to the "calibration" FLOP scope). A
+        closed-book read divides by the same prior, so that every row is calibrated by the same numbers."""
         key = (question, tuple(options))
         if key not in self._priors:
             ids, _ = self.prompt_ids(CONTENT_FREE, question, options)
