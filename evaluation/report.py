@@ -187,32 +187,31 @@ def searches(summaries: list[dict]) -> str:
 def diagnostics(summaries: list[dict]) -> str:
     """Markdown: per run with marked support, support recall and the miss split; per multiple-choice run, raw and
     calibrated accuracy against the letter baselines, and the letters answered; per summarisation run, the
-    summaries' lengths, how many ran to the budget, and GoR's share of responses among the retrieved nodes."""
-    lines = ["| dataset | method | reader | n | support recall % | right | retrieval misses | reader misses |",
-             "|---|---|---|---|---|---|---|---|"]
-    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
-        if "support_n" in s:
-            right = s["support_n"] - s["retrieval_misses"] - s["reader_misses"]
-            lines.append(f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['support_n']} | "
-                         f"{s['support_recall']:.1f} | {right} | {s['retrieval_misses']} | {s['reader_misses']} |")
-    lines += ["", "| dataset | method | reader | n | accuracy | calibrated | always the majority letter | "
-              "content-free answer | letters answered (raw) | letters answered (calibrated) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
+    summaries' lengths, how many ran to the budget, and GoR's share of responses among the retrieved nodes. A
+    table without rows is left out."""
+    runs = sorted(summaries, key=lambda s: (s["dataset"], s["method"]))
+    support = [f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['support_n']} | "
+               f"{s['support_recall']:.1f} | {s['support_n'] - s['retrieval_misses'] - s['reader_misses']} | "
+               f"{s['retrieval_misses']} | {s['reader_misses']} |" for s in runs if "support_n" in s]
+    choice = []
+    for s in runs:
         if "mc_n" in s:
-            letters = [" ".join(f"{k}:{v}" for k, v in s[key].items()) for key in ("letters_raw",
-                                                                                    "letters_calibrated")]
-            lines.append(f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['mc_n']} | "
-                         f"{s['accuracy']:.1f} | {s['accuracy_calibrated']:.1f} | "
-                         f"{s['majority_letter_acc']:.1f} ({s['majority_letter']}) | "
-                         f"{s['content_free_acc']:.1f} | {letters[0]} | {letters[1]} |")
-    lines += ["", "| dataset | method | n | ROUGE-L | generated tokens | at the token budget | responses among nodes |",
-              "|---|---|---|---|---|---|---|"]
-    for s in sorted(summaries, key=lambda s: (s["dataset"], s["method"])):
-        if "summary_tokens" in s:
-            lines.append(f"| {s['dataset']} | {s['method']} | {s['n']} | {s['rougeL']:.1f} | "
-                         f"{s['summary_tokens']:.0f} | {s.get('at_limit', '-')} | {s.get('responses', '-')} |")
-    return "\n".join(lines)
+            raw, calibrated = (" ".join(f"{k}:{v}" for k, v in s[key].items())
+                               for key in ("letters_raw", "letters_calibrated"))
+            choice.append(f"| {s['dataset']} | {s['method']} | {s.get('reader', '-')} | {s['mc_n']} | "
+                          f"{s['accuracy']:.1f} | {s['accuracy_calibrated']:.1f} | "
+                          f"{s['majority_letter_acc']:.1f} ({s['majority_letter']}) | {s['content_free_acc']:.1f} | "
+                          f"{raw} | {calibrated} |")
+    summary = [f"| {s['dataset']} | {s['method']} | {s['n']} | {s['rougeL']:.1f} | {s['summary_tokens']:.0f} | "
+               f"{s.get('at_limit', '-')} | {s.get('responses', '-')} |" for s in runs if "summary_tokens" in s]
+    tables = [("| dataset | method | reader | n | support recall % | right | retrieval misses | reader misses |",
+               support),
+              ("| dataset | method | reader | n | accuracy | calibrated | always the majority letter | "
+               "content-free answer | letters answered (raw) | letters answered (calibrated) |", choice),
+              ("| dataset | method | n | ROUGE-L | generated tokens | at the token budget | responses among nodes |",
+               summary)]
+    return "\n\n".join("\n".join([head, "|" + "---|" * (head.count("|") - 1), *rows]) for head, rows in tables
+                        if rows) or "(no run marks support, has options or summarises)"
 
 
 def amortization(summaries: list[dict]) -> str:
