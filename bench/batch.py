@@ -1,14 +1,15 @@
 """Batched steps across sessions, side by side in one process on one engine:
 
 - decode: B sessions with different prompts generate N tokens each through `Engine.generate_batch` (one forward per
-  step for all B); aggregate tokens/s at each B and the ratio to B = 1 (which runs the fused one-token decoder);
+  step for all B); aggregate tokens/s at each B and the ratio to B = 1 (which runs the fused one-token decoder), for
+  each precision asked (an engine each: exact fp32 activations, and the int8 fast path);
 - prefill: 8 short prompts as one `Engine.append_batch` against 8 `Session.append` calls.
 
 EOS is masked (a logits processor) so every session generates exactly N tokens. Rounds alternate between the
 configurations and the table shows medians, since these machines are noisy.
 
     python -m nodekv.bench.batch [--model qwen2.5-0.5b] [--batches 1,2,4,8] [--tokens 32] [--prompt-tokens 48]
-                                 [--rounds 3] [--threads N] [--json FILE]
+                                 [--precisions exact,int8] [--rounds 3] [--threads N] [--json FILE]
 """
 from __future__ import annotations
 
@@ -73,34 +74,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
     p.add_argument("--prompt-tokens", type=int, default=48, help="tokens per prompt")
     p.add_argument("--prefill-prompts", type=int, default=8)
+    p.add_argument("--precisions", default="exact,int8", help="engines' precisions for the decode rows")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the medians here")
     args = p.parse_args(argv)
     from nodekv.engine.engine import load_engine
 
-    engine = load_engine(args.model, threads=args.threads)
+    precisions = args.precisions.split(",")
+    engines = {prec: load_engine(args.model, threads=args.threads, precision=prec) for prec in precisions}
+    engine = engines[precisions[0]]
     sizes = [int(b) for b in args.batches.split(",")]
     texts = prompts(engine, max(max(sizes), args.prefill_prompts), args.prompt_tokens)
-    decode_seconds(engine, texts[:2], 4)  # warm: the fused decoder, RoPE tables, thread pools
-    decode = {b: [] for b in sizes}
+    for e in engines.values():
+        decode_seconds(e, texts[:2], 4)  # warm: the fused decoder, RoPE tables, thread pools
+    decode = {(prec, b): [] for prec in precisions for b in sizes}
     prefill = {True: [], False: []}
     for _ in range(args.rounds):
-        for b in sizes:
-            decode[b].append(decode_seconds(engine, texts[:b], args.tokens))
+        for prec, b in decode:
+            decode[prec, b].append(decode_seconds(engines[prec], texts[:b], args.tokens))
         for batched in (False, True):
             prefill[batched].append(prefill_seconds(engine, texts[:args.prefill_prompts], batched))
 
     print(f"model {args.model}, {torch.get_num_threads()} threads, {args.tokens} tokens per session after "
           f"{args.prompt_tokens}-token prompts, median of {args.rounds} rounds\n")
-    print("| sessions | step ms | aggregate decode tok/s | vs 1 session |")
-    print("|---:|---:|---:|---:|")
-    base = None
-    for b in sizes:
-        sec = statistics.median(decode[b])
-        rate = b * args.tokens / sec
-        base = base or rate
-        print(f"| {b} | {1e3 * sec / args.tokens:.1f} | {rate:.1f} | {rate / base:.2f}x |")
+    print("| precision | sessions | step ms | aggregate decode tok/s | vs 1 session | vs exact, 1 session |")
+    print("|---|---:|---:|---:|---:|---:|")
+    rate = {key: key[1] * args.tokens / statistics.median(times) for key, times in decode.items()}
+    for prec, b in decode:
+        print(f"| {prec} | {b} | {1e3 * statistics.median(decode[prec, b]) / args.tokens:.1f} | {rate[prec, b]:.1f} "
+              f"| {rate[prec, b] / rate[prec, sizes[0]]:.2f}x | {rate[prec, b] / rate[precisions[0], sizes[0]]:.2f}x |")
     seq, bat = statistics.median(prefill[False]), statistics.median(prefill[True])
     n = args.prefill_prompts * args.prompt_tokens
     print(f"\n| prefill of {args.prefill_prompts} x {args.prompt_tokens} tokens | ms | tok/s |")
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         write_atomic(args.json, json.dumps({
             "model": args.model, "threads": torch.get_num_threads(), "tokens": args.tokens,
-            "prompt_tokens": args.prompt_tokens, "decode_s": {b: statistics.median(decode[b]) for b in sizes},
+            "prompt_tokens": args.prompt_tokens,
+            "decode_s": {prec: {b: statistics.median(decode[prec, b]) for b in sizes} for prec in precisions},
             "prefill_prompts": args.prefill_prompts, "prefill_s": {"sequential": seq, "batched": bat}}, indent=1))
 
 

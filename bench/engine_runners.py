@@ -33,12 +33,13 @@ class Runner:
 
 
 class NodekvRunner(Runner):
-    """nodekv: prefill on the dense fp32 weights, decode on the GGUF's quantised blocks (picked by the engine)."""
+    """nodekv: prefill on the dense fp32 weights, decode on the GGUF's quantised blocks (picked by the engine), with
+    fp32 activations or (precision "int8") int8 ones in the decode steps."""
 
-    def __init__(self, path: Path, threads: int):
+    def __init__(self, path: Path, threads: int, precision: str = "exact"):
         import nodekv
 
-        self.engine = nodekv.load_engine(model=path, threads=threads)
+        self.engine = nodekv.load_engine(model=path, threads=threads, precision=precision)
         self.cache = None
 
     def flops(self) -> int:
@@ -102,8 +103,8 @@ class LlamaCppRunner(Runner):
 
 
 def load(engine: str, path: Path, threads: int, n_ctx: int):
-    if engine == "nodekv":
-        return NodekvRunner(path, threads)
+    if engine in ("nodekv", "nodekv-int8"):
+        return NodekvRunner(path, threads, "int8" if engine == "nodekv-int8" else "exact")
     if engine in ("hf", "hf-eager"):
         return HFRunner(path, threads, "eager" if engine == "hf-eager" else "sdpa")
     return LlamaCppRunner(path, threads, n_ctx)

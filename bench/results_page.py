@@ -84,10 +84,14 @@ def engine_section(engine: dict, out: Path) -> str:
     text += f"\n\ntorch.mm fp32 2048² in the same run ({'; '.join(peaks)})."
     if engine.get("batch"):
         b = engine["batch"]
-        base = b["tokens"] / b["decode_s"]["1"]
-        text += ("\n\n| sessions | aggregate decode tok/s | vs 1 |\n|---:|---:|---:|\n" + "\n".join(
-            f"| {n} | {int(n) * b['tokens'] / s:.1f} | {int(n) * b['tokens'] / s / base:.2f}x |"
-            for n, s in b["decode_s"].items()))
+        # per precision since the int8 path; older files hold the exact engine's seconds alone
+        runs = b["decode_s"] if isinstance(next(iter(b["decode_s"].values())), dict) else {"exact": b["decode_s"]}
+        rows = []
+        for prec, seconds in runs.items():
+            base = b["tokens"] / seconds["1"]
+            rows += [f"| {prec} | {n} | {int(n) * b['tokens'] / s:.1f} | {int(n) * b['tokens'] / s / base:.2f}x |"
+                     for n, s in seconds.items()]
+        text += "\n\n| precision | sessions | aggregate decode tok/s | vs 1 |\n|---|---:|---:|---:|\n" + "\n".join(rows)
     if engine.get("append"):
         text += ("\n\n| cached tokens | append a 300-token node + probe + roll back, s | prefill it all again, s |"
                  "\n|---:|---:|---:|\n" + "\n".join(f"| {r['cached']:,} | {r['append_s']:.3f} | {r['prefill_s']:.3f} |"

@@ -28,15 +28,20 @@ void check_linear(const QLinear& l, int64_t N, int64_t K, const char* what, int6
                                     std::to_string(rows) + " rows in " + std::to_string(l.segs.size()) + " segments");
 }
 
-inline void linear(const QLinear& l, const float* x, int64_t T, float* y, int n_threads) {
-    quant::matmul(x, T, l.K, l.segs.data(), static_cast<int>(l.segs.size()), l.bias, y, n_threads);
+inline void linear(const QLinear& l, const float* x, int64_t T, float* y, int n_threads, quant::Precision p) {
+    quant::matmul(x, T, l.K, l.segs.data(), static_cast<int>(l.segs.size()), l.bias, y, n_threads, p);
 }
 
 }  // namespace
 
 Decoder::Decoder(const Dims& dims, const Embedding& embed, std::vector<LayerWeights> layers, const float* final_norm,
-                 QLinear lm_head)
-    : d_(dims), embed_(embed), layers_(std::move(layers)), final_norm_(final_norm), lm_head_(std::move(lm_head)) {
+                 QLinear lm_head, quant::Precision precision)
+    : d_(dims),
+      embed_(embed),
+      layers_(std::move(layers)),
+      final_norm_(final_norm),
+      lm_head_(std::move(lm_head)),
+      precision_(precision) {
     const int64_t dim = d_.dim, H = d_.n_heads, KV = d_.n_kv_heads, hd = d_.head_dim, I = d_.inter;
     if (dim <= 0 || H <= 0 || KV <= 0 || H % KV || hd <= 0 || hd % 2 || I <= 0 || d_.vocab <= 0)
         throw std::invalid_argument("Decoder: bad model dimensions");
@@ -125,7 +130,7 @@ StepStatus Decoder::step(const StepArgs& a) {
     for (int64_t i = 0; i < L; ++i) {
         const LayerWeights& w = layers_[static_cast<size_t>(i)];
         const bool last = i == L - 1;
-        linear(w.wqkv, h, B, qkv, a.n_threads);
+        linear(w.wqkv, h, B, qkv, a.n_threads, precision_);
         lap(kQkv);
         ops::rope(qkv, B, H + KV, hd, qkv_width, hd, a.cos, a.sin_signed);
         lap(kRope);
@@ -136,22 +141,22 @@ StepStatus Decoder::step(const StepArgs& a) {
         }
         lap(kAttention);
         if (last && !a.want_out) break;
-        linear(w.wo, attn, B, delta, a.n_threads);
+        linear(w.wo, attn, B, delta, a.n_threads, precision_);
         lap(kWo);
         ops::add_rms_norm(x, delta, B, dim, w.ffn_norm, d_.eps, h);
         lap(kOther);
-        linear(w.w13, h, B, gu_.data(), a.n_threads);
+        linear(w.w13, h, B, gu_.data(), a.n_threads, precision_);
         lap(kW13);
         ops::silu_mul(gu_.data(), B, I, act_.data());
         lap(kOther);
-        linear(w.w2, act_.data(), B, delta, a.n_threads);
+        linear(w.w2, act_.data(), B, delta, a.n_threads, precision_);
         lap(kW2);
         ops::add_rms_norm(x, delta, B, dim, last ? final_norm_ : layers_[static_cast<size_t>(i + 1)].attn_norm,
                           d_.eps, last ? a.h_out : h);
         lap(kOther);
     }
     if (a.want_out && a.logits && has_lm_head()) {
-        linear(lm_head_, a.h_out, B, a.logits, a.n_threads);
+        linear(lm_head_, a.h_out, B, a.logits, a.n_threads, precision_);
         lap(kLmHead);
     }
     return {};

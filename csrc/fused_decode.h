@@ -98,9 +98,9 @@ struct StepStatus {
 
 class Decoder {
    public:
-    // final_norm [dim]; lm_head.segs empty if the lm_head is not quantised.
+    // final_norm [dim]; lm_head.segs empty if the lm_head is not quantised; precision: the matmuls' (quant_matmul.h).
     Decoder(const Dims& dims, const Embedding& embed, std::vector<LayerWeights> layers, const float* final_norm,
-            QLinear lm_head);
+            QLinear lm_head, quant::Precision precision = quant::Precision::kExact);
 
     // One token per row through every layer (see the file comment). Steps of one Decoder run one at
     // a time (the scratch is the object's, grown to the largest B seen; a mutex serialises callers on
@@ -124,6 +124,7 @@ class Decoder {
     std::vector<LayerWeights> layers_;
     const float* final_norm_;
     QLinear lm_head_;
+    quant::Precision precision_;
     int64_t rows_ = 0;  // rows the scratch below holds
     std::vector<float> x_, h_, qkv_, attn_, delta_, gu_, act_;
     std::array<double, kTimeParts> times_{};

@@ -55,16 +55,17 @@ PYBIND11_MODULE(_C, m) {
     m.def(
         "quant_matmul",
         [](std::uintptr_t x, int64_t T, int64_t K, std::uintptr_t segs, int64_t n_segs, std::uintptr_t bias,
-           std::uintptr_t y, int n_threads) {
+           std::uintptr_t y, int n_threads, bool int8) {
             const std::vector<q::Segment> s = segments(ptr<const int64_t>(segs), static_cast<size_t>(n_segs));
             py::gil_scoped_release nogil;
             q::matmul(ptr<const float>(x), T, K, s.data(), static_cast<int>(s.size()), ptr<const float>(bias),
-                      ptr<float>(y), n_threads);
+                      ptr<float>(y), n_threads, int8 ? q::Precision::kInt8 : q::Precision::kExact);
         },
         py::arg("x"), py::arg("T"), py::arg("K"), py::arg("segs"), py::arg("n_segs"), py::arg("bias"), py::arg("y"),
-        py::arg("n_threads"),
+        py::arg("n_threads"), py::arg("int8") = false,
         "y[T,N] = x[T,K] @ dequant(W)[N,K]^T (+ bias[N]), W the rows of n_segs segments stacked: segs is the address "
-        "of an int64 [n_segs, 3] table of (weight address, ggml type id, rows); contiguous buffers, bias 0 = none.");
+        "of an int64 [n_segs, 3] table of (weight address, ggml type id, rows); contiguous buffers, bias 0 = none; "
+        "int8: x quantised to int8 per block (the fast path, quant_matmul.h).");
     m.def(
         "quant_dequantize",
         [](std::uintptr_t w, int64_t N, int64_t K, int qtype, std::uintptr_t out, int n_threads) {
@@ -156,7 +157,7 @@ PYBIND11_MODULE(_C, m) {
         .def(py::init([](int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t inter,
                          int64_t vocab, float eps, const std::vector<std::uintptr_t>& embed,
                          const std::vector<std::vector<std::vector<std::uintptr_t>>>& layers,
-                         std::uintptr_t final_norm, const std::vector<std::uintptr_t>& lm_head) {
+                         std::uintptr_t final_norm, const std::vector<std::uintptr_t>& lm_head, bool int8) {
                  if (embed.size() != 2) throw std::invalid_argument("Decoder: embed takes [address, qtype]");
                  d::Embedding emb;
                  if (embed[1] == 0) {
@@ -174,14 +175,15 @@ PYBIND11_MODULE(_C, m) {
                  }
                  return new d::Decoder({dim, n_heads, n_kv_heads, head_dim, inter, vocab, eps}, emb, std::move(ls),
                                        ptr<const float>(final_norm),
-                                       lm_head.empty() ? d::QLinear{} : qlinear(lm_head));
+                                       lm_head.empty() ? d::QLinear{} : qlinear(lm_head),
+                                       int8 ? q::Precision::kInt8 : q::Precision::kExact);
              }),
              py::arg("dim"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("inter"),
              py::arg("vocab"), py::arg("eps"), py::arg("embed"), py::arg("layers"), py::arg("final_norm"),
-             py::arg("lm_head"),
+             py::arg("lm_head"), py::arg("int8") = false,
              "embed: [address, ggml type id] (0 = dense fp32 rows); layers: per layer [[attn_norm, ffn_norm], wqkv, "
              "wo, w13, w2], each linear [K, bias] + [w, qtype, rows] per segment (addresses); lm_head: such a linear "
-             "or [] (not quantised: the caller runs it).")
+             "or [] (not quantised: the caller runs it); int8: the matmuls' fast path.")
         .def(
             "step",
             [](d::Decoder& self, const std::vector<int64_t>& rows, std::uintptr_t cos, std::uintptr_t sin_signed,

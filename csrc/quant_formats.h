@@ -24,6 +24,8 @@
 // 0..15, d * sum(x q) and the offset times sum(x) are two large terms that cancel when sum(x) is large.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -171,6 +173,144 @@ NKV_AVX2 inline float sum32(const float* x) {
                               _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24))));
 }
 
+// ---------------------------------------------------------------- int8 activations (precision "int8")
+//
+// The fast path quantises each token's x once per call, as ggml's q8 types do, and multiplies integers:
+// _mm256_maddubs_epi16 takes 32 byte products per instruction where the exact path spends 4 FMAs on 32 weights.
+// A block of x of n elements is stored as d = max|x| / 127 and q = round(x / d) (round half to even; x / d taken
+// as x * (1 / d), in fp32 on both paths, so the scalar and AVX2 quantisers give the same bits). Its error is at
+// most d / 2 per element, which bounds a row's error by (d / 2) sum |w| (tested). The weights stay exact.
+//   XQ32    per 32 elements (for the 32-element formats): d, s = d sum(q) (Q4_1's min term), q
+//   XQ256   per 256 (for the K-quants, whose sub-block scales are integers): one d, the sums of q per 16
+//           (the K-quants' min and centring terms), q
+// Every integer sum fits: a byte pair of maddubs is at most 2 * 128 * 127 < 2^15, and a super-block's total with its
+// 6-bit or int8 scales below 2^26, so the fp32 conversion of each lane is exact.
+struct XQ32 {
+    static constexpr int64_t kElems = 32;
+    float d, s;
+    int8_t q[32];
+};
+struct XQ256 {
+    static constexpr int64_t kElems = 256;
+    float d;
+    int16_t sum16[16];
+    int8_t q[256];
+};
+static_assert(sizeof(XQ32) == 40 && sizeof(XQ256) == 292, "quantised x blocks are whole floats, unpadded");
+
+inline float round_scale(float amax, float* inv) {
+    const float d = amax / 127.0f;
+    *inv = d != 0.0f ? 1.0f / d : 0.0f;
+    return d;
+}
+
+// The reference quantiser: n elements (32 or 256) into q, returning d; sums of 16 into sum16 when given.
+inline float quantize_block(const float* x, int64_t n, int8_t* q, int16_t* sum16) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+    float inv;
+    const float d = round_scale(amax, &inv);
+    for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+    if (sum16)
+        for (int64_t g = 0; g < n / 16; ++g) {
+            int s = 0;
+            for (int i = 0; i < 16; ++i) s += q[16 * g + i];
+            sum16[g] = static_cast<int16_t>(s);
+        }
+    return d;
+}
+
+inline void quantize(const float* x, XQ32* out) {
+    out->d = quantize_block(x, 32, out->q, nullptr);
+    int s = 0;
+    for (int i = 0; i < 32; ++i) s += out->q[i];
+    out->s = out->d * static_cast<float>(s);
+}
+
+inline void quantize(const float* x, XQ256* out) { out->d = quantize_block(x, 256, out->q, out->sum16); }
+
+NKV_AVX2 inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// The AVX2 quantiser, the same bits as quantize_block: 32 elements at x times inv into q; the element sums of
+// each half (16) into half[0], half[1].
+NKV_AVX2 inline void quantize32_avx2(const float* x, __m256 inv, int8_t* q, int* half) {
+    __m256i i[4];
+    for (int k = 0; k < 4; ++k)
+        i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    half[0] = hsum_epi32(_mm256_add_epi32(i[0], i[1]));
+    half[1] = hsum_epi32(_mm256_add_epi32(i[2], i[3]));
+    // packs interleave the 128-bit lanes: dwords come out as elements 0-3, 8-11, 16-19, 24-27, 4-7, ...
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+NKV_AVX2 inline float amax_avx2(const float* x, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+NKV_AVX2 inline void quantize_avx2(const float* x, XQ32* out) {
+    float inv;
+    out->d = round_scale(amax_avx2(x, 32), &inv);
+    int half[2];
+    quantize32_avx2(x, _mm256_set1_ps(inv), out->q, half);
+    out->s = out->d * static_cast<float>(half[0] + half[1]);
+}
+
+NKV_AVX2 inline void quantize_avx2(const float* x, XQ256* out) {
+    float inv;
+    out->d = round_scale(amax_avx2(x, 256), &inv);
+    for (int g = 0; g < 8; ++g) {
+        int half[2];
+        quantize32_avx2(x + 32 * g, _mm256_set1_ps(inv), out->q + 32 * g, half);
+        out->sum16[2 * g] = static_cast<int16_t>(half[0]);
+        out->sum16[2 * g + 1] = static_cast<int16_t>(half[1]);
+    }
+}
+
+NKV_AVX2 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// The 8 pair-of-pairs sums of u[i] s[i] (u unsigned bytes <= 128, s signed bytes in -127..127) as int32.
+NKV_AVX2 inline __m256i mul_sum_us8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// acc[t] += d_w d_x(t) sum(w q_t) for the TT tokens' XQ32 blocks x + t ldx, w 32 signed bytes (maddubs wants one
+// side unsigned: |w| against q with w's sign).
+template <int TT>
+NKV_AVX2 inline void signed_dot(__m256i w, __m256 dw, const XQ32* x, int64_t ldx, __m256* acc) {
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int t = 0; t < TT; ++t) {
+        const XQ32& xt = x[t * ldx];
+        const __m256i p = mul_sum_us8(aw, _mm256_sign_epi8(load256(xt.q), w));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(&xt.d)), acc[t]);
+    }
+}
+
+// 16 nibble bytes as 32 bytes in element order: lane 0 the low nibbles (elements 0..15), lane 1 the high (16..31).
+NKV_AVX2 inline __m256i nibble_bytes(const uint8_t* qs) {
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+}
+
+// The scalar references of the int8 dots: the block's integer sums, then their scales, per token.
+inline int dot_bytes(const int8_t* w, const int8_t* q, int n) {
+    int s = 0;
+    for (int i = 0; i < n; ++i) s += w[i] * q[i];
+    return s;
+}
+
 // ---------------------------------------------------------------- the formats
 
 // The AVX2 side of a 32-element format w = d q (fp16 d first in the block) whose F::quants gives the block's q as
@@ -190,6 +330,16 @@ struct ScaledQuants {
         F::quants(blk, v);
         scaled_dot<TT>(v, bcast_half(blk), xp, ldx, acc);
     }
+    using XQ = XQ32;
+    template <int TT>
+    NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
+        signed_dot<TT>(F::signed_bytes(blk), bcast_half(blk), x, ldx, acc);
+    }
+    static float dot_i8_scalar(const uint8_t* blk, const XQ32& x) {
+        int8_t q[32];
+        F::signed_quants(blk, q);
+        return load_half(blk) * x.d * static_cast<float>(dot_bytes(q, x.q, 32));
+    }
 };
 
 // 34 B: fp16 d, 32 x int8 q.  w = d q
@@ -206,7 +356,8 @@ struct Q8_0 : ScaledQuants<Q8_0> {
         for (int i = 0; i < 4; ++i)
             v[i] = _mm256_cvtepi32_ps(
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i))));
-    }
+    }    static void signed_quants(const uint8_t* blk, int8_t* q) { std::memcpy(q, blk + 2, 32); }
+    NKV_AVX2 static __m256i signed_bytes(const uint8_t* blk) { return load256(blk + 2); }
 };
 
 // 18 B: fp16 d, 16 B nibbles (byte j: element j low, j + 16 high).  w = d (q - 8)
@@ -214,12 +365,17 @@ struct Q4_0 {
     static constexpr QType kType = QType::Q4_0;
     static constexpr int64_t kElems = 32, kBytes = 18, kPrep = 32;
 
-    static void decode(const uint8_t* blk, float* out) {
-        const float d = load_half(blk);
+    static void signed_quants(const uint8_t* blk, int8_t* q) {
         for (int j = 0; j < 16; ++j) {
-            out[j] = d * static_cast<float>((blk[2 + j] & 0x0f) - 8);
-            out[j + 16] = d * static_cast<float>((blk[2 + j] >> 4) - 8);
+            q[j] = static_cast<int8_t>((blk[2 + j] & 0x0f) - 8);
+            q[j + 16] = static_cast<int8_t>((blk[2 + j] >> 4) - 8);
         }
+    }
+    static void decode(const uint8_t* blk, float* out) {
+        int8_t q[32];
+        signed_quants(blk, q);
+        const float d = load_half(blk);
+        for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]);
     }
     NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
         __m256 v[4];
@@ -236,6 +392,15 @@ struct Q4_0 {
         __m256 v[4];
         nibbles(blk + 2, 8.0f, v);
         scaled_dot<TT>(v, bcast_half(blk), xp, ldx, acc);
+    }    using XQ = XQ32;
+    template <int TT>
+    NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
+        signed_dot<TT>(_mm256_sub_epi8(nibble_bytes(blk + 2), _mm256_set1_epi8(8)), bcast_half(blk), x, ldx, acc);
+    }
+    static float dot_i8_scalar(const uint8_t* blk, const XQ32& x) {
+        int8_t q[32];
+        signed_quants(blk, q);
+        return load_half(blk) * x.d * static_cast<float>(dot_bytes(q, x.q, 32));
     }
 };
 
@@ -280,6 +445,23 @@ struct Q4_1 {
             const float* x = xp + t * ldx;
             acc[t] = _mm256_fmadd_ps(mp, _mm256_loadu_ps(x + 32), _mm256_fmadd_ps(d, dot4(v, x), acc[t]));
         }
+    }    using XQ = XQ32;
+    // d sum(q q_x) d_x + m s_x: the min meets x's sum, which the quantiser keeps (s)
+    template <int TT>
+    NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
+        const __m256i q = nibble_bytes(blk + 4);
+        const __m256 d = bcast_half(blk), m = bcast_half(blk + 2);
+        for (int t = 0; t < TT; ++t) {
+            const XQ32& xt = x[t * ldx];
+            const __m256 p = _mm256_cvtepi32_ps(mul_sum_us8(q, load256(xt.q)));
+            acc[t] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_broadcast_ss(&xt.d)), acc[t]);
+            acc[t] = _mm256_fmadd_ps(m, _mm256_zextps128_ps256(_mm_load_ss(&xt.s)), acc[t]);
+        }
+    }
+    static float dot_i8_scalar(const uint8_t* blk, const XQ32& x) {
+        int s = 0;
+        for (int j = 0; j < 16; ++j) s += (blk[4 + j] & 0x0f) * x.q[j] + (blk[4 + j] >> 4) * x.q[j + 16];
+        return load_half(blk) * x.d * static_cast<float>(s) + load_half(blk + 2) * x.s;
     }
 };
 
@@ -289,28 +471,34 @@ struct Q5_0 : ScaledQuants<Q5_0> {
     static constexpr int64_t kElems = 32, kBytes = 22, kPrep = 32;
 
     static void decode(const uint8_t* blk, float* out) {
+        int8_t q[32];
+        signed_quants(blk, q);
         const float d = load_half(blk);
-        const uint32_t qh = load_u32(blk + 2);
-        for (int j = 0; j < 16; ++j) {
-            const int lo = (blk[6 + j] & 0x0f) | static_cast<int>((qh >> j) & 1u) << 4;
-            const int hi = (blk[6 + j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1u) << 4;
-            out[j] = d * static_cast<float>(lo - 16);
-            out[j + 16] = d * static_cast<float>(hi - 16);
-        }
+        for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]);
     }
-    // The 32 quants as floats q - 16 in element order. Centred as signed bytes (the nibble, with 0xF0 above it
-    // where the fifth bit is clear), then sign-extended: fewer instructions and constants than the magic floats.
-    NKV_AVX2 static void quants(const uint8_t* blk, __m256 v[4]) {
-        const __m256i qs = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)));
-        const __m256i nib =  // lane 0 low nibbles (elements 0..15), lane 1 high nibbles (16..31)
-            _mm256_and_si256(_mm256_srlv_epi64(qs, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+    // The 32 quants q - 16 as signed bytes in element order: the nibble, with 0xF0 above it where the fifth bit is
+    // clear.
+    NKV_AVX2 static __m256i signed_bytes(const uint8_t* blk) {
+        const __m256i nib = nibble_bytes(blk + 6);
         // byte e gets qh's byte e / 8, of which bit e % 8 is element e's fifth bit
         const __m256i spread = _mm256_shuffle_epi8(
             _mm256_set1_epi32(static_cast<int>(load_u32(blk + 2))),
             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
         const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201u));
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        const __m256i q = _mm256_or_si256(nib, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xf0))));
+        return _mm256_or_si256(nib, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xf0))));
+    }
+    static void signed_quants(const uint8_t* blk, int8_t* q) {
+        const uint32_t qh = load_u32(blk + 2);
+        for (int j = 0; j < 16; ++j) {
+            q[j] = static_cast<int8_t>(((blk[6 + j] & 0x0f) | static_cast<int>((qh >> j) & 1u) << 4) - 16);
+            q[j + 16] = static_cast<int8_t>(((blk[6 + j] >> 4) | static_cast<int>((qh >> (j + 16)) & 1u) << 4) - 16);
+        }
+    }
+    // The 32 quants as floats q - 16 in element order: the signed bytes sign-extended (fewer instructions and
+    // constants than the magic floats).
+    NKV_AVX2 static void quants(const uint8_t* blk, __m256 v[4]) {
+        const __m256i q = signed_bytes(blk);
         const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
         v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
         v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
@@ -390,6 +578,53 @@ struct Q4_K {
         }
         const __m256 offset = _mm256_fmsub_ps(_mm256_set1_ps(8.0f), dsc, dmn);  // w = d sc (q - 8) + offset
         for (int t = 0; t < TT; ++t) acc[t] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(xp + t * ldx + 256), acc[t]);
+    }    using XQ = XQ256;
+    // d d_x sum_j sc_j sum(q_j q_xj) - dmin d_x sum_j m_j sum(q_xj): the scales multiply the integer sums (madd),
+    // which add up over the super-block before one conversion
+    template <int TT>
+    NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ256* x, int64_t ldx, __m256* acc) {
+        uint64_t sc, mn;
+        k_scales_mins(blk + 4, &sc, &mn);
+        __m256i isum[TT];
+        for (int t = 0; t < TT; ++t) isum[t] = _mm256_setzero_si256();
+        const __m256i m4 = _mm256_set1_epi8(0x0f);
+        // the 8 scales as bytes in both lanes; sub-block j's broadcast to every 16-bit lane is a shuffle of it
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128(static_cast<int64_t>(sc)));
+        for (int i = 0; i < 4; ++i) {
+            const __m256i raw = load256(blk + 16 + 32 * i);
+            const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>(0x8000 | 2 * i)));
+            const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>(0x8001 | 2 * i)));
+            for (int t = 0; t < TT; ++t) {
+                const int8_t* q = x[t * ldx].q + 64 * i;
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(q)), s_lo));
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(q + 32)), s_hi));
+            }
+        }
+        // each min twice, against the two sums of 16 of its sub-block
+        const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        const __m256 d = bcast_half(blk), neg_dmin = _mm256_xor_ps(bcast_half(blk + 2), _mm256_set1_ps(-0.0f));
+        for (int t = 0; t < TT; ++t) {
+            const XQ256& xt = x[t * ldx];
+            const __m256 dx = _mm256_broadcast_ss(&xt.d);
+            const __m256i msum = _mm256_madd_epi16(mins, load256(xt.sum16));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, dx), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(neg_dmin, dx), acc[t]);
+        }
+    }
+    static float dot_i8_scalar(const uint8_t* blk, const XQ256& x) {
+        uint64_t sc, mn;
+        k_scales_mins(blk + 4, &sc, &mn);
+        int isum = 0, msum = 0;
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* q = blk + 16 + 32 * (j / 2);
+            int s = 0;
+            for (int i = 0; i < 32; ++i) s += (j % 2 ? q[i] >> 4 : q[i] & 0x0f) * x.q[32 * j + i];
+            isum += static_cast<int>(sc >> 8 * j & 0xff) * s;
+            msum += static_cast<int>(mn >> 8 * j & 0xff) * (x.sum16[2 * j] + x.sum16[2 * j + 1]);
+        }
+        return load_half(blk) * x.d * static_cast<float>(isum) + -load_half(blk + 2) * x.d * static_cast<float>(msum);
     }
 };
 
@@ -401,15 +636,17 @@ struct Q6_K {
     static constexpr QType kType = QType::Q6_K;
     static constexpr int64_t kElems = 256, kBytes = 210, kPrep = 256;
 
+    // element e's q - 32
+    static int centred(const uint8_t* blk, int e) {
+        const int h = e / 128, g = e / 32 % 4, i = e % 32;
+        const int lo = blk[64 * h + 32 * (g % 2) + i] >> (g < 2 ? 0 : 4) & 0x0f;
+        const int hi = blk[128 + 32 * h + i] >> (2 * g) & 0x03;
+        return (lo | hi << 4) - 32;
+    }
     static void decode(const uint8_t* blk, float* out) {
         const float d = load_half(blk + 208);
         const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-        for (int e = 0; e < 256; ++e) {
-            const int h = e / 128, g = e / 32 % 4, i = e % 32;
-            const int lo = blk[64 * h + 32 * (g % 2) + i] >> (g < 2 ? 0 : 4) & 0x0f;
-            const int hi = blk[128 + 32 * h + i] >> (2 * g) & 0x03;
-            out[e] = d * static_cast<float>(sc[e / 16]) * static_cast<float>((lo | hi << 4) - 32);
-        }
+        for (int e = 0; e < 256; ++e) out[e] = d * static_cast<float>(sc[e / 16]) * static_cast<float>(centred(blk, e));
     }
     // d sc_j: lane j of s[0] for sub-blocks 0..7, of s[1] for 8..15
     NKV_AVX2 static void scales(const uint8_t* blk, __m256 s[2]) {
@@ -464,6 +701,43 @@ struct Q6_K {
                 scaled_dot<TT>(v, pair(s[h], g), xp + 128 * h + 32 * g, ldx, acc);
             }
         }
+    }    using XQ = XQ256;
+    // d d_x (sum_k sc_k sum(q_k q_xk) - 32 sum_k sc_k sum(q_xk)), k over the 16 sub-blocks: q unsigned for maddubs,
+    // centred through x's sums of 16
+    template <int TT>
+    NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ256* x, int64_t ldx, __m256* acc) {
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+        __m256i isum[TT];
+        for (int t = 0; t < TT; ++t) isum[t] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h) {
+            __m256i q[4];
+            quants(blk, h, q);
+            // scales 8h..8h+7 as int16 in both lanes, shuffled into sub-block 8h + 2g's (lane 0) and 8h + 2g + 1's
+            const __m256i half = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc, sc) : sc));
+            for (int g = 0; g < 4; ++g) {
+                const int lo = 0x0100 * (4 * g + 1) + 4 * g, hi = lo + 0x0202;  // bytes of int16 2g / 2g + 1
+                const __m256i s = _mm256_shuffle_epi8(
+                    half, _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi));
+                for (int t = 0; t < TT; ++t) {
+                    const __m256i p = _mm256_maddubs_epi16(q[g], load256(x[t * ldx].q + 128 * h + 32 * g));
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, s));
+                }
+            }
+        }
+        const __m256i scales = _mm256_cvtepi8_epi16(sc);
+        const __m256 d = bcast_half(blk + 208);
+        for (int t = 0; t < TT; ++t) {
+            const XQ256& xt = x[t * ldx];
+            const __m256i centre = _mm256_slli_epi32(_mm256_madd_epi16(scales, load256(xt.sum16)), 5);
+            const __m256 total = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], centre));
+            acc[t] = _mm256_fmadd_ps(total, _mm256_mul_ps(d, _mm256_broadcast_ss(&xt.d)), acc[t]);
+        }
+    }
+    static float dot_i8_scalar(const uint8_t* blk, const XQ256& x) {
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        int isum = 0;
+        for (int e = 0; e < 256; ++e) isum += sc[e / 16] * centred(blk, e) * x.q[e];
+        return load_half(blk + 208) * x.d * static_cast<float>(isum);
     }
 };
 

@@ -24,6 +24,18 @@ namespace {
 
 using formats::visit;
 
+template <class F>
+struct Int8;
+
+// visit for the drivers: fn(F{}) on the exact path, fn(Int8<F>{}) on the int8 one.
+template <class Fn>
+decltype(auto) visit(QType qt, bool int8, Fn&& fn) {
+    return visit(qt, [&](auto f) {
+        using F = decltype(f);
+        return int8 ? fn(Int8<F>{}) : fn(F{});
+    });
+}
+
 std::atomic<bool> g_force_scalar{false};
 
 constexpr int kRowTile = 4;  // rows per one-token kernel step; thread work chunks are multiples of it
@@ -63,7 +75,36 @@ void matmul_rows_scalar(const float* x, int64_t T, int64_t K, const uint8_t* w, 
     }
 }
 
+// The int8 path (Precision::kInt8): x quantised per block (formats::XQ32 / XQ256), each row's integer dots summed
+// over its blocks in order, per token.
+template <class F>
+void matmul_rows_scalar_int8(const typename F::XQ* xq, int64_t T, int64_t K, const uint8_t* w, const float* bias,
+                             float* y, int64_t ldy, int64_t r0, int64_t r1) {
+    const int64_t nb = K / F::kElems, row_bytes = nb * F::kBytes;
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t t = 0; t < T; ++t) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) acc += F::dot_i8_scalar(w + r * row_bytes + b * F::kBytes, xq[t * nb + b]);
+            y[t * ldy + r] = acc + (bias ? bias[r] : 0.0f);
+        }
+}
+
 // ---------------------------------------------------------------- AVX2 path
+
+// A format's int8 path as a format for the drivers below: its prepared x is the quantised blocks (kPrep floats'
+// room each, never read as floats) and its dot the integer one.
+template <class F>
+struct Int8 {
+    using XQ = typename F::XQ;
+    static_assert(XQ::kElems == F::kElems && sizeof(XQ) % sizeof(float) == 0, "one quantised x block per block");
+    static constexpr QType kType = F::kType;
+    static constexpr int64_t kElems = F::kElems, kBytes = F::kBytes, kPrep = sizeof(XQ) / sizeof(float);
+    NKV_AVX2 static void prepare(const float* x, float* xp) { formats::quantize_avx2(x, reinterpret_cast<XQ*>(xp)); }
+    template <int TT>
+    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
+        F::template dot_i8<TT>(blk, reinterpret_cast<const XQ*>(xp), ldx / kPrep, acc);
+    }
+};
 
 template <class F>
 NKV_AVX2 void decode_rows_avx2(const uint8_t* w, int64_t K, int64_t r0, int64_t r1, float* out) {
@@ -249,7 +290,8 @@ int64_t row_bytes(QType qt, int64_t K) {
 }
 
 void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_segs, const float* bias, float* y,
-            int n_threads) {
+            int n_threads, Precision precision) {
+    const bool int8 = precision == Precision::kInt8;
     int64_t N = 0, bytes = 0;
     for (int s = 0; s < n_segs; ++s) {
         bytes += segs[s].rows * row_bytes(segs[s].qt, K);
@@ -262,7 +304,7 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
         const int64_t blocks = (T + kCallTokens - 1) / kCallTokens;
         for (int64_t i = 0, t0 = 0; i < blocks; ++i) {
             const int64_t tn = (T - t0) / (blocks - i);
-            matmul(x + t0 * K, tn, K, segs, n_segs, bias, y + t0 * N, n_threads);
+            matmul(x + t0 * K, tn, K, segs, n_segs, bias, y + t0 * N, n_threads, precision);
             t0 += tn;
         }
         return;
@@ -283,7 +325,7 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
                 xp[s] = xp[first];
                 continue;
             }
-            visit(segs[s].qt, [&](auto f) {
+            visit(segs[s].qt, int8, [&](auto f) {
                 using F = decltype(f);
                 // 64-byte aligned: the kernels' 32-byte loads of it never straddle two cache lines (that took
                 // up to 40% longer for several tokens, where every FMA loads x)
@@ -296,8 +338,29 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
         }
         parallel_segments(segs, n_segs, nt, [&](int s, int64_t r0, int64_t r1, int) {
             const Segment& g = segs[s];
-            visit(g.qt, [&](auto f) {
+            visit(g.qt, int8, [&](auto f) {
                 matmul_range<decltype(f)>(xp[s], T, K, g.w, g.rows, bias_of(s), y + row0[s], N, r0, r1);
+            });
+        });
+        return;
+    }
+    if (int8) {
+        // Scalar int8: x quantised per segment (segments of one type quantise alike; this path is the reference)
+        std::vector<std::vector<uint8_t>> xq(static_cast<size_t>(n_segs));
+        for (int s = 0; s < n_segs; ++s)
+            visit(segs[s].qt, [&](auto f) {
+                using XQ = typename decltype(f)::XQ;
+                const int64_t nb = T * (K / XQ::kElems);
+                xq[s].resize(static_cast<size_t>(nb) * sizeof(XQ));
+                XQ* out = reinterpret_cast<XQ*>(xq[s].data());
+                for (int64_t b = 0; b < nb; ++b) formats::quantize(x + b * XQ::kElems, out + b);
+            });
+        parallel_segments(segs, n_segs, nt, [&](int s, int64_t r0, int64_t r1, int) {
+            const Segment& g = segs[s];
+            visit(g.qt, [&](auto f) {
+                using F = decltype(f);
+                matmul_rows_scalar_int8<F>(reinterpret_cast<const typename F::XQ*>(xq[s].data()), T, K, g.w,
+                                           bias_of(s), y + row0[s], N, r0, r1);
             });
         });
         return;

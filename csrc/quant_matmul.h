@@ -7,8 +7,8 @@
 // A weight whose rows come in runs of different types (a fused q|k|v of Q5_0 and Q8_0 parts) is a list
 // of segments, each a run of rows of one type, stacked in order; a weight of one type is one segment.
 //
-// Activations stay fp32 (they are never quantised): results equal x @ dequant(W)^T up to fp32
-// rounding, and dequantize equals gguf.quants.dequantize bit for bit. The AVX2/FMA/F16C path is
+// Activations stay fp32 unless the int8 fast path is asked for (Precision): results equal x @ dequant(W)^T up to
+// fp32 rounding, and dequantize equals gguf.quants.dequantize bit for bit. The AVX2/FMA/F16C path is
 // chosen at run time; otherwise a scalar one runs.
 #pragma once
 
@@ -36,13 +36,19 @@ struct Segment {
     int64_t rows;
 };
 
+// What matmul does with the activations. kExact keeps them fp32. kInt8 (the opt-in fast path) quantises each
+// token's x per block to int8 with one fp32 scale (32 elements, or 256 for the K-quants, as ggml's q8 types) and
+// multiplies integers: each x element moves by at most half its block's scale (quant_formats.h, "int8
+// activations"); the weights stay exact.
+enum class Precision : int { kExact = 0, kInt8 = 1 };
+
 // y[T, N] = x[T, K] @ dequant(W)[N, K]^T (+ bias[N] when bias != nullptr), W the segments' rows in
-// order (N = the sum of their rows). x, y row-major and contiguous; K must be a multiple of every
-// segment's block_elems (std::invalid_argument if not). n_threads <= 0 means omp_get_max_threads().
-// y must not alias x. Row t of y depends on x[t] alone, bit for bit: the same whatever T, the other rows of x
-// and n_threads (a batch of decode steps gives exactly the numbers of sequential ones).
+// order (N = the sum of their rows), x as `precision` takes it. x, y row-major and contiguous; K must be a
+// multiple of every segment's block_elems (std::invalid_argument if not). n_threads <= 0 means
+// omp_get_max_threads(). y must not alias x. Row t of y depends on x[t] alone, bit for bit: the same whatever T,
+// the other rows of x and n_threads (a batch of decode steps gives exactly the numbers of sequential ones).
 void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_segs, const float* bias, float* y,
-            int n_threads);
+            int n_threads, Precision precision = Precision::kExact);
 
 // out[N, K] = dequant(w), fp32 row-major.
 void dequantize(const uint8_t* w, int64_t N, int64_t K, QType qt, float* out, int n_threads);

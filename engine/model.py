@@ -32,6 +32,7 @@ from .kv_cache import PagedKVCache
 # 308 against 443 ms at 32 tokens; dense catches up between 64 and 128), and it computes each row bit-identically
 # whatever the token count, so a batched decode step of up to 32 sessions gives the numbers of sequential ones.
 QUANT_MAX_TOKENS = 32
+PRECISIONS = ("exact", "int8")  # Llama(precision=...): fp32 activations, or int8 ones in the quantised projections
 
 
 class KVCache(Protocol):
@@ -72,20 +73,22 @@ class Linear:
     """A linear layer: for GGUF models the quantised blocks (one type, or row segments of several), run directly for
     few-token steps and, for many-token steps, either decoded into a shared `scratch` per call or taken from a `dense`
     copy [out, in] (in the dtype its matmul runs in; the older, memory-hungry path); without either every step runs
-    on the blocks. Non-quantised weights have only `dense`."""
+    on the blocks. Non-quantised weights have only `dense`. int8: the steps run on the blocks take `quant_linear`'s
+    int8 fast path (many-token steps with a scratch or dense copy stay exact: the fp32 GEMM is faster there)."""
 
     dense: torch.Tensor | None
     quant: QuantLinearWeight | None = None
     bias: torch.Tensor | None = None
     scratch: DequantScratch | None = None
+    int8: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         quant = self.quant
         if quant is not None and (x.shape[0] <= QUANT_MAX_TOKENS or (self.dense is None and self.scratch is None)):
             if x.dtype is torch.float32:  # the decode hot path: no conversions, not even no-op ones (~2 µs each)
-                return quant_linear(x, quant, self.bias)
+                return quant_linear(x, quant, self.bias, self.int8)
             bias = None if self.bias is None else self.bias.float()
-            return quant_linear(x.float(), quant, bias).to(x.dtype)
+            return quant_linear(x.float(), quant, bias, self.int8).to(x.dtype)
         weight = self.dense if self.dense is not None else self.scratch.weight(quant)
         if x.dtype != weight.dtype:
             return F.linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
@@ -108,12 +111,22 @@ class Llama:
     """A Llama-family decoder with fused weights; `forward` runs new tokens through a KV cache."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, Union[torch.Tensor, QuantWeight]],
-                 dtype: torch.dtype = torch.float32, backend: str = "auto", dense_copy: bool = False):
+                 dtype: torch.dtype = torch.float32, backend: str = "auto", dense_copy: bool = False,
+                 precision: str = "exact"):
         """backend: the kernels' backend (see `nodekv.kernels.backend_ops`). dense_copy: keep a dense fp32 copy of
         every quantised projection for many-token steps (the older path: ~4-7x the file's size in memory) instead
-        of decoding each into a shared scratch buffer per step (`DequantScratch`); bf16 models always keep one."""
+        of decoding each into a shared scratch buffer per step (`DequantScratch`); bf16 models always keep one.
+        precision: "exact" (fp32 activations) or "int8": steps of up to QUANT_MAX_TOKENS tokens (decode, probes,
+        short appends) and the lm_head multiply int8-quantised activations in the quantised projections
+        (`quant_linear`'s fast path; float32 only). Longer steps stay on the exact path, whose fp32 GEMM outruns
+        the int8 kernels there (no VNNI on AVX2: maddubs + madd + add per 32 products against 4 FMAs)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision == "int8" and dtype != torch.float32:
+            raise ValueError("precision 'int8' runs float32 models only")
+        self.precision = precision
         self.config = config
         self.dtype = dtype
         # fp32 on CPU: one C++ call and one pass per op (torch's RMSNorm is 6 ops, RoPE 4): decode steps are bound
@@ -122,7 +135,7 @@ class Llama:
         matmul_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
         # the scratch decodes fp32 values only: bf16 models round their dense weights to bf16 once, at load
         scratch = None if dense_copy or dtype != torch.float32 else DequantScratch()
-        weights = _WeightReader(tensors, dtype, matmul_dtype, scratch)
+        weights = _WeightReader(tensors, dtype, matmul_dtype, scratch, int8=precision == "int8")
 
         head = "embed" if config.tie_embeddings else "lm_head"
         # Logits leave the bf16 lm_head unrounded (bf16 inputs, fp32 accumulation and output): rounded to bf16's 8
@@ -291,7 +304,8 @@ class Llama:
         layers = [(l.attn_norm, (l.wqkv.quant, l.wqkv.bias), (l.wo.quant, l.wo.bias), l.ffn_norm,
                    (l.w13.quant, l.w13.bias), (l.w2.quant, l.w2.bias)) for l in self.layers]
         return cpu_ops.Decoder(self.embed, layers, self.norm, None if head.quant is None else (head.quant, head.bias),
-                               n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, eps=c.norm_eps)
+                               n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, eps=c.norm_eps,
+                               int8=self.precision == "int8")
 
 
 _UNFUSED = object()  # `_decode_step`: the fused step does not apply
@@ -326,8 +340,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class _WeightReader:
     """Checks each canonical tensor's presence and shape, fuses, and converts to the model's dtypes."""
 
-    def __init__(self, tensors, dtype, matmul_dtype, scratch: DequantScratch | None):
+    def __init__(self, tensors, dtype, matmul_dtype, scratch: DequantScratch | None, int8: bool = False):
         self.tensors, self.dtype, self.matmul_dtype, self.scratch = tensors, dtype, matmul_dtype, scratch
+        self.int8 = int8
 
     def get(self, name: str, shape: tuple[int, ...]):
         t = self.tensors.get(name)
@@ -361,7 +376,10 @@ class _WeightReader:
             weight = quant.dequantize()
         if weight is not None:  # bf16 numerics: round weights to bf16 even when the matmul itself runs in fp32
             weight = weight.to(self.dtype).to(matmul_dtype).contiguous()
-        b = None
-        if bias is not None:
-            b = torch.cat([self.get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(matmul_dtype)
-        return Linear(weight, quant, b, self.scratch if quant is not None and dense else None)
+        return Linear(weight, quant, self._bias(bias, out_sizes, matmul_dtype),
+                      self.scratch if quant is not None and dense else None, self.int8 and quant is not None)
+
+    def _bias(self, names: list[str] | None, out_sizes: list[int], matmul_dtype: torch.dtype) -> torch.Tensor | None:
+        if names is None:
+            return None
+        return torch.cat([self.get(n, (o,)) for n, o in zip(names, out_sizes)]).to(self.dtype).to(matmul_dtype)

@@ -47,9 +47,11 @@ class IndexStore:
     @classmethod
     def for_method(cls, root: Path, engine: Engine, method: Method) -> "IndexStore":
         """The store of `method`'s indexes; only the options its index depends on (`method.index_key()`) enter
-        the key."""
-        ident = json.dumps([str(engine.path), str(engine.model.dtype), method.name, method.index_key()],
-                           sort_keys=True)
+        the key, and the engine's precision where it is not the exact one (which the keys of older stores lack)."""
+        ident = [str(engine.path), str(engine.model.dtype), method.name, method.index_key()]
+        if engine.model.precision != "exact":
+            ident.append(engine.model.precision)
+        ident = json.dumps(ident, sort_keys=True)
         return cls(root, f"{method.name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}", engine)
 
     def build_or_load(self, method: Method, document: str) -> BuiltIndex:

@@ -27,7 +27,7 @@ class RayPlan:
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every worker loads: the model file, its dtype, the method with its options, the prompt of `dataset`
-    ("" for the generic one) and the index store's root directory."""
+    ("" for the generic one), the index store's root directory and the engine's precision."""
 
     model: str
     dtype: str
@@ -35,6 +35,7 @@ class WorkerSpec:
     options: dict
     store_root: str
     dataset: str = ""
+    precision: str = "exact"
 
 
 class _Worker:
@@ -47,7 +48,7 @@ class _Worker:
         from ..methods.prompts import prompt_for
         from ..methods.registry import get
 
-        self.engine = load_engine(spec.model, dtype=spec.dtype, threads=threads)
+        self.engine = load_engine(spec.model, dtype=spec.dtype, threads=threads, precision=spec.precision)
         self.engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
         self.method = get(spec.method)(self.engine, prompt=prompt_for(spec.dataset), **spec.options)
         self.store = IndexStore.for_method(Path(spec.store_root), self.engine, self.method)

@@ -133,7 +133,8 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_done(cfg.path)}
-    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path), "options": options,
+    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path),
+            "precision": engine.model.precision, "options": options,
             "option_sources": sources, **matched, "generation": {k: getattr(method.prompt, k) for k in
                                                                   ("max_new_tokens", "stop", "repetition_penalty")},
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
@@ -153,7 +154,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
 
         spec = None if ray is None else WorkerSpec(
             str(engine.path), next(name for name, d in DTYPES.items() if d == engine.model.dtype), cfg.method,
-            options, str(store.root), cfg.dataset)
+            options, str(store.root), cfg.dataset, engine.model.precision)
         if method_class.learns_across_documents:
             # every fit needs all the indexes, each one independent work: with Ray they are built on the workers (one
             # that fails there fails again in _cross_fit, which writes its error lines)

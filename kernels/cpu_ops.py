@@ -342,12 +342,13 @@ class Decoder:
     """
 
     def __init__(self, embed: torch.Tensor | QuantWeight, layers, final_norm: torch.Tensor, lm_head, *,
-                 n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+                 n_heads: int, n_kv_heads: int, head_dim: int, eps: float, int8: bool = False):
         """embed: float32 [vocab, dim] or a QuantWeight [vocab, dim] (rows decoded as they are looked up, as
         `QuantWeight.rows`); layers: per layer (attn_norm, wqkv, wo, ffn_norm, w13, w2), the norms float32 [dim] and
         each projection a (QuantWeight or QuantStack, float32 bias or None) pair (wqkv rows q | k | v, w13 rows
         gate | up); final_norm [dim]; lm_head: (QuantWeight or QuantStack [vocab, dim], bias) or None (then the caller
-        applies it to `step`'s hidden state). All contiguous."""
+        applies it to `step`'s hidden state). All contiguous. int8: the projections take `quant_linear`'s int8 fast
+        path (then the op-by-op path matches only when it takes it too)."""
         from .quant import QuantStack, QuantWeight
 
         fn = "Decoder"
@@ -386,7 +387,7 @@ class Decoder:
                            linear(f"layers[{i}] w2", w2, dim, inter)])
         head = [] if lm_head is None else linear("lm_head", lm_head, vocab, dim)
         self._c = _C.Decoder(dim, n_heads, n_kv_heads, head_dim, inter, vocab, float(eps), embed_arg, packed,
-                             final_norm.data_ptr(), head)
+                             final_norm.data_ptr(), head, int8)
         self._keep = keep
         self.n_layers, self.vocab, self.dim = len(layers), vocab, dim
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim

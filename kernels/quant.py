@@ -9,8 +9,9 @@ formats with native kernels (block sizes and type ids from gguf's tables):
 
 so in_features must be a multiple of the type's block (32 or 256). A fused projection whose parts differ in type
 (Qwen2.5's q|k|v = q5_0|q5_0|q8_0) is a `QuantStack`: row segments of one type each, run by the same kernels in one
-call, with no copy of the parts. Activations are never quantised: `quant_linear(x, w)` equals `x @ w.dequantize().T` up to fp32 rounding,
-while reading only the quantised bytes (about 1/6 of fp32 for q4_1); dense fp32 decode is bound by those bytes.
+call, with no copy of the parts. Activations stay fp32 unless asked (`int8=True`, the fast path): `quant_linear(x, w)`
+equals `x @ w.dequantize().T` up to fp32 rounding, while reading only the quantised bytes (about 1/6 of fp32 for
+q4_1); dense fp32 decode is bound by those bytes.
 """
 from __future__ import annotations
 
@@ -156,7 +157,8 @@ QuantLinearWeight = Union[QuantWeight, QuantStack]
 _F32 = torch.float32
 
 
-def quant_linear(x: torch.Tensor, w: QuantLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: QuantLinearWeight, bias: torch.Tensor | None = None,
+                 int8: bool = False) -> torch.Tensor:
     """x: float32 [..., in_features] -> float32 [..., out_features] = x @ dequant(w).T (+ bias).
 
     CPU only, no autograd; runs on torch.get_num_threads() OpenMP threads. Any number of leading dims. One token
@@ -164,6 +166,10 @@ def quant_linear(x: torch.Tensor, w: QuantLinearWeight, bias: torch.Tensor | Non
     token's output row is bit for bit what that token gets alone (whatever the other tokens and the thread count), so
     batched decode steps reproduce sequential ones. Called ~120 times per decoded token, so the checks here are kept
     to a few attribute reads.
+
+    int8: the fast path. Each token's x is quantised per weight block (32 inputs, or 256 for q4_k/q6_k) to int8 with
+    one fp32 scale d = max|x| / 127, and the products are integer: an input moves by at most d / 2, so an output by
+    at most the sum of |w| d / 2 over its inputs (plus fp32 rounding).
     """
     k = w.in_features
     if x.dtype != _F32 or not x.is_cpu:
@@ -184,5 +190,5 @@ def quant_linear(x: torch.Tensor, w: QuantLinearWeight, bias: torch.Tensor | Non
     y = torch.empty(t, n, dtype=_F32)
     if t:
         _C.quant_matmul(x.data_ptr(), t, k, w._segs.data_ptr(), w._nseg, bias_ptr, y.data_ptr(),
-                        torch.get_num_threads())
+                        torch.get_num_threads(), int8)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

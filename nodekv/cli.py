@@ -14,6 +14,8 @@ from nodekv import commands
 from nodekv.engine.models import DEFAULT_MODEL, MODELS
 from nodekv.methods.prompts import PROMPTS
 
+PRECISION_HELP = ("exact: fp32 activations; int8: the fast path, int8 activations in the quantised projections of a "
+                  "GGUF model (docs/engine.md)")
 MODEL_HELP = f"a registered name (`nodekv models`), HF directory or .gguf file (default: {DEFAULT_MODEL})"
 
 
@@ -118,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--model", default=None, help=MODEL_HELP)
     ask.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ask.add_argument("--precision", default="exact", choices=["exact", "int8"], help=PRECISION_HELP)
     ask.add_argument("--prompt", default="", choices=sorted(PROMPTS), metavar="DATASET",
                      help="answer in this dataset's prompt, e.g. narrativeqa for a story (default: the generic "
                           "document-QA one)")
@@ -138,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a method option, repeatable, e.g. --option attention=false (PECAN's ablations)")
     ev.add_argument("--label", default=None, help="the run's name (default: the method and its options)")
     ev.add_argument("--model", default=None, help=MODEL_HELP)
+    ev.add_argument("--precision", default="exact", choices=["exact", "int8"], help=PRECISION_HELP)
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")
     ev.add_argument("--reference", default=None, help="report: method the TFLOPs ratio is taken against")

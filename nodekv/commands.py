@@ -112,7 +112,7 @@ def ask(args: argparse.Namespace) -> int:
     saved = method_class.can_save and _saved_by(doc) == name
     text = None if saved else _read_document(doc)
     t0 = time.perf_counter()
-    eng = load_engine(args.model, dtype=args.dtype, threads=args.threads)
+    eng = load_engine(args.model, dtype=args.dtype, threads=args.threads, precision=args.precision)
     t1 = time.perf_counter()
     prompt = replace(prompt_for(args.prompt), max_new_tokens=args.max_new_tokens)
     method = method_class(eng, prompt=prompt, **options)
@@ -183,7 +183,7 @@ def evaluate(args: argparse.Namespace) -> int:
         check_output_folder(cfg.out)
         if cfg.match is not None:
             check_input(cfg.match, "reference run")
-        path = run(load_engine(args.model, threads=args.threads), cfg, ray=plan)
+        path = run(load_engine(args.model, threads=args.threads, precision=args.precision), cfg, ray=plan)
     except (DataNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -64,6 +64,7 @@ CASES = [  # argv, the one line on stderr
     (["ask", "--max-new-tokens", "0", "doc.txt", "q"], "error: --max-new-tokens must be >= 1, got 0"),
     (["flops", "--model", "smollm2-135m", "--tokens", "0"], "error: --tokens must be >= 1, got 0"),
     (["ask", "--prompt", "nope", "doc.txt", "q"], "error: argument --prompt: invalid choice: 'nope'"),
+    (["ask", "--precision", "fp8", "doc.txt", "q"], "error: argument --precision: invalid choice: 'fp8'"),
     (["ask", "--method", "bm25", "--option", "k=three", "doc.txt", "q"], "error: bm25 option k must be int"),
     (["index", "doc.txt", "-o", "/no/such/dir/x.pecan"], "error: the output folder /no/such/dir does not exist"),
     (["index", "doc.txt", "--method", "pecan", "-o", "{tmp}"], "error: the output {tmp} is a directory, not a file"),
@@ -130,6 +131,18 @@ def test_the_python_api_refuses_a_limit_below_one():
     for limit in (0, -3):
         with pytest.raises(ValueError, match=f"limit must be >= 1, got {limit}"):
             load_dataset("variable_tracking_2hop_2k", limit=limit)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"precision": "fp8"}, "precision must be one of exact, int8, got 'fp8'"),
+    ({"precision": "int8", "dtype": "bfloat16"}, "precision 'int8' runs float32 models only"),
+])
+def test_load_engine_refuses_a_bad_precision_before_reading_the_model(kwargs, message, monkeypatch):
+    from nodekv.engine import engine
+
+    monkeypatch.setattr(engine, "load_checkpoint", lambda *a: pytest.fail("the model was read"))
+    with pytest.raises(ValueError, match=message):
+        engine.load_engine("no-such-model.gguf", **kwargs)
 
 
 def test_not_utf8_names_the_file_byte_and_offset_past_the_first_read_chunk(tmp_path):

@@ -1,0 +1,97 @@
+"""The engine's int8 fast path (load_engine(precision="int8")) on tiny GGUF models: few-token steps take the int8
+kernels (their logits move off the exact path's by about the activations' quantisation error, and no further), the
+fused decode step gives the op-by-op int8 step's numbers bit for bit, a batch of sequences gives each sequence's
+one-token steps, long prompts stay exact, and bad precisions are refused before anything loads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import new_cache, tiny_hf_model, write_tiny_gguf
+from nodekv.engine.loader import load_checkpoint
+from nodekv.engine.model import QUANT_MAX_TOKENS, Llama
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    hf = tiny_hf_model("qwen2", n_kv_heads=2, seed=3)
+    path = tmp_path_factory.mktemp("int8") / "tiny-qwen2-q4_0.gguf"
+    write_tiny_gguf(hf, path, "q4_0", arch="qwen2")
+    return path
+
+
+def _model(path, precision="exact") -> Llama:
+    ckpt = load_checkpoint(path)
+    return Llama(ckpt.config, ckpt.tensors, precision=precision)
+
+
+def _steps(model, ids, fused):
+    """Logits [len(ids) - 1, vocab] of one token per step after the first, and the cache."""
+    model.fused_decode = fused
+    cache = new_cache(model, page_size=8)
+    model.forward(ids[:1], cache, logits=None)
+    return torch.cat([model.forward(ids[i:i + 1], cache) for i in range(1, len(ids))]), cache
+
+
+IDS = torch.randint(0, 101, (24,), generator=torch.Generator().manual_seed(7))
+
+
+def test_int8_steps_are_close_to_exact_and_not_equal(gguf_path):
+    exact, _ = _steps(_model(gguf_path), IDS, fused=False)
+    int8, _ = _steps(_model(gguf_path, "int8"), IDS, fused=False)
+    p, q = exact.double().log_softmax(-1), int8.double().log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    assert 0 < kl.max() < 1e-3, kl.max()  # it took the int8 kernels, and they stay close
+    assert (exact.argmax(-1) == int8.argmax(-1)).float().mean() >= 0.9
+
+
+def test_fused_int8_step_matches_op_by_op_int8(gguf_path):
+    model = _model(gguf_path, "int8")
+    fused, fused_cache = _steps(model, IDS, fused=True)
+    assert model._decoder is not None and model._decoder is not False  # it ran fused
+    op, op_cache = _steps(_model(gguf_path, "int8"), IDS, fused=False)
+    assert torch.equal(fused, op)
+    n = fused_cache.length
+    pages = torch.tensor(fused_cache.pages)
+    assert torch.equal(fused_cache.pool.k[:, pages].flatten(1, 3)[:, :n],
+                       op_cache.pool.k[:, torch.tensor(op_cache.pages)].flatten(1, 3)[:, :n])
+
+
+def test_int8_batch_matches_single_sequences(gguf_path):
+    from nodekv.engine.cache_batch import CacheBatch
+
+    model = _model(gguf_path, "int8")
+    seqs = [IDS[:5], IDS[5:13], IDS[13:16]]
+    alone = []
+    for s in seqs:
+        cache = new_cache(model, page_size=8)
+        model.forward(s, cache, logits=None)
+        alone.append(model.forward(IDS[-1:], cache))
+    caches = []
+    for s in seqs:
+        cache = new_cache(model, page_size=8)
+        model.forward(s, cache, logits=None)
+        caches.append(cache)
+    batch = model.forward_batch(IDS[-1:].repeat(3), CacheBatch(caches, [1, 1, 1]))
+    assert torch.equal(batch, torch.cat(alone))
+
+
+def test_long_prompts_stay_exact(gguf_path):
+    """Steps longer than QUANT_MAX_TOKENS run the exact GEMM in both precisions (it is faster there)."""
+    ids = torch.randint(0, 101, (QUANT_MAX_TOKENS + 9,), generator=torch.Generator().manual_seed(8))
+    exact, int8 = _model(gguf_path), _model(gguf_path, "int8")
+    exact.lm_head.int8 = False
+    int8.lm_head.int8 = False  # the lm_head runs on its blocks at any length, int8 included
+    a = exact.forward(ids, new_cache(exact, page_size=8), logits="all")
+    b = int8.forward(ids, new_cache(int8, page_size=8), logits="all")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"precision": "fp8"}, "precision must be one of exact, int8"),
+    ({"precision": "int8", "dtype": torch.bfloat16}, "runs float32 models only"),
+])
+def test_bad_precision_is_refused(gguf_path, kwargs, message):
+    ckpt = load_checkpoint(gguf_path)
+    with pytest.raises(ValueError, match=message):
+        Llama(ckpt.config, ckpt.tensors, **kwargs)
