@@ -6,13 +6,16 @@ Models (their GGUFs' shapes and types):
   qwen2.5-0.5b   24 layers: fused qkv [1152x896] = Q5_0 (q|k, 1024 rows) | Q8_0 (v, 128 rows), o [896x896] Q5_0,
                  gate/up [9728x896] Q5_0, down [896x4864] Q6_K or Q4_K (as in the Q4_K_M file); lm_head
                  [151936x896] Q8_0.
+  qwen2.5-1.5b   28 layers: fused qkv [2048x1536] = Q4_K (q|k, 1792 rows) | Q4_K or Q6_K (v, 256 rows), o [1536x1536]
+                 Q4_K, gate/up [17920x1536] Q4_K, down [1536x8960] Q6_K or Q4_K; lm_head [151936x1536] Q6_K.
 Every layer gets its own random weights, so the bytes come from DRAM as in a real forward, not from the last-level
 cache. Run: python -m nodekv.bench.quant_gemv [--model qwen2.5-0.5b] [--threads N] [--tokens 1,2,4,8,16]
 
 With one token count (--tokens, default 1: decode) it prints the per-projection table; with several, a sweep: the
 whole model's matmuls at each count on the quantised blocks and with dense fp32 F.linear on the dequantised weights,
 in ms and tokens/s, and tokens/s relative to one token (what batching that many decode steps buys), measured side by
-side. The count where dense overtakes the blocks is where a forward should switch to dense weights.
+side. The count where dense overtakes the blocks is where a forward should switch to dense weights. --int8 adds the
+int8 fast path (`quant_linear(..., int8=True)`) beside the exact one in either table.
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ def smollm2_layer(i: int) -> list[tuple[str, Parts, int]]:
 
 
 QWEN_Q6K_DOWN = {0, 1, 3, 6, 7, 8, 9, 10, 13, 16, 19, 21}  # the layers whose ffn_down is Q6_K (else Q4_K)
+# qwen2.5-1.5b: llama.cpp's Q4_K_M gives attn_v and ffn_down more bits in the first and last eighth of the layers and
+# every third layer between (its use_more_bits rule)
+QWEN15_Q6K = {i for i in range(28) if i < 3 or i >= 24 or (i - 3) % 3 == 2}
 
 
 def qwen_layer(i: int) -> list[tuple[str, Parts, int]]:
@@ -41,9 +47,16 @@ def qwen_layer(i: int) -> list[tuple[str, Parts, int]]:
             ("gate/up", [(9728, "q5_0")], 896), ("down", [(896, "q6_k" if i in QWEN_Q6K_DOWN else "q4_k")], 4864)]
 
 
+def qwen15_layer(i: int) -> list[tuple[str, Parts, int]]:
+    more = "q6_k" if i in QWEN15_Q6K else "q4_k"
+    return [("qkv", [(1792, "q4_k"), (256, more)], 1536), ("o", [(1536, "q4_k")], 1536),
+            ("gate/up", [(17920, "q4_k")], 1536), ("down", [(1536, more)], 8960)]
+
+
 MODELS = {  # name: (layers, per-layer projections (name, parts, in_features), lm_head (rows, qtype, in_features))
     "smollm2-135m": (30, smollm2_layer, (49152, "q8_0", 576)),
     "qwen2.5-0.5b": (24, qwen_layer, (151936, "q8_0", 896)),
+    "qwen2.5-1.5b": (28, qwen15_layer, (151936, "q6_k", 1536)),
 }
 
 
@@ -96,7 +109,8 @@ def time_fn(fn, reps: int) -> tuple[float, float, float]:
     return statistics.median(wall), min(wall), min(cpu)
 
 
-def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense: bool, gen: torch.Generator) -> None:
+def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense: bool, gen: torch.Generator,
+          int8: bool = False) -> None:
     """The whole model's matmuls at each token count, quantised and dense fp32, timed side by side: each repetition
     runs every (count, kernel) once, so a busy machine slows all of them alike."""
     dense_ws = [w.dequantize() for w in weights] if dense else []
@@ -107,11 +121,15 @@ def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense:
         for w in weights:
             quant_linear(xs[t, w.in_features], w)
 
+    def run_int8(t):
+        for w in weights:
+            quant_linear(xs[t, w.in_features], w, int8=True)
+
     def run_dense(t):
         for w in dense_ws:
             F.linear(xs[t, w.shape[1]], w)
 
-    kernels = [("quant", run_quant)] + ([("dense", run_dense)] if dense else [])
+    kernels = [("quant", run_quant)] + [("int8", run_int8)] * int8 + [("dense", run_dense)] * dense
     times: dict[tuple[str, int], list[float]] = {(name, t): [] for name, _ in kernels for t in counts}
     for rep in range(reps + 1):  # the first round warms up
         for t in counts:
@@ -141,6 +159,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1",
                     help="rows of x per matmul (1 = decode); a comma list (1,2,4,8,16) sweeps the counts")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense fp32 comparison (it needs 4 B/weight)")
+    ap.add_argument("--int8", action="store_true", help="also time the int8 fast path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -151,7 +170,7 @@ def main() -> None:
     head = random_quant(vocab, dim, head_type, gen)
     if len(counts) > 1:
         print(f"one {args.model} forward's matmuls per token count, {args.threads} threads, {args.reps} runs")
-        sweep([w for ws in layers for _, w in ws] + [head], counts, args.reps, not args.no_dense, gen)
+        sweep([w for ws in layers for _, w in ws] + [head], counts, args.reps, not args.no_dense, gen, args.int8)
         return
     tokens = counts[0]
     xs: dict[int, torch.Tensor] = {}
@@ -168,15 +187,21 @@ def main() -> None:
             groups.setdefault(f"{name} {types}", []).append(w)
     groups[f"lm_head {head_type}"] = [head]
 
-    def run(ws):
+    def run(ws, int8=False):
         for w in ws:
-            quant_linear(xs[w.in_features], w)
+            quant_linear(xs[w.in_features], w, int8=int8)
 
     all_quant = [w for ws in groups.values() for w in ws]
-    rows = [(f"{name} (x{len(ws)})", sum(map(nbytes, ws)), time_fn(lambda ws=ws: run(ws), args.reps))
-            for name, ws in groups.items()]
+    rows = []
+    for name, ws in groups.items():
+        rows.append((f"{name} (x{len(ws)})", sum(map(nbytes, ws)), time_fn(lambda ws=ws: run(ws), args.reps)))
+        if args.int8:
+            rows.append(("  int8", sum(map(nbytes, ws)), time_fn(lambda ws=ws: run(ws, True), args.reps)))
     rows.append(("token total, quantised blocks", sum(map(nbytes, all_quant)), time_fn(lambda: run(all_quant),
                                                                                         args.reps)))
+    if args.int8:
+        rows.append(("token total, int8 fast path", sum(map(nbytes, all_quant)),
+                     time_fn(lambda: run(all_quant, True), args.reps)))
 
     if not args.no_dense:
         dense = [w.dequantize() for w in all_quant]

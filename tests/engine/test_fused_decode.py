@@ -191,6 +191,23 @@ def test_prompts_on_the_blocks_equal_the_dense_copy_bit_for_bit(qtype, tmp_path)
         assert isinstance(layers[0].wqkv.quant, QuantStack)
 
 
+def test_the_gate_up_product_in_parts_equals_it_whole(tmp_path, monkeypatch):
+    """A many-token step computes silu(gate) * up GATED_ROWS rows at a time (Linear.gated): the logits equal those of
+    the product taken whole, to fp32 rounding (the GEMM may block a part's rows differently)."""
+    from nodekv.engine import model as model_module
+
+    model = _model(_gguf(tmp_path, "q8_0")[1])
+    ids = torch.randint(0, 101, (QUANT_MAX_TOKENS + 9,), generator=torch.Generator().manual_seed(3))
+    whole = model.forward(ids, new_cache(model), logits="all")
+    monkeypatch.setattr(model_module, "GATED_ROWS", 8)
+    rows = []
+    act = model.ops.silu_mul
+    monkeypatch.setattr(model.ops, "silu_mul", lambda gate_up: rows.append(gate_up.shape[0]) or act(gate_up))
+    parts = model.forward(ids, new_cache(model), logits="all")
+    assert rows == [8, 8, 8, 8, 8, 1] * model.config.n_layers  # 41 rows in parts of 8, per layer
+    _close(parts, whole, 1e-5)
+
+
 def test_dense_lm_head_runs_in_python(tmp_path):
     """An lm_head that is not quantised (here: replaced by its dense weights) is applied to the fused step's
     hidden state by the op-by-op Linear."""
