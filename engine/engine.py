@@ -14,6 +14,7 @@ from .flops import FlopAccount, forward_flops
 from .kv_cache import PagedKVCache
 from .loader import load_checkpoint
 from .model import PRECISIONS, KVCache, Llama
+from .node_store import StoredNode, check_fits, unrotate
 from .page_pool import PagePool, default_pool_pages
 from .prefix_cache import PrefixCache
 from .models import resolve_model
@@ -85,6 +86,37 @@ class Engine:
             flops.append(forward_flops(self.config, *shape))
             self.flops.add(flops[-1], t.shape[0], decode, shape)
         return outs, flops
+
+    def store_node(self, ids: Sequence[int]) -> StoredNode:
+        """Prefill `ids` once, from an empty cache (FLOPs charged as any forward's, in the open scope: an index's
+        build), and keep their keys, un-rotated, and values for `place_stored` at any position."""
+        ids = list(ids)
+        cache = self.new_cache()
+        try:
+            self.run(ids, cache, logits=None)
+            n, pages = len(ids), torch.tensor(cache.pages)
+            # [layers, pages, kv_heads, page_size, hd] -> positions in order: [layers, n, kv_heads, hd]
+            k, v = (t[:, pages].permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :n] for t in (self.pool.k, self.pool.v))
+            k = unrotate(k, *self.model.rope(slice(0, n))).to(v.dtype)
+            return StoredNode(tuple(ids), k, v.clone())
+        finally:
+            cache.release()
+
+    @torch.inference_mode()
+    def place_stored(self, node: StoredNode, cache: PagedKVCache) -> None:
+        """Write a stored node's keys and values after what `cache` holds, each key rotated to its position there by
+        the tables a prefill uses (no forward: no FLOPs). All or nothing."""
+        check_fits(node, self.config)
+        n = len(node)
+        start = cache.begin(n)
+        try:
+            cos, sin = self.model.rope(slice(start, start + n))
+            for layer in range(self.config.n_layers):
+                cache.write(layer, self.model.ops.rope(node.k[layer].to(self.model.dtype), cos, sin), node.v[layer])
+        except BaseException:
+            cache.truncate(start)
+            raise
+        cache.commit(n)
 
     def append_batch(self, sessions: Sequence[Session], ids: Sequence[Sequence[int]],
                      node_ids: Sequence[Hashable | None] | None = None, collect: bool = False) -> list[NodeSpan]:

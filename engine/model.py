@@ -32,7 +32,7 @@ from .kv_cache import PagedKVCache
 # 308 against 443 ms at 32 tokens; dense catches up between 64 and 128), and it computes each row bit-identically
 # whatever the token count, so a batched decode step of up to 32 sessions gives the numbers of sequential ones.
 QUANT_MAX_TOKENS = 32
-GATED_ROWS = 512  # rows per part of a many-token step's gate|up product (Linear.gated)
+GATED_ROWS, GATED_COLS = 512, 2048  # a many-token step's gate|up product in tiles (Linear.gated)
 PRECISIONS = ("exact", "int8")  # Llama(precision=...): fp32 activations, or int8 ones in the quantised projections
 
 
@@ -61,12 +61,19 @@ class DequantScratch:
     def __init__(self):
         self.buffer = torch.empty(0, dtype=torch.float32)
 
-    def weight(self, quant: QuantLinearWeight) -> torch.Tensor:
-        """float32 [out, in]: `quant` decoded into the buffer (valid until the next call)."""
-        n = quant.out_features * quant.in_features
-        if self.buffer.numel() < n:
-            self.buffer = torch.empty(n, dtype=torch.float32)
-        return quant.dequantize(self.buffer[:n].view(quant.out_features, quant.in_features))
+    def weight(self, quant: QuantLinearWeight, row_ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """float32 [rows, in]: `quant` (or its rows in `row_ranges`, stacked in order) decoded into the buffer (valid
+        until the next call)."""
+        parts = [quant] if row_ranges is None else [quant.row_slice(a, b) for a, b in row_ranges]
+        rows, k = sum(p.out_features for p in parts), quant.in_features
+        if self.buffer.numel() < rows * k:
+            self.buffer = torch.empty(rows * k, dtype=torch.float32)
+        out = self.buffer[:rows * k].view(rows, k)
+        row = 0
+        for p in parts:
+            p.dequantize(out[row:row + p.out_features])
+            row += p.out_features
+        return out
 
 
 @dataclass
@@ -90,30 +97,44 @@ class Linear:
                 return quant_linear(x, quant, self.bias, self.int8)
             bias = None if self.bias is None else self.bias.float()
             return quant_linear(x.float(), quant, bias, self.int8).to(x.dtype)
-        return self._product(x, self._weight())
+        return self._product(x, self._weight(), self.bias)
 
     def gated(self, x: torch.Tensor, act) -> torch.Tensor:
         """act(self(x)) for an activation that halves the width (SwiGLU's silu(gate) * up over a gate|up product).
-        A many-token step computes it GATED_ROWS rows at a time into one output, decoding the weight once: the [T, 2I]
-        product never exists whole (at 2K tokens of Qwen2.5-1.5B it would take 147 MB beside the 73 MB result)."""
+        A many-token step computes it in tiles of GATED_ROWS rows into one output, so the [T, 2I] product never
+        exists whole (at 2K tokens of Qwen2.5-1.5B it would take 147 MB beside the 73 MB result); on the scratch, the
+        tiles are also GATED_COLS outputs wide, and each column block's gate and up rows are decoded once for all
+        row tiles (the scratch then holds 2 x GATED_COLS rows, not the 2I of the whole weight: 25 MB, not 110)."""
         T = x.shape[0]
-        if T <= GATED_ROWS or (self.dense is None and self.scratch is None):
+        on_blocks = self.quant is not None and (T <= QUANT_MAX_TOKENS or (self.dense is None and self.scratch is None))
+        if on_blocks or (self.dense is not None and T <= GATED_ROWS):
             return act(self(x))
-        weight, out = self._weight(), None
-        for i in range(0, T, GATED_ROWS):
-            y = act(self._product(x[i:i + GATED_ROWS], weight))
-            if out is None:
-                out = torch.empty(T, y.shape[1], dtype=y.dtype)
-            out[i:i + y.shape[0]] = y
+        width = self._rows() // 2
+        blocks = [(0, width)] if self.dense is not None else \
+            [(a, min(a + GATED_COLS, width)) for a in range(0, width, GATED_COLS)]
+        out = None
+        for a, b in blocks:
+            ranges = [(a, b), (width + a, width + b)]
+            weight = self.dense if self.dense is not None else self.scratch.weight(self.quant, ranges)
+            bias = None if self.bias is None else torch.cat([self.bias[r0:r1] for r0, r1 in ranges])
+            for i in range(0, T, GATED_ROWS):
+                y = act(self._product(x[i:i + GATED_ROWS], weight, bias))
+                if out is None:
+                    out = torch.empty(T, width, dtype=y.dtype)
+                out[i:i + y.shape[0], a:b] = y
         return out
+
+    def _rows(self) -> int:
+        return self.dense.shape[0] if self.dense is not None else self.quant.out_features
 
     def _weight(self) -> torch.Tensor:
         return self.dense if self.dense is not None else self.scratch.weight(self.quant)
 
-    def _product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dtype != weight.dtype:
-            return F.linear(x.to(weight.dtype), weight, self.bias).to(x.dtype)
-        return F.linear(x, weight, self.bias)
+            return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+        return F.linear(x, weight, bias)
 
 
 @dataclass

@@ -29,6 +29,8 @@ class ModelRunner(Protocol):
     def run_batch(self, ids: Sequence[Sequence[int]], caches: Sequence[PagedKVCache], logits: str | None = "last",
                   decode: bool = False) -> tuple[list[torch.Tensor | None], list[int]]: ...
 
+    def place_stored(self, node, cache: PagedKVCache) -> None: ...  # a StoredNode's KV written after the cache
+
 
 class DecodingSession(Protocol):
     """A session as a generation sees it (`Session`): its engine, tokens, node spans and cache."""

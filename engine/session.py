@@ -9,6 +9,7 @@ from typing import Collection, Hashable, Sequence
 import torch
 
 from .generation import Generation, GenerationState, LogitsProcessor, check_one_engine, generate
+from .node_store import StoredNode
 from .runner import ModelRunner
 from .sampling import SamplingParams
 
@@ -64,6 +65,16 @@ class Session:
         """Prefill `ids` as a new node after everything cached; on error the session is unchanged.
         collect: record each new token's attention mass to every node so far, this one included."""
         return append_batch([self], [ids], [node_id], collect)[0]
+
+    def append_stored(self, node: StoredNode, node_id: Hashable | None = None) -> NodeSpan:
+        """Place a stored node (`Engine.store_node`) after everything cached, its keys rotated to where it lands,
+        without a forward over its tokens: their prefill was paid once, when the node was stored, with no context
+        before it (`engine/node_store.py`). No logits follow it, so append at least one token (the question) before
+        generating, probing or scoring. On error the session is unchanged."""
+        self._check_idle()
+        node_id = self._new_node_id(node_id)
+        self.engine.place_stored(node, self.cache)
+        return self._add_node(node_id, list(node.tokens), None, None)
 
     def generate(self, params: SamplingParams | int = SamplingParams(), /, *,
                  logits_processors: Sequence[LogitsProcessor] = (), allowed_tokens: Collection[int] | None = None,
@@ -168,7 +179,11 @@ class Session:
         self._check_idle()
         if not self.nodes:
             raise ValueError("the session is empty: append tokens to it first")
-        return self._logits[self.nodes[-1].node_id]
+        logits = self._logits[self.nodes[-1].node_id]
+        if logits is None:
+            raise ValueError(f"the session ends with stored node {self.nodes[-1].node_id!r}, which has no logits: "
+                             "append a token (e.g. the question) after it first")
+        return logits
 
     def _logits_after(self, tokens: Sequence[int], logits: str) -> torch.Tensor:
         """Logits ("last" or "all") of `tokens` run after the session, then rolled back to the same pages."""
@@ -224,7 +239,7 @@ class Session:
             raise ValueError(f"node id {node_id!r} is already in this session")
         return node_id
 
-    def _add_node(self, node_id: Hashable, ids: list[int], logits: torch.Tensor,
+    def _add_node(self, node_id: Hashable, ids: list[int], logits: torch.Tensor | None,
                   mass: torch.Tensor | None) -> NodeSpan:
         span = NodeSpan(node_id, len(self.tokens), len(self.tokens) + len(ids))
         self.tokens += ids

@@ -106,6 +106,10 @@ class QuantWeight(_QuantRows):
         lookup that never decodes the whole table); an id out of range raises IndexError."""
         return QuantWeight(self.data[ids], self.qtype, self.in_features).dequantize()
 
+    def row_slice(self, start: int, stop: int) -> "QuantWeight":
+        """Rows [start, stop) as a weight of their own, on the same bytes (no copy)."""
+        return QuantWeight(self.data[start:stop], self.qtype, self.in_features)
+
 
 @dataclass(frozen=True, eq=False)
 class QuantStack(_QuantRows):
@@ -131,6 +135,16 @@ class QuantStack(_QuantRows):
         object.__setattr__(self, "_n", sum(p.out_features for p in parts))
         object.__setattr__(self, "_segs", _segment_table([(p.data.data_ptr(), p._qid, p._n) for p in parts]))
         object.__setattr__(self, "_nseg", len(parts))
+
+    def row_slice(self, start: int, stop: int) -> QuantWeight | QuantStack:
+        """Rows [start, stop) of the stack as a weight of their own, on the same bytes (no copy)."""
+        pieces, row = [], 0
+        for p in self.parts:
+            lo, hi = max(start, row), min(stop, row + p.out_features)
+            if lo < hi:
+                pieces.append(p.row_slice(lo - row, hi - row))
+            row += p.out_features
+        return pieces[0] if len(pieces) == 1 else QuantStack(tuple(pieces))
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [out_features, in_features]: the parts' dequantisations stacked (into `out` when given)."""

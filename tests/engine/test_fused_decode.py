@@ -191,20 +191,26 @@ def test_prompts_on_the_blocks_equal_the_dense_copy_bit_for_bit(qtype, tmp_path)
         assert isinstance(layers[0].wqkv.quant, QuantStack)
 
 
-def test_the_gate_up_product_in_parts_equals_it_whole(tmp_path, monkeypatch):
-    """A many-token step computes silu(gate) * up GATED_ROWS rows at a time (Linear.gated): the logits equal those of
-    the product taken whole, to fp32 rounding (the GEMM may block a part's rows differently)."""
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_gate_up_product_in_tiles_equals_it_whole(tmp_path, monkeypatch, dense):
+    """A many-token step computes silu(gate) * up in tiles of GATED_ROWS rows (and, decoding into the scratch,
+    GATED_COLS columns: gate and up rows decoded a block at a time; Linear.gated): the logits equal those of the
+    product taken whole, to fp32 rounding (the GEMM may block a tile differently)."""
     from nodekv.engine import model as model_module
 
-    model = _model(_gguf(tmp_path, "q8_0")[1])
+    ckpt = load_checkpoint(_gguf(tmp_path, "q8_0", kind="qwen2")[1])
+    model = Llama(ckpt.config, ckpt.tensors, dense_copy=dense)
     ids = torch.randint(0, 101, (QUANT_MAX_TOKENS + 9,), generator=torch.Generator().manual_seed(3))
     whole = model.forward(ids, new_cache(model), logits="all")
     monkeypatch.setattr(model_module, "GATED_ROWS", 8)
-    rows = []
+    monkeypatch.setattr(model_module, "GATED_COLS", 40)
+    tiles = []
     act = model.ops.silu_mul
-    monkeypatch.setattr(model.ops, "silu_mul", lambda gate_up: rows.append(gate_up.shape[0]) or act(gate_up))
+    monkeypatch.setattr(model.ops, "silu_mul", lambda gate_up: tiles.append(tuple(gate_up.shape)) or act(gate_up))
     parts = model.forward(ids, new_cache(model), logits="all")
-    assert rows == [8, 8, 8, 8, 8, 1] * model.config.n_layers  # 41 rows in parts of 8, per layer
+    rows = [8, 8, 8, 8, 8, 1]  # 41 rows in tiles of 8
+    cols = [192] if dense else [80, 80, 32]  # the dense copy in one block; else 96 outputs in blocks of 40
+    assert tiles == [(r, c) for c in cols for r in rows] * model.config.n_layers
     _close(parts, whole, 1e-5)
 
 

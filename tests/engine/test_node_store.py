@@ -1,0 +1,109 @@
+"""Stored nodes (engine/node_store.py): a node prefilled once and placed at position p has the keys and values HF
+transformers computes for the same tokens at positions p.. with nothing before them (position_ids), to 1e-5; placed
+first, it and a question give a prefill's logits; placing charges no FLOPs, refuses a node of another model's shape
+and leaves the session unchanged on error; a session ending in a stored node has no logits to generate from."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_engine, tiny_hf_model, write_tiny_gguf
+from nodekv.engine.errors import PoolExhaustedError
+from nodekv.engine.node_store import StoredNode
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(HF model, nodekv engine) on the same fp32 weights: qwen2 (qkv bias, GQA 4:2)."""
+    hf = tiny_hf_model("qwen2", seed=5)
+    path = tmp_path_factory.mktemp("store") / "tiny-qwen2-f32.gguf"
+    write_tiny_gguf(hf, path, "f32", arch="qwen2")
+    return hf.eval(), tiny_engine(path, pages=64, page_size=8)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def cached_kv(session, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The session's K and V at positions [start, end): [layers, n, kv_heads, hd] each."""
+    cache = session.cache
+    pages = torch.tensor(cache.pages)
+    k, v = (t[:, pages].permute(0, 1, 3, 2, 4).flatten(1, 2)[:, start:end] for t in (cache.pool.k, cache.pool.v))
+    return k, v
+
+
+def hf_kv(hf, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's K and V of `tokens` at positions start.. with no context: [layers, n, kv_heads, hd] each."""
+    with torch.no_grad():
+        out = hf(torch.tensor([tokens]), position_ids=torch.arange(start, start + len(tokens))[None], use_cache=True)
+    layers = out.past_key_values.layers
+    return (torch.stack([getattr(layer, name)[0].transpose(0, 1) for layer in layers]) for name in ("keys", "values"))
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("at", [0, 37, 150])
+def test_a_placed_node_has_hf_keys_and_values_at_its_position(pair, at):
+    hf, engine = pair
+    node = engine.store_node(ids(21, 1))
+    with engine.session() as s:
+        if at:
+            s.append(ids(at, 2))
+        span = s.append_stored(node, node_id="doc")
+        assert (span.start, span.end) == (at, at + 21) and len(s) == at + 21
+        k, v = cached_kv(s, at, at + 21)
+    want_k, want_v = hf_kv(hf, list(node.tokens), at)
+    assert rel(k, want_k) <= 1e-5 and rel(v, want_v) <= 1e-5
+
+
+def test_a_node_placed_first_then_a_question_gives_the_prefill_logits(pair):
+    _, engine = pair
+    doc, question = ids(30, 3), ids(6, 4)
+    node = engine.store_node(doc)
+    with engine.session() as s:
+        s.append_stored(node)
+        with pytest.raises(ValueError, match="ends with stored node 'n0', which has no logits"):
+            s.probe(("<1>", "<2>"))
+        s.append(question)
+        placed = s.probe(("<1>", "<2>"))
+        scored = s.score(ids(3, 5))
+    with engine.session() as s:
+        s.append(doc + question)
+        assert placed == pytest.approx(s.probe(("<1>", "<2>")), rel=1e-5)
+        assert torch.allclose(scored, s.score(ids(3, 5)), atol=1e-5)
+
+
+def test_placing_charges_no_flops_and_storing_charges_a_prefill(pair):
+    _, engine = pair
+    before = engine.flops.total
+    node = engine.store_node(ids(12, 6))
+    stored = engine.flops.total - before
+    assert stored > 0
+    with engine.session() as s:
+        s.append(ids(5, 7))
+        before = engine.flops.total
+        s.append_stored(node)
+        assert engine.flops.total == before
+
+
+def test_a_node_of_another_shape_or_a_full_pool_leaves_the_session_unchanged(pair):
+    _, engine = pair
+    node = engine.store_node(ids(9, 8))
+    wrong = StoredNode(node.tokens, node.k[:1], node.v[:1])  # one layer: stored by another model
+    big = StoredNode(tuple(range(200)), torch.zeros(2, 200, 2, 16), torch.zeros(2, 200, 2, 16))
+    hogs = [engine.session() for _ in range(2)]
+    for h in hogs:
+        h.append(ids(200, 10))  # 50 of the pool's 64 pages of 8
+    with engine.session() as s:
+        s.append(ids(10, 9))
+        state, free = s.cache.state(), engine.pool.n_free
+        with pytest.raises(ValueError, match="does not fit this model"):
+            s.append_stored(wrong)
+        with pytest.raises(PoolExhaustedError):
+            s.append_stored(big)
+        assert s.cache.state() == state and engine.pool.n_free == free and len(s.nodes) == 1
+    for h in hogs:
+        h.release()
