@@ -14,9 +14,15 @@ float64 (exact up to the fp32 tables' own rounding: cos² + sin² = 1 within ~1e
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import mmap
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from ..paths import atomic_path
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,3 +54,117 @@ def unrotate(k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> to
     float64: rope's x cos + roll(x) sin_signed inverted as y cos - roll(y) sin_signed."""
     k, cos, sin_signed = k.double(), cos.double()[:, None, :], sin_signed.double()[:, None, :]
     return k * cos - k.roll(k.shape[-1] // 2, -1) * sin_signed
+
+
+# ---------------------------------------------------------------- the store file
+
+STORE_FORMAT, STORE_VERSION = "nodekv-node-store", 1
+STORE_DTYPES = ("float32", "float16", "int8")  # int8: symmetric, one fp32 scale per (layer, token, head) vector
+_MAGIC = b"NODEKVKV"
+
+
+class NodeStoreError(ValueError):
+    """A node store file that is truncated, corrupt, foreign, of another version or of another model."""
+
+
+def _encode(t: torch.Tensor, dtype: str) -> tuple[bytes, bytes]:
+    """(values, scales) bytes of fp32 `t` [..., hd] in `dtype`; int8 keeps a scale per vector: d = max|x| / 127, so
+    each value moves by at most d / 2."""
+    t = t.float().contiguous()
+    if dtype == "float32":
+        return t.numpy().tobytes(), b""
+    if dtype == "float16":
+        return t.half().numpy().tobytes(), b""
+    d = t.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, t / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127).to(torch.int8)
+    return q.numpy().tobytes(), d.numpy().tobytes()
+
+
+def _decode(values: memoryview, scales: memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}[dtype]
+    # copied out of the read-only map (frombuffer wants a writable buffer); the node is small beside the store
+    t = torch.frombuffer(bytearray(values), dtype=torch_dtype).view(shape).float()
+    if dtype == "int8":
+        t = t * torch.frombuffer(bytearray(scales), dtype=torch.float32).view(*shape[:-1], 1)
+    return t
+
+
+def write_node_store(path: str | Path, nodes: dict[str, StoredNode], model: dict, dtype: str = "float16") -> None:
+    """Write `nodes` (id -> node) to one file, whole or not at all: a magic, a JSON header (format, version, the model
+    the nodes were computed with, dtype, and per node its tokens, byte ranges and SHA-256) and the tensors."""
+    if dtype not in STORE_DTYPES:
+        raise ValueError(f"store dtype must be one of {', '.join(STORE_DTYPES)}, got {dtype!r}")
+    entries, blobs, offset = {}, [], 0
+    for node_id, node in nodes.items():
+        parts = [b for t in (node.k, node.v) for b in _encode(t, dtype)]
+        blob = b"".join(parts)
+        entries[str(node_id)] = {"tokens": list(node.tokens), "shape": list(node.k.shape), "offset": offset,
+                                 "sizes": [len(b) for b in parts], "sha256": hashlib.sha256(blob).hexdigest()}
+        blobs.append(blob)
+        offset += len(blob)
+    header = json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION, "model": model, "dtype": dtype,
+                         "payload_bytes": offset, "nodes": entries}).encode()
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(_MAGIC + len(header).to_bytes(8, "little") + header)
+        for blob in blobs:
+            f.write(blob)
+
+
+class NodeStore:
+    """A node store file opened for reading: the header checked at once (a truncated, foreign or other-model file is
+    refused here, and nothing else is read), each node's bytes read from a memory map and checked when first asked
+    for, so a store larger than memory costs only the nodes used."""
+
+    def __init__(self, path: str | Path, model: dict):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise NodeStoreError(f"{self.path} is not a readable node store: {e}") from e
+        head = self._map[:16]
+        if head[:8] != _MAGIC:
+            raise NodeStoreError(f"{self.path} is not a node store file")
+        size = int.from_bytes(head[8:16], "little")
+        try:
+            header = json.loads(self._map[16:16 + size])
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise NodeStoreError(f"{self.path} has a corrupt node store header: {e}") from e
+        if header.get("format") != STORE_FORMAT or header.get("version") != STORE_VERSION:
+            raise NodeStoreError(f"{self.path} is node store format {header.get('format')} version "
+                                 f"{header.get('version')}, this nodekv reads {STORE_FORMAT} {STORE_VERSION}")
+        if header["model"] != model:
+            raise NodeStoreError(f"{self.path} was stored with model {header['model']}, not the loaded {model}")
+        self._base = 16 + size
+        if len(self._map) != self._base + header["payload_bytes"]:
+            raise NodeStoreError(f"{self.path} is truncated or padded: {len(self._map)} bytes, its header says "
+                                 f"{self._base + header['payload_bytes']}")
+        self.dtype, self._entries = header["dtype"], header["nodes"]
+
+    def __contains__(self, node_id) -> bool:
+        return str(node_id) in self._entries
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._entries)
+
+    def bytes_per_1k_tokens(self) -> float:
+        tokens = sum(len(e["tokens"]) for e in self._entries.values())
+        return 1000 * sum(sum(e["sizes"]) for e in self._entries.values()) / max(tokens, 1)
+
+    def get(self, node_id) -> StoredNode:
+        """The node, decoded to fp32 (values within the dtype's error of those written)."""
+        e = self._entries.get(str(node_id))
+        if e is None:
+            raise KeyError(f"node {node_id!r} is not in the store {self.path}")
+        start = self._base + e["offset"]
+        blob = memoryview(self._map)[start:start + sum(e["sizes"])]
+        if hashlib.sha256(blob).hexdigest() != e["sha256"]:
+            raise NodeStoreError(f"{self.path}: the bytes of node {node_id!r} are corrupt (checksum mismatch)")
+        bounds = [0]
+        for n in e["sizes"]:
+            bounds.append(bounds[-1] + n)
+        pieces = [blob[a:b] for a, b in zip(bounds, bounds[1:])]
+        shape = tuple(e["shape"])  # pieces: K's values and scales, then V's (no scales but int8's)
+        k, v = (_decode(pieces[i], pieces[i + 1], self.dtype, shape) for i in (0, 2))
+        return StoredNode(tuple(e["tokens"]), k, v)

@@ -107,3 +107,54 @@ def test_a_node_of_another_shape_or_a_full_pool_leaves_the_session_unchanged(pai
         assert s.cache.state() == state and engine.pool.n_free == free and len(s.nodes) == 1
     for h in hogs:
         h.release()
+
+
+MODEL = {"name": "tiny-qwen2-f32.gguf", "config": "abc"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_a_store_file_round_trip_keeps_the_kv_within_its_dtype(pair, tmp_path, dtype):
+    from nodekv.engine.node_store import NodeStore, write_node_store
+
+    _, engine = pair
+    nodes = {"a": engine.store_node(ids(13, 11)), "b": engine.store_node(ids(40, 12))}
+    write_node_store(tmp_path / "kv", nodes, MODEL, dtype)
+    store = NodeStore(tmp_path / "kv", MODEL)
+    assert store.ids == ["a", "b"] and "a" in store and "c" not in store
+    for name, node in nodes.items():
+        got = store.get(name)
+        assert got.tokens == node.tokens
+        for t, ref in ((got.k, node.k), (got.v, node.v)):
+            if dtype == "float32":
+                assert torch.equal(t, ref)
+            elif dtype == "float16":
+                assert torch.equal(t, ref.half().float())
+            else:  # within half a step of each vector's scale max|x| / 127
+                bound = ref.abs().amax(-1, keepdim=True) / 254 * (1 + 1e-5)
+                assert ((t - ref).abs() <= bound).all()
+    per_token = {"float32": 4, "float16": 2, "int8": 1}[dtype]
+    c = engine.config
+    assert store.bytes_per_1k_tokens() >= 1000 * 2 * c.n_layers * c.n_kv_heads * c.head_dim * per_token
+
+
+def test_a_truncated_corrupt_or_foreign_store_is_refused_by_name(pair, tmp_path):
+    from nodekv.engine.node_store import NodeStore, NodeStoreError, write_node_store
+
+    _, engine = pair
+    path = tmp_path / "kv"
+    write_node_store(path, {"a": engine.store_node(ids(9, 13))}, MODEL, "float16")
+    data = path.read_bytes()
+    with pytest.raises(NodeStoreError, match="was stored with model"):
+        NodeStore(path, {"name": "other.gguf", "config": "abc"})
+    (tmp_path / "short").write_bytes(data[:-5])
+    with pytest.raises(NodeStoreError, match="truncated"):
+        NodeStore(tmp_path / "short", MODEL)
+    (tmp_path / "flipped").write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+    store = NodeStore(tmp_path / "flipped", MODEL)  # the header is fine: the node is refused when read
+    with pytest.raises(NodeStoreError, match="node 'a' are corrupt"):
+        store.get("a")
+    (tmp_path / "text").write_text("not a store")
+    with pytest.raises(NodeStoreError, match="not a node store file"):
+        NodeStore(tmp_path / "text", MODEL)
+    with pytest.raises(ValueError, match="store dtype must be one of"):
+        write_node_store(tmp_path / "x", {}, MODEL, "bf16")
