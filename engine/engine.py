@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Hashable, Sequence
 
@@ -10,7 +11,7 @@ import torch
 from ..kernels import BACKENDS
 from .config import ModelConfig
 from .cache_batch import CacheBatch
-from .flops import FlopAccount, forward_flops
+from .flops import FlopAccount, forward_flops, recompute_flops
 from .kv_cache import PagedKVCache
 from .loader import load_checkpoint
 from .model import PRECISIONS, KVCache, Llama
@@ -117,6 +118,19 @@ class Engine:
             cache.truncate(start)
             raise
         cache.commit(n)
+
+    @torch.inference_mode()
+    def recompute(self, ids: Sequence[int], positions: Sequence[int], cache: PagedKVCache) -> None:
+        """`Llama.recompute` of the tokens `ids` at their cached `positions` (increasing), charging its exact FLOPs.
+        Positions outside the cache, or not increasing, are refused before any work."""
+        tokens, positions = self._check_ids(ids), [int(p) for p in positions]
+        if len(positions) != tokens.shape[0] or any(b <= a for a, b in zip(positions, positions[1:])) or \
+                positions[0] < 0 or positions[-1] >= cache.length:
+            raise ValueError(f"recompute needs one increasing position per token within the {cache.length} cached, "
+                             f"got {len(positions)} positions for {tokens.shape[0]} tokens")
+        self.model.recompute(tokens, torch.tensor(positions), cache)
+        self.flops.add(recompute_flops(self.config, positions), len(positions),
+                       count=partial(recompute_flops, positions=positions))
 
     def append_batch(self, sessions: Sequence[Session], ids: Sequence[Sequence[int]],
                      node_ids: Sequence[Hashable | None] | None = None, collect: bool = False) -> list[NodeSpan]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterator
+from functools import partial
+from typing import Callable, Iterator
 
 from .config import ModelConfig
 
@@ -42,6 +43,14 @@ def forward_flops(c: ModelConfig, n_new: int, n_past: int = 0, n_logits: int = 1
     return sum(forward_flop_parts(c, n_new, n_past, n_logits, collect))
 
 
+def recompute_flops(c: ModelConfig, positions: list[int]) -> int:
+    """Exact FLOPs of recomputing the tokens at `positions` in every layer (`Llama.recompute`): each one's projections,
+    and attention over the position + 1 keys up to its own; no lm_head."""
+    qkv = 2 * c.dim * (c.q_dim + 2 * c.kv_dim)
+    rest = 2 * c.q_dim * c.dim + 2 * c.dim * 2 * c.intermediate_size + 2 * c.intermediate_size * c.dim
+    return c.n_layers * (len(positions) * (qkv + rest) + c.n_heads * 4 * c.head_dim * sum(p + 1 for p in positions))
+
+
 def parameter_count(c: ModelConfig, embeddings: bool = True) -> int:
     """N: weights of the matmuls and norms, with the input embedding and an untied lm_head when `embeddings`."""
     per_layer = (c.dim * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.dim + 3 * c.dim * c.intermediate_size + 2 * c.dim
@@ -62,6 +71,10 @@ def per_example_convention(c: ModelConfig, tokens: int) -> int:
     return 2 * parameter_count(c, embeddings=True) * tokens + 2 * c.n_layers * c.dim * tokens * tokens
 
 
+def _forward_of(shape: tuple[int, int, int, bool], config: ModelConfig) -> int:
+    return forward_flops(config, *shape)
+
+
 @dataclass
 class FlopAccount:
     """Running totals of FLOPs and tokens, also per named scope (scopes may nest; each level is charged).
@@ -80,8 +93,12 @@ class FlopAccount:
     projected_scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     _active: list[str] = field(default_factory=list)
 
-    def add(self, flops: int, n_new: int, decode: bool = False, shape: tuple[int, int, int, bool] | None = None):
-        """Charge one forward of n_new tokens; `shape` = (n_new, n_past, n_logits, collect) for the projections."""
+    def add(self, flops: int, n_new: int, decode: bool = False, shape: tuple[int, int, int, bool] | None = None,
+            count: Callable[[ModelConfig], int] | None = None):
+        """Charge one forward of n_new tokens; for the projections, `shape` = (n_new, n_past, n_logits, collect) of a
+        forward, or `count`(config), the FLOPs of another kind of step."""
+        if count is None and shape is not None:
+            count = partial(_forward_of, shape)
         self.total += flops
         if decode:
             self.decode_tokens += n_new
@@ -90,9 +107,9 @@ class FlopAccount:
         active = set(self._active)
         for name in active:
             self.scopes[name] += flops
-        if shape is not None:
+        if count is not None:
             for target, config in self.project_to.items():
-                f = forward_flops(config, *shape)
+                f = count(config)
                 self.projected[target] += f
                 for name in active:
                     self.projected_scopes[target][name] += f

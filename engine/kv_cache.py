@@ -77,11 +77,13 @@ class PagedKVCache:
         return self.ops.paged_attention(q, self.pool.k, self.pool.v, layer, self._table, self.length + k.shape[0],
                                         k, v, self._bounds, self._mass)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v ([T, kv_heads, hd]) at the T positions after the cached tokens (reserved by `begin`) without
-        attending: a stored node's keys and values placed as they are (`Engine.place_stored`)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Store k, v ([T, kv_heads, hd]) without attending, at `positions` (int64 [T], cached or reserved by
+        `begin`; default: the T positions after the cached tokens): a stored node's keys and values placed as they
+        are (`Engine.place_stored`), or recomputed ones written over them (`Llama.recompute`)."""
         P = self.pool.page_size
-        positions = torch.arange(self.length, self.length + k.shape[0])
+        if positions is None:
+            positions = torch.arange(self.length, self.length + k.shape[0])
         pages, offsets = self._table[positions // P].long(), positions % P
         self.pool.k[layer, pages, :, offsets] = k.to(self.pool.k.dtype)
         self.pool.v[layer, pages, :, offsets] = v.to(self.pool.v.dtype)

@@ -20,7 +20,7 @@ from typing import Mapping, Protocol, Union
 import torch
 import torch.nn.functional as F
 
-from ..kernels import backend_ops
+from ..kernels import backend_ops, reference
 from ..kernels.quant import QuantLinearWeight, QuantStack, QuantWeight, quant_linear
 from .config import ModelConfig
 from .cpu import native_bf16_matmul
@@ -295,6 +295,35 @@ class Llama:
         if not want_logits:
             return None
         return self.lm_head(cast(h).float())
+
+    def recompute(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache) -> None:
+        """Recompute the keys and values of `tokens` (int64 [n]) at their `positions` (int64 [n], increasing, already
+        cached: placed stored nodes, whose tokens saw no context) with the context the cache holds, and write them
+        over the cached ones in every layer: CacheBlend's repair. Layer by layer, the chosen tokens attend to every
+        cached position up to their own, through keys and values recomputed in that layer where the position is one
+        of theirs and cached ones elsewhere; every position of the cache gives a prefill's keys and values. Attention
+        runs on the torch reference (an explicit position mask); the projections as in `forward`."""
+        c = self.config
+        n, end = tokens.shape[0], int(positions.max()) + 1
+        cos, sin = self.rope(positions)
+        table = torch.tensor(cache.pages, dtype=torch.int32)
+        visible = positions[:, None] >= torch.arange(end)[None, :]  # query i sees key j iff j <= its position
+        x = self._embed_rows(tokens)
+        h = self.ops.rms_norm(x, self.layers[0].attn_norm, c.norm_eps)
+        n_qk = c.n_heads + c.n_kv_heads
+        for i, layer in enumerate(self.layers):
+            qkv = layer.wqkv(h)
+            q, k = self.ops.rope(qkv[:, : n_qk * c.head_dim].view(n, n_qk, c.head_dim), cos, sin).split(
+                [c.n_heads, c.n_kv_heads], 1)
+            cache.write(i, k, qkv[:, n_qk * c.head_dim:].view(n, c.n_kv_heads, c.head_dim), positions)
+            keys = reference.gather_kv(cache.pool.k, i, table, end)
+            values = reference.gather_kv(cache.pool.v, i, table, end)
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None].to(q.dtype),
+                                                  values[None].to(q.dtype), attn_mask=visible, enable_gqa=True)
+            h = self.ops.add_rms_norm_(x, layer.wo(attn[0].transpose(0, 1).reshape(n, -1)), layer.ffn_norm,
+                                       c.norm_eps)
+            next_norm = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm
+            h = self.ops.add_rms_norm_(x, layer.w2(layer.w13.gated(h, self.ops.silu_mul)), next_norm, c.norm_eps)
 
     def _embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embeddings of `tokens` as float32 [T, dim] (the residual stream is fp32 whatever the model dtype),

@@ -31,6 +31,8 @@ class ModelRunner(Protocol):
 
     def place_stored(self, node, cache: PagedKVCache) -> None: ...  # a StoredNode's KV written after the cache
 
+    def recompute(self, ids: Sequence[int], positions: Sequence[int], cache: PagedKVCache) -> None: ...
+
 
 class DecodingSession(Protocol):
     """A session as a generation sees it (`Session`): its engine, tokens, node spans and cache."""

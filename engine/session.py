@@ -76,6 +76,16 @@ class Session:
         self.engine.place_stored(node, self.cache)
         return self._add_node(node_id, list(node.tokens), None, None)
 
+    def repair(self, positions: Sequence[int]) -> None:
+        """Recompute the keys and values at `positions` (increasing; typically tokens of stored nodes, which saw no
+        context) with everything cached before each (`Llama.recompute`, CacheBlend's repair). Repair before appending
+        what follows the stored nodes: logits already taken are not redone. On error the session is unchanged."""
+        self._check_idle()
+        positions = list(positions)
+        if positions:
+            self.engine.recompute([self.tokens[p] for p in positions if 0 <= p < len(self.tokens)], positions,
+                                  self.cache)
+
     def generate(self, params: SamplingParams | int = SamplingParams(), /, *,
                  logits_processors: Sequence[LogitsProcessor] = (), allowed_tokens: Collection[int] | None = None,
                  choices: Sequence[str] | None = None, node_id: Hashable | None = None, collect: bool = False,

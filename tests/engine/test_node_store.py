@@ -158,3 +158,52 @@ def test_a_truncated_corrupt_or_foreign_store_is_refused_by_name(pair, tmp_path)
         NodeStore(tmp_path / "text", MODEL)
     with pytest.raises(ValueError, match="store dtype must be one of"):
         write_node_store(tmp_path / "x", {}, MODEL, "bf16")
+
+
+def test_repairing_every_placed_token_gives_a_prefill(pair):
+    """CacheBlend's repair at ratio 1: stored nodes placed after a prefix and recomputed at all their positions hold
+    a prefill's keys and values, and the question after them gets a prefill's logits."""
+    _, engine = pair
+    prefix, a, b, question = ids(11, 20), ids(17, 21), ids(9, 22), ids(5, 23)
+    nodes = [engine.store_node(a), engine.store_node(b)]
+    with engine.session() as s:
+        s.append(prefix)
+        for node in nodes:
+            s.append_stored(node)
+        placed_k, _ = cached_kv(s, 0, len(s))
+        before = engine.flops.total
+        s.repair(range(len(prefix), len(s)))
+        charged = engine.flops.total - before
+        repaired_k, repaired_v = cached_kv(s, 0, len(s))
+        s.append(question)
+        logits = s.score(ids(3, 24))
+    with engine.session() as s:
+        s.append(prefix + a + b)
+        want_k, want_v = cached_kv(s, 0, len(s))
+        s.append(question)
+        want = s.score(ids(3, 24))
+    assert rel(placed_k[1:], want_k[1:]) > 1e-3  # placed without context, deeper layers differ
+    assert rel(repaired_k, want_k) <= 1e-5 and rel(repaired_v, want_v) <= 1e-5
+    assert torch.allclose(logits, want, atol=1e-4)
+    from nodekv.engine.flops import forward_flop_parts, recompute_flops
+
+    assert charged == recompute_flops(engine.config, list(range(len(prefix), len(prefix) + 26)))
+    matmuls, attention, _ = forward_flop_parts(engine.config, 26, 0, n_logits=26, collect=True)
+    assert recompute_flops(engine.config, list(range(26))) == matmuls + attention  # all rows of a prefill, no head
+
+
+def test_a_partial_repair_rewrites_only_its_positions_and_bad_ones_are_refused(pair):
+    _, engine = pair
+    node = engine.store_node(ids(20, 25))
+    with engine.session() as s:
+        s.append(ids(6, 26))
+        s.append_stored(node)
+        k0, v0 = cached_kv(s, 0, len(s))
+        for bad in ([9, 7], [6, 30], [-1, 8]):
+            with pytest.raises(ValueError, match="one increasing position per token"):
+                s.repair(bad)
+        assert torch.equal(cached_kv(s, 0, len(s))[0], k0)
+        s.repair([6, 7, 8])  # the node's first three tokens (the rule that repairs each node's start)
+        k1, v1 = cached_kv(s, 0, len(s))
+    assert torch.equal(k1[:, :6], k0[:, :6]) and torch.equal(k1[:, 9:], k0[:, 9:])
+    assert not torch.equal(k1[1:, 6:9], k0[1:, 6:9])
