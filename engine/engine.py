@@ -120,17 +120,22 @@ class Engine:
         cache.commit(n)
 
     @torch.inference_mode()
-    def recompute(self, ids: Sequence[int], positions: Sequence[int], cache: PagedKVCache) -> None:
-        """`Llama.recompute` of the tokens `ids` at their cached `positions` (increasing), charging its exact FLOPs.
+    def recompute(self, ids: Sequence[int], positions: Sequence[int], cache: PagedKVCache,
+                  layers: int | None = None) -> torch.Tensor | None:
+        """`Llama.recompute` of the tokens `ids` at their cached `positions` (increasing), charging its exact FLOPs;
+        with `layers`, only their key deviation in the last of the first `layers` layers, the cache left as it was.
         Positions outside the cache, or not increasing, are refused before any work."""
         tokens, positions = self._check_ids(ids), [int(p) for p in positions]
         if len(positions) != tokens.shape[0] or any(b <= a for a, b in zip(positions, positions[1:])) or \
                 positions[0] < 0 or positions[-1] >= cache.length:
             raise ValueError(f"recompute needs one increasing position per token within the {cache.length} cached, "
                              f"got {len(positions)} positions for {tokens.shape[0]} tokens")
-        self.model.recompute(tokens, torch.tensor(positions), cache)
-        self.flops.add(recompute_flops(self.config, positions), len(positions),
-                       count=partial(recompute_flops, positions=positions))
+        if layers is not None and not 1 <= layers <= self.config.n_layers:
+            raise ValueError(f"layers must be in 1..{self.config.n_layers}, got {layers}")
+        out = self.model.recompute(tokens, torch.tensor(positions), cache, layers)
+        count = partial(recompute_flops, positions=positions, layers=layers)
+        self.flops.add(count(self.config), len(positions), count=count)
+        return out
 
     def append_batch(self, sessions: Sequence[Session], ids: Sequence[Sequence[int]],
                      node_ids: Sequence[Hashable | None] | None = None, collect: bool = False) -> list[NodeSpan]:

@@ -43,12 +43,16 @@ def forward_flops(c: ModelConfig, n_new: int, n_past: int = 0, n_logits: int = 1
     return sum(forward_flop_parts(c, n_new, n_past, n_logits, collect))
 
 
-def recompute_flops(c: ModelConfig, positions: list[int]) -> int:
-    """Exact FLOPs of recomputing the tokens at `positions` in every layer (`Llama.recompute`): each one's projections,
-    and attention over the position + 1 keys up to its own; no lm_head."""
+def recompute_flops(c: ModelConfig, positions: list[int], layers: int | None = None) -> int:
+    """Exact FLOPs of recomputing the tokens at `positions` (`Llama.recompute`): in every layer each one's
+    projections and attention over the position + 1 keys up to its own, no lm_head; with `layers`, the first layers
+    and the last one's Q/K/V projection only (the key-deviation pass)."""
     qkv = 2 * c.dim * (c.q_dim + 2 * c.kv_dim)
     rest = 2 * c.q_dim * c.dim + 2 * c.dim * 2 * c.intermediate_size + 2 * c.intermediate_size * c.dim
-    return c.n_layers * (len(positions) * (qkv + rest) + c.n_heads * 4 * c.head_dim * sum(p + 1 for p in positions))
+    per_layer = len(positions) * (qkv + rest) + c.n_heads * 4 * c.head_dim * sum(p + 1 for p in positions)
+    if layers is None:
+        return c.n_layers * per_layer
+    return (layers - 1) * per_layer + len(positions) * qkv
 
 
 def parameter_count(c: ModelConfig, embeddings: bool = True) -> int:

@@ -81,12 +81,30 @@ class PagedKVCache:
         """Store k, v ([T, kv_heads, hd]) without attending, at `positions` (int64 [T], cached or reserved by
         `begin`; default: the T positions after the cached tokens): a stored node's keys and values placed as they
         are (`Engine.place_stored`), or recomputed ones written over them (`Llama.recompute`)."""
-        P = self.pool.page_size
         if positions is None:
             positions = torch.arange(self.length, self.length + k.shape[0])
-        pages, offsets = self._table[positions // P].long(), positions % P
+        pages, offsets = self._slots(positions, writable=True)
         self.pool.k[layer, pages, :, offsets] = k.to(self.pool.k.dtype)
         self.pool.v[layer, pages, :, offsets] = v.to(self.pool.v.dtype)
+
+    def read(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values ([T, kv_heads, hd] each) cached at `positions` (int64 [T]) of `layer`."""
+        pages, offsets = self._slots(positions)
+        return self.pool.k[layer, pages, :, offsets].clone(), self.pool.v[layer, pages, :, offsets].clone()
+
+    def _slots(self, positions: torch.Tensor, writable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page ids, offsets in them) of `positions`; writable: pages shared with a fork are first copied, so that a
+        write never shows in another sequence (as `begin` does for the last page)."""
+        P = self.pool.page_size
+        index = positions // P
+        if writable:
+            for i in sorted(set(index.tolist())):
+                if self.pool.refcount[self.pages[i]] > 1:
+                    self.pages[i] = self.pool.copy(self.pages[i])
+                    self._table = None
+        if self._table is None:
+            self._table = torch.tensor(self.pages, dtype=torch.int32)
+        return self._table[index].long(), positions % P
 
     def commit(self, n_tokens: int) -> None:
         self.length += n_tokens

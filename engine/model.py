@@ -296,13 +296,18 @@ class Llama:
             return None
         return self.lm_head(cast(h).float())
 
-    def recompute(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache) -> None:
+    def recompute(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                  layers: int | None = None) -> torch.Tensor | None:
         """Recompute the keys and values of `tokens` (int64 [n]) at their `positions` (int64 [n], increasing, already
         cached: placed stored nodes, whose tokens saw no context) with the context the cache holds, and write them
         over the cached ones in every layer: CacheBlend's repair. Layer by layer, the chosen tokens attend to every
         cached position up to their own, through keys and values recomputed in that layer where the position is one
         of theirs and cached ones elsewhere; every position of the cache gives a prefill's keys and values. Attention
-        runs on the torch reference (an explicit position mask); the projections as in `forward`."""
+        runs on the torch reference (an explicit position mask); the projections as in `forward`.
+
+        layers: stop after the first `layers` and put their cached keys and values back as they were; returns each
+        token's key deviation in the last of them, ||k_new - k_cached|| / ||k_cached|| (CacheBlend's rule for which
+        tokens to repair). None: every layer, written, and None returned."""
         c = self.config
         n, end = tokens.shape[0], int(positions.max()) + 1
         cos, sin = self.rope(positions)
@@ -311,10 +316,18 @@ class Llama:
         x = self._embed_rows(tokens)
         h = self.ops.rms_norm(x, self.layers[0].attn_norm, c.norm_eps)
         n_qk = c.n_heads + c.n_kv_heads
-        for i, layer in enumerate(self.layers):
+        kept = []  # with `layers`: the cached keys and values written over, to put back
+        for i, layer in enumerate(self.layers[:layers]):
             qkv = layer.wqkv(h)
             q, k = self.ops.rope(qkv[:, : n_qk * c.head_dim].view(n, n_qk, c.head_dim), cos, sin).split(
                 [c.n_heads, c.n_kv_heads], 1)
+            if layers is not None:
+                kept.append(cache.read(i, positions))
+                if i == layers - 1:
+                    old = kept[-1][0]
+                    for j, (k_old, v_old) in enumerate(kept):
+                        cache.write(j, k_old, v_old, positions)
+                    return ((k - old).flatten(1).norm(dim=1) / old.flatten(1).norm(dim=1).clamp_min(1e-30))
             cache.write(i, k, qkv[:, n_qk * c.head_dim:].view(n, c.n_kv_heads, c.head_dim), positions)
             keys = reference.gather_kv(cache.pool.k, i, table, end)
             values = reference.gather_kv(cache.pool.v, i, table, end)

@@ -31,7 +31,8 @@ class ModelRunner(Protocol):
 
     def place_stored(self, node, cache: PagedKVCache) -> None: ...  # a StoredNode's KV written after the cache
 
-    def recompute(self, ids: Sequence[int], positions: Sequence[int], cache: PagedKVCache) -> None: ...
+    def recompute(self, ids: Sequence[int], positions: Sequence[int], cache: PagedKVCache,
+                  layers: int | None = None) -> torch.Tensor | None: ...
 
 
 class DecodingSession(Protocol):

@@ -86,6 +86,16 @@ class Session:
             self.engine.recompute([self.tokens[p] for p in positions if 0 <= p < len(self.tokens)], positions,
                                   self.cache)
 
+    def key_deviation(self, positions: Sequence[int], layer: int = 1) -> torch.Tensor:
+        """float32 [len(positions)]: how far each cached key at `positions` is from the key the token would have with
+        everything cached before it, in layer `layer` (0-based; layer 0's keys see no context, so CacheBlend reads the
+        first layer after it): ||k_context - k_cached|| / ||k_cached||. Costs the first layer + 1 layers' forward of
+        those tokens; the cache is left as it was. The tokens to `repair` are those that deviate most."""
+        self._check_idle()
+        positions = list(positions)
+        return self.engine.recompute([self.tokens[p] for p in positions if 0 <= p < len(self.tokens)], positions,
+                                     self.cache, layers=layer + 1)
+
     def generate(self, params: SamplingParams | int = SamplingParams(), /, *,
                  logits_processors: Sequence[LogitsProcessor] = (), allowed_tokens: Collection[int] | None = None,
                  choices: Sequence[str] | None = None, node_id: Hashable | None = None, collect: bool = False,

@@ -207,3 +207,37 @@ def test_a_partial_repair_rewrites_only_its_positions_and_bad_ones_are_refused(p
         k1, v1 = cached_kv(s, 0, len(s))
     assert torch.equal(k1[:, :6], k0[:, :6]) and torch.equal(k1[:, 9:], k0[:, 9:])
     assert not torch.equal(k1[1:, 6:9], k0[1:, 6:9])
+
+
+def test_key_deviation_finds_the_tokens_that_missed_their_context_and_changes_nothing(pair):
+    _, engine = pair
+    a, b = engine.store_node(ids(12, 30)), engine.store_node(ids(12, 31))
+    with engine.session() as s:
+        s.append_stored(a)  # at position 0: its context is the one it was stored with
+        s.append_stored(b)  # after a: stored without it
+        k0, v0 = cached_kv(s, 0, 24)
+        before = engine.flops.total
+        dev = s.key_deviation(range(24), layer=1)
+        charged = engine.flops.total - before
+        assert torch.equal(cached_kv(s, 0, 24)[0], k0) and torch.equal(cached_kv(s, 0, 24)[1], v0)
+        assert s.key_deviation(range(24), layer=0).max() <= 1e-6  # layer 0 sees no context: rounding alone
+    assert dev.shape == (24,) and dev[:12].max() <= 1e-5 and dev[12:].min() > 1e-3
+    from nodekv.engine.flops import forward_flop_parts
+
+    c = engine.config
+    one_layer = forward_flop_parts(c, 24, 0, n_logits=24, collect=True)
+    per_layer = (one_layer[0] + one_layer[1]) // c.n_layers
+    assert charged == per_layer + 24 * 2 * c.dim * (c.q_dim + 2 * c.kv_dim)  # layer 0 whole, layer 1's Q/K/V
+
+
+def test_repair_copies_pages_shared_with_a_fork_before_writing(pair):
+    _, engine = pair
+    with engine.session() as s:
+        s.append(ids(8, 32))
+        s.append_stored(engine.store_node(ids(10, 33)))
+        fork = s.fork()
+        k_fork = cached_kv(fork, 0, 18)[0]
+        s.repair(range(8, 18))
+        assert torch.equal(cached_kv(fork, 0, 18)[0], k_fork)  # the fork's pages are untouched
+        assert not torch.equal(cached_kv(s, 0, 18)[0], k_fork)
+        fork.release()
