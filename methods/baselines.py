@@ -7,6 +7,7 @@ from abc import abstractmethod
 from dataclasses import dataclass
 
 from ..engine.engine import Engine
+from ..engine.node_store import StoredNode
 from .base import Answer, Method
 from .options import Option
 from .prompts import PromptSpec
@@ -47,10 +48,12 @@ class FullContext(Method, name="full"):
 
 @dataclass
 class ChunkIndex:
-    """A document cut into chunks of about `chunk_tokens` LLM tokens, with a BM25 or dense index over them."""
+    """A document cut into chunks of about `chunk_tokens` LLM tokens, with a BM25 or dense index over them, and with
+    `kv_reuse` each chunk's keys and values, prefilled once."""
 
     chunks: list[str]
     search: BM25Index | DenseIndex
+    stored: list[StoredNode] | None = None
 
 
 class TopK(Method):
@@ -58,7 +61,13 @@ class TopK(Method):
     the passages as they were written). Subclasses pick the retriever (`search_index`)."""
 
     options = (Option("k", int, 5, "chunks retrieved", low=1),
-               Option("chunk_tokens", int, 300, "tokens per chunk", low=1))
+               Option("chunk_tokens", int, 300, "tokens per chunk", low=1),
+               Option("kv_reuse", str, "off", "off: prefill the chosen chunks in the prompt; reuse: place their KV, "
+                      "prefilled once at indexing, with no forward (engine/node_store.py); blend: reuse, then repair "
+                      "the `repair` fraction of their tokens whose keys deviate most",
+                      choices=("off", "reuse", "blend")),
+               Option("repair", float, 0.15, "with kv_reuse=blend: the fraction of placed tokens recomputed", low=0.0,
+                      high=1.0))
 
     @abstractmethod
     def search_index(self, chunks: list[str]) -> BM25Index | DenseIndex:
@@ -68,7 +77,10 @@ class TopK(Method):
         tok = self.engine.tokenizer
         ids = tok.encode(_check_document(document))
         chunks = [tok.decode(ids[a:b]) for a, b in text_chunk_spans(ids, tok, self.config.chunk_tokens)]
-        return ChunkIndex(chunks, self.search_index(chunks))
+        stored = None
+        if self.config.kv_reuse != "off":
+            stored = [self.engine.store_node(self.reader.passage_ids(c)) for c in chunks]
+        return ChunkIndex(chunks, self.search_index(chunks), stored)
 
     def context(self, index: ChunkIndex, question: str) -> tuple[str, list[tuple[int, float]]]:
         """(context, hits): the k best chunks for the question, in document order, as the reader reads them."""
@@ -78,7 +90,12 @@ class TopK(Method):
     def answer(self, index: ChunkIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
         context, hits = self.context(index, question)
         trace = [{"chunk": i, "score": round(s, 4)} for i, s in hits]
-        return self.reader.read(context, question, options, sorted(i for i, _ in hits), trace)
+        chosen = sorted(i for i, _ in hits)
+        if index.stored is None:
+            return self.reader.read(context, question, options, chosen, trace)
+        repair = self.config.repair if self.config.kv_reuse == "blend" else 0.0
+        return self.reader.read_stored([index.stored[i] for i in chosen], question, options, chosen, trace, repair,
+                                       context)
 
 
 class BM25TopK(TopK, name="bm25"):

@@ -21,12 +21,15 @@ from dataclasses import dataclass, field, replace
 from typing import Hashable, Sequence
 
 from ..engine.engine import Engine
+from ..engine.node_store import StoredNode
+from ..engine.session import Session
 from .options import Option
 from .prompts import PromptSpec
 
 QUESTION_ONLY = ("Answer the question as concisely as you can. Do not provide any explanation.\n\n"
                  "Question: {question}\n{options}\nAnswer:")
 CONTENT_FREE = "N/A"  # Zhao et al.'s content-free input
+CONTEXT_MARK = "\x00"  # where the context goes when a prompt is tokenised in pieces (`Reader.pieces`)
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 # every method's `reader` option: the shared reader, or the paper's own final step (the paper-exact rows)
 READER_OPTION = Option("reader", str, "shared", "shared: the dataset's prompt over what the method read "
@@ -112,17 +115,66 @@ class Reader:
         with eng.flops.scope("query"), (eng.prefixes.fork(ids[:shared], node_id="shared") if shared > 0
                                         else eng.session()) as s:
             s.append(ids[shared:], node_id="prompt")
-            if options:
-                probs = list(s.probe(LETTERS[:len(options)]).values())
-                text, generated = LETTERS[max(range(len(probs)), key=lambda i: (probs[i], -i))], 0
-            else:
-                gen = s.generate(self.spec.sampling)
-                text, generated, probs = gen.text.strip(), len(gen.ids), None
+            text, generated, probs = self._reply(s, options)
         answer = Answer(text, list(nodes), trace or [], eng.flops.scopes["query"] - before, len(ids), generated,
                         truncated, context=context)
         if options:
             answer.choice_probs, answer.choice_prior = probs, prior
         return answer
+
+    def pieces(self, question: str, options: Sequence[str] = ()) -> tuple[list[int], list[int]]:
+        """(head, tail): the chat-templated prompt's ids before and after its context, tokenised apart, so that the
+        passages between them can be tokenised (and prefilled) on their own (`passage_ids`, `read_stored`)."""
+        tok = self.engine.tokenizer
+        text = tok.render_chat([{"role": "user", "content": self.spec.render(CONTEXT_MARK, question, tuple(options))}])
+        head, tail = text.split(CONTEXT_MARK)
+        return tok.encode(head, parse_special=True), tok.encode(tail, parse_special=True)
+
+    def passage_ids(self, passage: str) -> list[int]:
+        """A passage of the context on its own: the blank line that separates passages, then its text."""
+        return self.engine.tokenizer.encode("\n\n" + passage.strip())
+
+    def read_stored(self, passages: Sequence[StoredNode], question: str, options: Sequence[str] = (),
+                    nodes: Sequence[Hashable] = (), trace: list[dict] | None = None, repair: float = 0.0,
+                    context: str | None = None) -> Answer:
+        """`read` over passages stored once (`Engine.store_node` of `passage_ids`), placed between the prompt's
+        `pieces` without a forward over their tokens. repair: the fraction of the placed tokens recomputed with their
+        context, those whose keys deviate most in the first layer that sees context (CacheBlend; 0: pure reuse, 1:
+        a prefill's numbers). `context` (the passages' text) is kept for the diagnostics. The query is charged what
+        runs: the head, the deviation pass and the repair, the tail and the answer."""
+        head, tail = self.pieces(question, options)
+        n = len(head) + sum(len(p) for p in passages) + len(tail)
+        window = min(self.engine.config.max_seq_len, self.window or self.engine.config.max_seq_len)
+        if n + self.spec.max_new_tokens > window:
+            raise ValueError(f"{n} prompt tokens and the answer's {self.spec.max_new_tokens} do not fit the window of "
+                             f"{window}: stored passages are never cut")
+        prior = self.letter_prior(question, options) if options else None
+        eng = self.engine
+        before = eng.flops.scopes["query"]
+        with eng.flops.scope("query"), eng.session() as s:
+            if head:
+                s.append(head, node_id="head")
+            spans = [s.append_stored(p) for p in passages]
+            placed = [i for span in spans for i in range(span.start, span.end)]
+            count = round(repair * len(placed))
+            if count:
+                worst = s.key_deviation(placed).topk(count).indices.tolist()
+                s.repair(sorted(placed[i] for i in worst))
+            s.append(tail, node_id="prompt")
+            text, generated, probs = self._reply(s, options)
+        answer = Answer(text, list(nodes), (trace or []) + [{"placed": len(placed), "repaired": count}],
+                        eng.flops.scopes["query"] - before, n, generated, False, context=context)
+        if options:
+            answer.choice_probs, answer.choice_prior = probs, prior
+        return answer
+
+    def _reply(self, s: Session, options: Sequence[str]) -> tuple[str, int, list[float] | None]:
+        """(answer text, tokens generated, letter probabilities or None) after the prompt in `s`."""
+        if options:
+            probs = list(s.probe(LETTERS[:len(options)]).values())
+            return LETTERS[max(range(len(probs)), key=lambda i: (probs[i], -i))], 0, probs
+        gen = s.generate(self.spec.sampling)
+        return gen.text.strip(), len(gen.ids), None
 
     def letter_prior(self, question: str, options: Sequence[str]) -> list[float]:
         """The letter probabilities this question's prompt gives with a content-free context ("N/A" where the

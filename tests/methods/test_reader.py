@@ -21,7 +21,7 @@ class CharTokenizer:
 
     eos_ids = (100,)
 
-    def encode(self, text):
+    def encode(self, text, parse_special=False):
         assert all(32 <= ord(c) < 127 or c == "\n" for c in text), text
         return [95 if c == "\n" else ord(c) - 32 for c in text]
 
@@ -37,8 +37,11 @@ class CharTokenizer:
         (i,) = self.encode(piece)
         return i
 
+    def render_chat(self, messages):
+        return messages[0]["content"]
+
     def chat(self, messages):
-        return self.encode(messages[0]["content"])
+        return self.encode(self.render_chat(messages))
 
 
 def _char_engine(path):
@@ -201,3 +204,37 @@ def test_two_methods_reading_the_same_context_send_the_same_prompt(monkeypatch):
     bm25.answer(bm25.index(document), "Who sang Nobody's Hero?")
     assert len(sent) == 2 and sent[0] == sent[1]
     assert CharTokenizer().decode(sent[0]) == spec.render(document, "Who sang Nobody's Hero?")
+
+
+def test_stored_passages_repaired_whole_answer_as_the_same_prompt_prefilled(hf_tiny):
+    """read_stored places passages prefilled once between the prompt's pieces. With every placed token repaired it
+    answers as HF's greedy loop on the same ids; pure reuse runs no forward over the passages."""
+    hf, path = hf_tiny
+    eng, spec = _char_engine(path), PromptSpec("{context}|{question}", 6)
+    reader = Reader(eng, spec)
+    stored = [eng.store_node(reader.passage_ids(p)) for p in ("the mill was built", " it burned down ")]
+    head, tail = reader.pieces("who?")
+    ids = head + [i for node in stored for i in node.tokens] + tail
+    assert CharTokenizer().decode(ids) == "\n\nthe mill was built\n\nit burned down|who?"
+    placed = len(ids) - len(head) - len(tail)
+    whole = reader.read_stored(stored, "who?", nodes=[0, 1], repair=1.0, context="the passages")
+    assert whole.text == CharTokenizer().decode(_hf_greedy(hf, ids, 6, 1.0)).strip()
+    assert whole.prompt_tokens == len(ids) and whole.nodes == [0, 1] and whole.context == "the passages"
+    assert whole.trace == [{"placed": placed, "repaired": placed}]
+    reused = reader.read_stored(stored, "who?")
+    assert reused.trace == [{"placed": placed, "repaired": 0}]
+    c = eng.config
+    decode = reused.flops - forward_flops(c, len(head)) - forward_flops(c, len(tail), len(ids) - len(tail))
+    assert 0 <= decode < forward_flops(c, placed, len(head), n_logits=0)  # the passages' prefill was not run
+
+
+def test_bm25_with_kv_reuse_stores_every_chunk_once_and_places_the_chosen(hf_tiny):
+    _, path = hf_tiny
+    eng = _char_engine(path)
+    method = BM25TopK(eng, PromptSpec("{context}|{question}", 4), k=2, chunk_tokens=12, kv_reuse="blend", repair=0.5)
+    index = method.index("the mill was built in 1821. it burned down in 1900. a school stands there now.")
+    assert len(index.stored) == len(index.chunks) and all(len(n) > 0 for n in index.stored)
+    answer = method.answer(index, "when did the mill burn?")
+    assert len(answer.nodes) == 2 and answer.trace[-1]["repaired"] == round(0.5 * answer.trace[-1]["placed"])
+    with pytest.raises(ValueError, match="do not fit the window"):
+        method.reader.read_stored(index.stored * 20, "q")
