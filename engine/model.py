@@ -313,12 +313,13 @@ class Llama:
         cos, sin = self.rope(positions)
         table = torch.tensor(cache.pages, dtype=torch.int32)
         visible = positions[:, None] >= torch.arange(end)[None, :]  # query i sees key j iff j <= its position
+        cast = _identity if self.dtype == torch.float32 else lambda t: t.to(self.dtype)
         x = self._embed_rows(tokens)
         h = self.ops.rms_norm(x, self.layers[0].attn_norm, c.norm_eps)
         n_qk = c.n_heads + c.n_kv_heads
         kept = []  # with `layers`: the cached keys and values written over, to put back
         for i, layer in enumerate(self.layers[:layers]):
-            qkv = layer.wqkv(h)
+            qkv = layer.wqkv(cast(h))
             q, k = self.ops.rope(qkv[:, : n_qk * c.head_dim].view(n, n_qk, c.head_dim), cos, sin).split(
                 [c.n_heads, c.n_kv_heads], 1)
             if layers is not None:
@@ -336,7 +337,8 @@ class Llama:
             h = self.ops.add_rms_norm_(x, layer.wo(attn[0].transpose(0, 1).reshape(n, -1)), layer.ffn_norm,
                                        c.norm_eps)
             next_norm = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm
-            h = self.ops.add_rms_norm_(x, layer.w2(layer.w13.gated(h, self.ops.silu_mul)), next_norm, c.norm_eps)
+            h = self.ops.add_rms_norm_(x, layer.w2(layer.w13.gated(cast(h), self.ops.silu_mul)), next_norm,
+                                       c.norm_eps)
 
     def _embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embeddings of `tokens` as float32 [T, dim] (the residual stream is fp32 whatever the model dtype),
@@ -460,10 +462,8 @@ class _WeightReader:
             weight = quant.dequantize()
         if weight is not None:  # bf16 numerics: round weights to bf16 even when the matmul itself runs in fp32
             weight = weight.to(self.dtype).to(matmul_dtype).contiguous()
-        return Linear(weight, quant, self._bias(bias, out_sizes, matmul_dtype),
-                      self.scratch if quant is not None and dense else None, self.int8 and quant is not None)
-
-    def _bias(self, names: list[str] | None, out_sizes: list[int], matmul_dtype: torch.dtype) -> torch.Tensor | None:
-        if names is None:
-            return None
-        return torch.cat([self.get(n, (o,)) for n, o in zip(names, out_sizes)]).to(self.dtype).to(matmul_dtype)
+        b = None
+        if bias is not None:
+            b = torch.cat([self.get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(matmul_dtype)
+        return Linear(weight, quant, b, self.scratch if quant is not None and dense else None,
+                      self.int8 and quant is not None)
