@@ -51,5 +51,6 @@ def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store
             "query_flops_saved": acc.saved - saved, "query_tokens": processed_tokens(acc) - tokens,
             "index_flops": built.flops, "index_flops_8b": built.flops_8b, "index_s": round(built.seconds, 3),
             "index_tokens": built.tokens,
-            "wall_s": round(wall, 3), "prompt_tokens": answer.prompt_tokens, "reader": _reader_of(method),
+            "wall_s": round(wall, 3), "prompt_s": None if answer.prompt_s is None else round(answer.prompt_s, 3),
+            "prompt_tokens": answer.prompt_tokens, "reader": _reader_of(method),
             "generated_tokens": answer.generated_tokens, "truncated": answer.truncated, "trace": answer.trace}

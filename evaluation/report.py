@@ -57,6 +57,9 @@ def summarize(path: Path) -> dict:
                index_tflops_doc=mean(f for f, _ in docs.values()) / 1e12,
                index_docs_8b=len(projected), index_s_doc=mean(index_s.values()),
                truncated=sum(bool(r.get("truncated")) for r in ok))
+    prompt_s = [r["prompt_s"] for r in ok if r.get("prompt_s") is not None]  # runs before it was recorded lack it
+    if len(prompt_s) == len(ok):
+        out["prompt_s"] = mean(prompt_s)
     if projected:
         out["index_tflops_doc_8b"] = mean(projected) / 1e12
     if all("query_tokens" in r for r in ok):  # lines written before tokens were counted have none
@@ -143,7 +146,8 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
     head = ("| dataset | method | n | failed | skipped | F1 | EM | ROUGE-1 | ROUGE-2 | ROUGE-L | acc | nodes | "
             "query TFLOPs (model) | "
             "prefix TFLOPs saved (model) | query TFLOPs (8B) | ratio | tokens/query | index TFLOPs/doc (model) | "
-            "index TFLOPs/doc (8B) | index tokens/doc | index s/doc | fit s/fold | truncated | s/query |")
+            "index TFLOPs/doc (8B) | index tokens/doc | index s/doc | fit s/fold | truncated | s to first token | "
+            "s/query |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in sorted(summaries, key=lambda s: (s["dataset"], s.get("query_tflops_8b", 0))):
         def f(key, fmt="{:.1f}"):
@@ -160,7 +164,7 @@ def table(summaries: list[dict], reference: str | None = None) -> str:
                      f"{f('saved_tflops', '{:.4f}')} | {f('query_tflops_8b', '{:.2f}')} | {ratio} | "
                      f"{f('query_tokens', '{:.0f}')} | {f('index_tflops_doc', '{:.4f}')} | {index_8b} | "
                      f"{f('index_tokens_doc', '{:.0f}')} | {f('index_s_doc', '{:.0f}')} | "
-                     f"{f('fit_s', '{:.0f}')} | {s.get('truncated', '-')} | "
+                     f"{f('fit_s', '{:.0f}')} | {s.get('truncated', '-')} | {f('prompt_s', '{:.2f}')} | "
                      f"{f('wall_s', '{:.2f}')} |")
     return "\n".join(lines)
 

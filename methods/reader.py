@@ -17,6 +17,7 @@ Closed book (context None) reads the question alone, with the dataset's budget a
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Hashable, Sequence
 
@@ -50,6 +51,7 @@ class Answer:
     context: str | None = None       # the text the reader read (None: closed book, or not kept by the paper's step)
     choice_probs: list[float] | None = None  # multiple choice: p(letter) normalised over the option letters
     choice_prior: list[float] | None = None  # ... and the content-free prior they are calibrated by
+    prompt_s: float | None = None    # the shared reader: seconds until the prompt was in the cache (to first token)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -111,13 +113,14 @@ class Reader:
         shared = min(self.shared_length(context, question, options), len(ids) - 1) if shared_prefix else 0
         prior = self.letter_prior(question, options) if options else None
         eng = self.engine
-        before = eng.flops.scopes["query"]
+        before, start = eng.flops.scopes["query"], time.perf_counter()
         with eng.flops.scope("query"), (eng.prefixes.fork(ids[:shared], node_id="shared") if shared > 0
                                         else eng.session()) as s:
             s.append(ids[shared:], node_id="prompt")
+            prompt_s = time.perf_counter() - start
             text, generated, probs = self._reply(s, options)
         answer = Answer(text, list(nodes), trace or [], eng.flops.scopes["query"] - before, len(ids), generated,
-                        truncated, context=context)
+                        truncated, context=context, prompt_s=prompt_s)
         if options:
             answer.choice_probs, answer.choice_prior = probs, prior
         return answer
@@ -150,7 +153,7 @@ class Reader:
                              f"{window}: stored passages are never cut")
         prior = self.letter_prior(question, options) if options else None
         eng = self.engine
-        before = eng.flops.scopes["query"]
+        before, start = eng.flops.scopes["query"], time.perf_counter()
         with eng.flops.scope("query"), eng.session() as s:
             if head:
                 s.append(head, node_id="head")
@@ -161,9 +164,10 @@ class Reader:
                 worst = s.key_deviation(placed).topk(count).indices.tolist()
                 s.repair(sorted(placed[i] for i in worst))
             s.append(tail, node_id="prompt")
+            prompt_s = time.perf_counter() - start
             text, generated, probs = self._reply(s, options)
         answer = Answer(text, list(nodes), (trace or []) + [{"placed": len(placed), "repaired": count}],
-                        eng.flops.scopes["query"] - before, n, generated, False, context=context)
+                        eng.flops.scopes["query"] - before, n, generated, False, context=context, prompt_s=prompt_s)
         if options:
             answer.choice_probs, answer.choice_prior = probs, prior
         return answer

@@ -40,7 +40,7 @@ def _argv(data, out, *extra):
 
 
 def _lines(out):
-    drop = ("wall_s", "index_s")
+    drop = ("wall_s", "index_s", "prompt_s")
     return [{k: v for k, v in json.loads(x).items() if k not in drop}
             for x in (out / "bm25-top2-hotpotqa.jsonl").read_text().splitlines()]
 

@@ -55,7 +55,7 @@ def test_run_resume_and_report(tmp_path, capsys):
     (tmp_path / "b" / "bm25-top2-hotpotqa.jsonl").write_text(full[0] + "\n" + full[1][: len(full[1]) // 2])
     assert _eval(data, tmp_path / "b") == 0
     resumed = [json.loads(x) for x in (tmp_path / "b" / "bm25-top2-hotpotqa.jsonl").read_text().splitlines()]
-    strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "index_s")}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "index_s", "prompt_s")}  # noqa: E731
     assert [strip(r) for r in resumed] == [strip(r) for r in rows]
 
     capsys.readouterr()

@@ -248,7 +248,7 @@ def test_eval_on_ray_builds_the_graphs_on_the_workers_and_answers_as_a_local_run
     argv = _meetings_and_argv(tmp_path)
     assert cli_main([*argv, "--out", str(tmp_path / "local")]) == 0
     assert cli_main([*argv, "--out", str(tmp_path / "ray"), "--ray", "--workers", "2"]) == 0
-    varying = ("wall_s", "index_s", "fit_s", "index_flops", "index_flops_8b", "index_tokens")
+    varying = ("wall_s", "index_s", "prompt_s", "fit_s", "index_flops", "index_flops_8b", "index_tokens")
     local, ray = ([{k: v for k, v in r.items() if k not in varying} for r in _rows(tmp_path / run)]
                   for run in ("local", "ray"))
     assert ray == local and len(ray) == 3
