@@ -5,8 +5,9 @@ Prefix caching reuses KV only where the reused text is the prompt's prefix. A re
 offset for every question; RoPE makes its keys depend on that offset, and only there: a key at position p is R(p) k
 for the un-rotated k that the layer computed. So a stored node keeps k (and v, which has no position), and placing it
 at p rotates k by the same tables a prefill at p uses. What placing cannot reproduce is context: the stored node's
-tokens attended to nothing before it, where a prefill at p would have attended to everything cached there (the
-repair that recomputes some tokens, CacheBlend's, is the next step).
+tokens attended to nothing before it, where a prefill at p would have attended to everything cached there; the
+tokens whose keys deviate most can be recomputed with that context (`Session.key_deviation`, `Session.repair`:
+CacheBlend's repair).
 
 `Engine.store_node` prefills the node at positions 0..n-1 and reads its keys back from the cache, un-rotated in
 float64 (exact up to the fp32 tables' own rounding: cos² + sin² = 1 within ~1e-7); `Engine.place_stored` and
@@ -35,10 +36,6 @@ class StoredNode:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
 def check_fits(node: StoredNode, config) -> None:
