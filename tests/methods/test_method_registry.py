@@ -195,4 +195,4 @@ def test_cli_bench_lists_the_benchmarks_and_refuses_an_unknown_one(capsys):
     out = capsys.readouterr().out
     assert "engine_speed" in out and "pecan_search" in out and "engine_runners" not in out  # helpers have no main
     assert main(["bench", "nope"]) == 2
-    assert "unknown benchmark 'nope'; known: batch" in capsys.readouterr().err
+    assert "unknown benchmark 'nope'; known: answer_memory, batch" in capsys.readouterr().err
