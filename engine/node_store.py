@@ -64,6 +64,11 @@ class NodeStoreError(ValueError):
     """A node store file that is truncated, corrupt, foreign, of another version or of another model."""
 
 
+def _check_dtype(dtype: str) -> None:
+    if dtype not in STORE_DTYPES:
+        raise ValueError(f"store dtype must be one of {', '.join(STORE_DTYPES)}, got {dtype!r}")
+
+
 def _encode(t: torch.Tensor, dtype: str) -> tuple[bytes, bytes]:
     """(values, scales) bytes of fp32 `t` [..., hd] in `dtype`; int8 keeps a scale per vector: d = max|x| / 127, so
     each value moves by at most d / 2."""
@@ -86,11 +91,18 @@ def _decode(values: memoryview, scales: memoryview, dtype: str, shape: tuple[int
     return t
 
 
+def as_stored(node: StoredNode, dtype: str) -> StoredNode:
+    """`node` with its K and V as a store of `dtype` gives them back, so that a node used where it was computed and
+    one read back from a file are the same numbers."""
+    _check_dtype(dtype)
+    k, v = (_decode(*map(memoryview, _encode(t, dtype)), dtype, tuple(t.shape)) for t in (node.k, node.v))
+    return StoredNode(node.tokens, k, v)
+
+
 def write_node_store(path: str | Path, nodes: dict[str, StoredNode], model: dict, dtype: str = "float16") -> None:
     """Write `nodes` (id -> node) to one file, whole or not at all: a magic, a JSON header (format, version, the model
     the nodes were computed with, dtype, and per node its tokens, byte ranges and SHA-256) and the tensors."""
-    if dtype not in STORE_DTYPES:
-        raise ValueError(f"store dtype must be one of {', '.join(STORE_DTYPES)}, got {dtype!r}")
+    _check_dtype(dtype)
     entries, blobs, offset = {}, [], 0
     for node_id, node in nodes.items():
         parts = [b for t in (node.k, node.v) for b in _encode(t, dtype)]
@@ -148,6 +160,9 @@ class NodeStore:
     def bytes_per_1k_tokens(self) -> float:
         tokens = sum(len(e["tokens"]) for e in self._entries.values())
         return 1000 * sum(sum(e["sizes"]) for e in self._entries.values()) / max(tokens, 1)
+
+    def __getitem__(self, node_id) -> StoredNode:
+        return self.get(node_id)
 
     def get(self, node_id) -> StoredNode:
         """The node, decoded to fp32 (values within the dtype's error of those written)."""

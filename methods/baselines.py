@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 from ..engine.engine import Engine
-from ..engine.node_store import StoredNode
+from ..engine.node_store import STORE_DTYPES, NodeStore, NodeStoreError, StoredNode, as_stored, write_node_store
 from .base import Answer, Method
+from .index_file import model_id, read_index_file, write_index_file
 from .options import Option
 from .prompts import PromptSpec
 from .retrieval import BM25Index, DenseIndex, text_chunk_spans
@@ -53,12 +56,15 @@ class ChunkIndex:
 
     chunks: list[str]
     search: BM25Index | DenseIndex
-    stored: list[StoredNode] | None = None
+    stored: Sequence[StoredNode] | NodeStore | None = None  # chunk i's KV is stored[i]
 
 
 class TopK(Method):
     """Retrieve the k best chunks for the question and answer from them (kept in document order: the model reads
-    the passages as they were written). Subclasses pick the retriever (`search_index`)."""
+    the passages as they were written). Subclasses pick the retriever (`search_index`). A saved index is an index
+    file with the chunks and, with `kv_reuse`, a node store beside it (FILE.kv) holding their KV."""
+
+    can_save = True
 
     options = (Option("k", int, 5, "chunks retrieved", low=1),
                Option("chunk_tokens", int, 300, "tokens per chunk", low=1),
@@ -67,7 +73,9 @@ class TopK(Method):
                       "the `repair` fraction of their tokens whose keys deviate most",
                       choices=("off", "reuse", "blend")),
                Option("repair", float, 0.15, "with kv_reuse=blend: the fraction of placed tokens recomputed", low=0.0,
-                      high=1.0))
+                      high=1.0),
+               Option("kv_dtype", str, "float16", "with kv_reuse: how the chunks' KV is stored (int8: a scale per "
+                      "vector)", choices=STORE_DTYPES))
 
     @abstractmethod
     def search_index(self, chunks: list[str]) -> BM25Index | DenseIndex:
@@ -79,8 +87,31 @@ class TopK(Method):
         chunks = [tok.decode(ids[a:b]) for a, b in text_chunk_spans(ids, tok, self.config.chunk_tokens)]
         stored = None
         if self.config.kv_reuse != "off":
-            stored = [self.engine.store_node(self.reader.passage_ids(c)) for c in chunks]
+            stored = [as_stored(self.engine.store_node(self.reader.passage_ids(c)), self.config.kv_dtype)
+                      for c in chunks]
         return ChunkIndex(chunks, self.search_index(chunks), stored)
+
+    def index_key(self) -> dict:
+        stores_kv = self.config.kv_reuse != "off"
+        return {"chunk_tokens": self.config.chunk_tokens, "kv_dtype": self.config.kv_dtype if stores_kv else None}
+
+    def save_index(self, index: ChunkIndex, path: str | Path) -> None:
+        if index.stored is not None:  # the store first: an index file names a store that is whole
+            write_node_store(_store_path(path), dict(enumerate(index.stored)), model_id(self.engine),
+                             self.config.kv_dtype)
+        write_index_file(path, _FORMAT, _VERSION, self.engine, {"chunks": index.chunks,
+                                                                "stored_kv": index.stored is not None})
+
+    def load_index(self, path: str | Path) -> ChunkIndex:
+        """The saved index; its node store is opened (header checked, nodes read when used) only with `kv_reuse`,
+        so an index whose store is missing or bad still serves `kv_reuse=off`."""
+        data = read_index_file(path, _FORMAT, _VERSION, self.engine, "Top-k index")
+        stored = None
+        if self.config.kv_reuse != "off":
+            if not data["stored_kv"]:
+                raise NodeStoreError(f"{path} was indexed with kv_reuse=off: it has no stored KV to reuse")
+            stored = NodeStore(_store_path(path), model_id(self.engine))
+        return ChunkIndex(data["chunks"], self.search_index(data["chunks"]), stored)
 
     def context(self, index: ChunkIndex, question: str) -> tuple[str, list[tuple[int, float]]]:
         """(context, hits): the k best chunks for the question, in document order, as the reader reads them."""
@@ -96,6 +127,13 @@ class TopK(Method):
         repair = self.config.repair if self.config.kv_reuse == "blend" else 0.0
         return self.reader.read_stored([index.stored[i] for i in chosen], question, options, chosen, trace, repair,
                                        context)
+
+
+_FORMAT, _VERSION = "nodekv-topk-index", 1
+
+
+def _store_path(index_path: str | Path) -> Path:
+    return Path(f"{index_path}.kv")
 
 
 class BM25TopK(TopK, name="bm25"):

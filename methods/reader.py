@@ -160,13 +160,17 @@ class Reader:
             spans = [s.append_stored(p) for p in passages]
             placed = [i for span in spans for i in range(span.start, span.end)]
             count = round(repair * len(placed))
-            if count:
-                worst = s.key_deviation(placed).topk(count).indices.tolist()
-                s.repair(sorted(placed[i] for i in worst))
+            worst = sorted(placed[i] for i in s.key_deviation(placed).topk(count).indices.tolist()) if count else []
+            if worst:
+                s.repair(worst)
             s.append(tail, node_id="prompt")
             prompt_s = time.perf_counter() - start
             text, generated, probs = self._reply(s, options)
-        answer = Answer(text, list(nodes), (trace or []) + [{"placed": len(placed), "repaired": count}],
+        recomputed = [sum(span.start <= p < span.end for p in worst) for span in spans]
+        per_node = [{"node": node, "reused": len(span) - r, "recomputed": r}
+                    for node, span, r in zip(nodes or range(len(spans)), spans, recomputed)]
+        answer = Answer(text, list(nodes), (trace or []) + [{"placed": len(placed), "repaired": count,
+                                                               "nodes": per_node}],
                         eng.flops.scopes["query"] - before, n, generated, False, context=context, prompt_s=prompt_s)
         if options:
             answer.choice_probs, answer.choice_prior = probs, prior

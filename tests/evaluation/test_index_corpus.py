@@ -61,8 +61,8 @@ def test_index_corpus_refuses_what_it_cannot_do(tmp_path, engine, saver, capsys)
     assert "corpus directory" in capsys.readouterr().err
     assert cli_main(["index-corpus", str(tmp_path), "--method", "test-saver"]) == 2
     assert "no non-empty *.txt files under" in capsys.readouterr().err
-    assert cli_main(["index-corpus", str(tmp_path), "--method", "bm25"]) == 2
-    assert "bm25 cannot save an index" in capsys.readouterr().err
+    assert cli_main(["index-corpus", str(tmp_path), "--method", "full"]) == 2
+    assert "full cannot save an index" in capsys.readouterr().err
     assert cli_main(["index-corpus", str(tmp_path), "--ray", "--workers", "0"]) == 2
     assert "--workers must be at least 1" in capsys.readouterr().err
     assert cli_main(["index-corpus", str(tmp_path), "--method", "test-saver", "--option", "width=0"]) == 2

@@ -32,7 +32,7 @@ def test_builtin_methods_are_registered_by_name():
     assert {"pecan", "full", "bm25", "dense", "closed-book"} <= set(names())
     for name in ("pecan", "full", "bm25", "dense", "closed-book"):
         assert issubclass(get(name), Method) and get(name).name == name
-    assert get("pecan").can_save and not get("bm25").can_save
+    assert get("pecan").can_save and get("bm25").can_save and not get("full").can_save
 
 
 def test_an_unknown_method_is_refused_with_the_known_ones():
@@ -115,7 +115,8 @@ def test_cli_refuses_bad_methods_and_options_before_loading_a_model(tmp_path, ca
     doc.write_text("Some text.")
     cases = [(["ask", "--method", "nope", str(doc), "q"], "unknown method 'nope'"),
              (["ask", "--method", "bm25", "--option", "k=0", str(doc), "q"], "bm25 option k must be >= 1"),
-             (["index", "--method", "full", str(doc)], "full cannot save an index; methods that can: gor, jerr, pecan"),
+             (["index", "--method", "full", str(doc)],
+              "full cannot save an index; methods that can: bm25, dense, gor, jerr, pecan"),
              (["index", str(doc)], "name a --method"),
              (["index", "--method", "pecan", "--export", "g.png", str(doc)],
               "pecan cannot export its index as g.png; formats: .graphml, .html"),

@@ -220,9 +220,12 @@ def test_stored_passages_repaired_whole_answer_as_the_same_prompt_prefilled(hf_t
     whole = reader.read_stored(stored, "who?", nodes=[0, 1], repair=1.0, context="the passages")
     assert whole.text == CharTokenizer().decode(_hf_greedy(hf, ids, 6, 1.0)).strip()
     assert whole.prompt_tokens == len(ids) and whole.nodes == [0, 1] and whole.context == "the passages"
-    assert whole.trace == [{"placed": placed, "repaired": placed}]
+    sizes = [len(node) for node in stored]
+    assert whole.trace == [{"placed": placed, "repaired": placed, "nodes": [
+        {"node": i, "reused": 0, "recomputed": n} for i, n in enumerate(sizes)]}]
     reused = reader.read_stored(stored, "who?")
-    assert reused.trace == [{"placed": placed, "repaired": 0}]
+    assert reused.trace == [{"placed": placed, "repaired": 0, "nodes": [
+        {"node": i, "reused": n, "recomputed": 0} for i, n in enumerate(sizes)]}]
     c = eng.config
     decode = reused.flops - forward_flops(c, len(head)) - forward_flops(c, len(tail), len(ids) - len(tail))
     assert 0 <= decode < forward_flops(c, placed, len(head), n_logits=0)  # the passages' prefill was not run
@@ -235,6 +238,40 @@ def test_bm25_with_kv_reuse_stores_every_chunk_once_and_places_the_chosen(hf_tin
     index = method.index("the mill was built in 1821. it burned down in 1900. a school stands there now.")
     assert len(index.stored) == len(index.chunks) and all(len(n) > 0 for n in index.stored)
     answer = method.answer(index, "when did the mill burn?")
-    assert len(answer.nodes) == 2 and answer.trace[-1]["repaired"] == round(0.5 * answer.trace[-1]["placed"])
+    last = answer.trace[-1]
+    assert len(answer.nodes) == 2 and last["repaired"] == round(0.5 * last["placed"])
+    assert [n["node"] for n in last["nodes"]] == answer.nodes
+    assert sum(n["recomputed"] for n in last["nodes"]) == last["repaired"]
+    assert sum(n["reused"] + n["recomputed"] for n in last["nodes"]) == last["placed"]
     with pytest.raises(ValueError, match="do not fit the window"):
         method.reader.read_stored(index.stored * 20, "q")
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_top_k_index_saved_with_its_kv_answers_as_the_one_built(hf_tiny, tmp_path, kv_dtype):
+    """A Top-k index saved with its node store and loaded back answers exactly as the index built in memory (which
+    holds its KV as the store gives it back); a missing or bad store is refused by name with kv_reuse, and the same
+    index file still serves kv_reuse=off."""
+    from nodekv.engine.node_store import NodeStoreError
+
+    _, path = hf_tiny
+    eng = _char_engine(path)
+    opts = dict(k=2, chunk_tokens=12, kv_reuse="blend", repair=0.5, kv_dtype=kv_dtype)
+    method = BM25TopK(eng, PromptSpec("{context}|{question}", 4), **opts)
+    built = method.index("the mill was built in 1821. it burned down in 1900. a school stands there now.")
+    method.save_index(built, tmp_path / "doc.bm25")
+    loaded = method.load_index(tmp_path / "doc.bm25")
+    for i in range(len(built.chunks)):
+        assert torch.equal(loaded.stored[i].k, built.stored[i].k) and torch.equal(loaded.stored[i].v, built.stored[i].v)
+    question = "when did the mill burn?"
+    want, got = method.answer(built, question), method.answer(loaded, question)
+    assert (got.text, got.nodes, got.flops) == (want.text, want.nodes, want.flops)
+
+    plain = BM25TopK(eng, PromptSpec("{context}|{question}", 4), k=2, chunk_tokens=12)
+    (tmp_path / "doc.bm25.kv").write_bytes(b"NODEKVKV" + bytes(20))
+    with pytest.raises(NodeStoreError, match="doc.bm25.kv"):
+        method.load_index(tmp_path / "doc.bm25")
+    assert plain.answer(plain.load_index(tmp_path / "doc.bm25"), question).nodes == want.nodes
+    plain.save_index(plain.index("the mill was built in 1821."), tmp_path / "off.bm25")
+    with pytest.raises(NodeStoreError, match="indexed with kv_reuse=off"):
+        method.load_index(tmp_path / "off.bm25")
