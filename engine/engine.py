@@ -113,7 +113,9 @@ class Engine:
         try:
             cos, sin = self.model.rope(slice(start, start + n))
             for layer in range(self.config.n_layers):
-                cache.write(layer, self.model.ops.rope(node.k[layer].to(self.model.dtype), cos, sin), node.v[layer])
+                # a copy: rope may rotate in its input's storage, and the node is placed again by the next query
+                k = node.k[layer].to(self.model.dtype, copy=True)
+                cache.write(layer, self.model.ops.rope(k, cos, sin), node.v[layer])
         except BaseException:
             cache.truncate(start)
             raise

@@ -303,7 +303,8 @@ class Llama:
         over the cached ones in every layer: CacheBlend's repair. Layer by layer, the chosen tokens attend to every
         cached position up to their own, through keys and values recomputed in that layer where the position is one
         of theirs and cached ones elsewhere; every position of the cache gives a prefill's keys and values. Attention
-        runs on the torch reference (an explicit position mask); the projections as in `forward`.
+        runs on the torch reference (`reference.attention_at`), with node mass where the cache collects it; the
+        projections as in `forward`.
 
         layers: stop after the first `layers` and put their cached keys and values back as they were; returns each
         token's key deviation in the last of them, ||k_new - k_cached|| / ||k_cached|| (CacheBlend's rule for which
@@ -312,7 +313,6 @@ class Llama:
         n, end = tokens.shape[0], int(positions.max()) + 1
         cos, sin = self.rope(positions)
         table = torch.tensor(cache.pages, dtype=torch.int32)
-        visible = positions[:, None] >= torch.arange(end)[None, :]  # query i sees key j iff j <= its position
         cast = _identity if self.dtype == torch.float32 else lambda t: t.to(self.dtype)
         x = self._embed_rows(tokens)
         h = self.ops.rms_norm(x, self.layers[0].attn_norm, c.norm_eps)
@@ -332,10 +332,8 @@ class Llama:
             cache.write(i, k, qkv[:, n_qk * c.head_dim:].view(n, c.n_kv_heads, c.head_dim), positions)
             keys = reference.gather_kv(cache.pool.k, i, table, end)
             values = reference.gather_kv(cache.pool.v, i, table, end)
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None].to(q.dtype),
-                                                  values[None].to(q.dtype), attn_mask=visible, enable_gqa=True)
-            h = self.ops.add_rms_norm_(x, layer.wo(attn[0].transpose(0, 1).reshape(n, -1)), layer.ffn_norm,
-                                       c.norm_eps)
+            attn = reference.attention_at(q, keys, values, positions, *cache.collector)
+            h = self.ops.add_rms_norm_(x, layer.wo(attn), layer.ffn_norm, c.norm_eps)
             next_norm = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm
             h = self.ops.add_rms_norm_(x, layer.w2(layer.w13.gated(cast(h), self.ops.silu_mul)), next_norm,
                                        c.norm_eps)

@@ -2,6 +2,7 @@
 decoded, truncated to a node, forked (sharing pages) and released; optionally it records attention mass per node."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import partial
 from typing import Collection, Hashable, Sequence
@@ -76,15 +77,26 @@ class Session:
         self.engine.place_stored(node, self.cache)
         return self._add_node(node_id, list(node.tokens), None, None)
 
-    def repair(self, positions: Sequence[int]) -> None:
+    def repair(self, positions: Sequence[int], collect: bool = False) -> None:
         """Recompute the keys and values at `positions` (increasing; typically tokens of stored nodes, which saw no
         context) with everything cached before each (`Llama.recompute`, CacheBlend's repair). Repair before appending
-        what follows the stored nodes: logits already taken are not redone. On error the session is unchanged."""
+        what follows the stored nodes: logits already taken are not redone. collect: record the recomputed tokens'
+        attention mass; `token_mass` of a node then has one row per token of it repaired here, in order (replacing
+        what it had). On error the session is unchanged."""
         self._check_idle()
         positions = list(positions)
-        if positions:
+        if not positions:
+            return
+        mass = self._start_collecting(0, len(positions)) if collect else None
+        try:
             self.engine.recompute([self.tokens[p] for p in positions if 0 <= p < len(self.tokens)], positions,
                                   self.cache)
+        finally:
+            self.cache.collect(None, None)
+        if mass is not None:
+            c, owner = self.engine.config, torch.tensor([self._node_at(p) for p in positions])
+            for j in owner.unique().tolist():
+                self._mass[self.nodes[j].node_id] = mass[owner == j, : j + 1] / (c.n_heads * c.n_layers)
 
     def key_deviation(self, positions: Sequence[int], layer: int = 1) -> torch.Tensor:
         """float32 [len(positions)]: how far each cached key at `positions` is from the key the token would have with
@@ -243,11 +255,18 @@ class Session:
         self.cache.truncate(end)
         del self.tokens[end:]
 
-    def _start_collecting(self, n_tokens: int) -> torch.Tensor:
-        bounds = [s.start for s in self.nodes] + [len(self.tokens), len(self.tokens) + n_tokens]
-        mass = torch.zeros(n_tokens, len(bounds) - 1)
+    def _start_collecting(self, n_tokens: int, n_queries: int | None = None) -> torch.Tensor:
+        """Collect the mass of the next forward's queries (`n_queries`, default the `n_tokens` it appends) on every
+        node cached and the appended one."""
+        bounds = [s.start for s in self.nodes] + [len(self.tokens)] + ([len(self.tokens) + n_tokens] if n_tokens
+                                                                       else [])
+        mass = torch.zeros(n_tokens if n_queries is None else n_queries, len(bounds) - 1)
         self.cache.collect(torch.tensor(bounds, dtype=torch.int32), mass)
         return mass
+
+    def _node_at(self, position: int) -> int:
+        """The index of the node holding cached `position`."""
+        return bisect.bisect_right([s.start for s in self.nodes], position) - 1
 
     def _new_node_id(self, node_id: Hashable | None) -> Hashable:
         if node_id is None:

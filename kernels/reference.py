@@ -89,10 +89,32 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                                              values[None].to(q.dtype), attn_mask=mask, is_causal=fresh and n > 1,
                                              enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, H * hd)
-    Hkv = keys.shape[0]
+    return _attention_with_mass(q, keys, values, torch.arange(start, end, device=q.device), node_bounds, mass)
+
+
+def attention_at(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 node_bounds: torch.Tensor | None = None, mass: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of queries q [n, H, hd] at any increasing `positions` (int64 [n]) over keys, values
+    [kv_heads, end, hd] (gathered, `gather_kv`): query i sees keys [0, positions[i]]. Returns [n, H * hd] in q's
+    dtype; mass as for `paged_attention`. The recompute of tokens in the middle of a cache (`Llama.recompute`)."""
+    n, H, hd = q.shape
+    if mass is not None:
+        return _attention_with_mass(q, keys, values, positions, node_bounds, mass)
+    visible = positions[:, None] >= torch.arange(keys.shape[1], device=q.device)[None, :]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype),
+                                         attn_mask=visible, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(n, H * hd)
+
+
+def _attention_with_mass(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                         node_bounds: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Attention in fp32 with each query's mass per key node added to mass [n, N], queries in chunks so that at most
+    SCORE_CHUNK_BYTES of scores exist at once."""
+    n, H, hd = q.shape
+    Hkv, end = keys.shape[0], keys.shape[1]
     G = H // Hkv
     node_of_key = torch.repeat_interleave(torch.arange(node_bounds.shape[0] - 1, device=q.device),
-                                          node_bounds.diff().long().to(q.device))
+                                          node_bounds.diff().long().to(q.device))[:end]  # nodes may go on
     kf, vf = keys.float(), values.float()
     out = torch.empty(n, H, hd, dtype=torch.float32, device=q.device)
     chunk = max(1, SCORE_CHUNK_BYTES // (4 * H * end))
@@ -100,7 +122,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         c1 = min(n, c0 + chunk)
         qc = q[c0:c1].float().view(c1 - c0, Hkv, G, hd).permute(1, 2, 0, 3)  # [Hkv, G, c, hd]
         scores = (qc @ kf[:, None].transpose(-1, -2)) / math.sqrt(hd)  # [Hkv, G, c, end]
-        visible = _visible(end, start + c0, start + c1, q.device)
+        visible = torch.arange(end, device=q.device)[None, :] <= positions[c0:c1, None]
         p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[c0:c1] = (p @ vf[:, None]).permute(2, 0, 1, 3).reshape(c1 - c0, H, hd)
         mass[c0:c1].index_add_(1, node_of_key, p.sum((0, 1)))

@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Sequence
 
 from ..engine.engine import Engine
-from ..engine.node_store import STORE_DTYPES, NodeStore, NodeStoreError, StoredNode, as_stored, write_node_store
+from ..engine.node_store import NodeStore, StoredNode, as_stored
 from .base import Answer, Method
-from .index_file import model_id, read_index_file, write_index_file
+from .index_file import read_index_file, read_kv_beside, write_index_file, write_kv_beside
 from .options import Option
 from .prompts import PromptSpec
+from .reader import KV_REUSE_OPTIONS, repair_fraction
 from .retrieval import BM25Index, DenseIndex, text_chunk_spans
 
 
@@ -68,14 +69,7 @@ class TopK(Method):
 
     options = (Option("k", int, 5, "chunks retrieved", low=1),
                Option("chunk_tokens", int, 300, "tokens per chunk", low=1),
-               Option("kv_reuse", str, "off", "off: prefill the chosen chunks in the prompt; reuse: place their KV, "
-                      "prefilled once at indexing, with no forward (engine/node_store.py); blend: reuse, then repair "
-                      "the `repair` fraction of their tokens whose keys deviate most",
-                      choices=("off", "reuse", "blend")),
-               Option("repair", float, 0.15, "with kv_reuse=blend: the fraction of placed tokens recomputed", low=0.0,
-                      high=1.0),
-               Option("kv_dtype", str, "float16", "with kv_reuse: how the chunks' KV is stored (int8: a scale per "
-                      "vector)", choices=STORE_DTYPES))
+               *KV_REUSE_OPTIONS)
 
     @abstractmethod
     def search_index(self, chunks: list[str]) -> BM25Index | DenseIndex:
@@ -96,9 +90,8 @@ class TopK(Method):
         return {"chunk_tokens": self.config.chunk_tokens, "kv_dtype": self.config.kv_dtype if stores_kv else None}
 
     def save_index(self, index: ChunkIndex, path: str | Path) -> None:
-        if index.stored is not None:  # the store first: an index file names a store that is whole
-            write_node_store(_store_path(path), dict(enumerate(index.stored)), model_id(self.engine),
-                             self.config.kv_dtype)
+        if index.stored is not None:
+            write_kv_beside(path, dict(enumerate(index.stored)), self.engine, self.config.kv_dtype)
         write_index_file(path, _FORMAT, _VERSION, self.engine, {"chunks": index.chunks,
                                                                 "stored_kv": index.stored is not None})
 
@@ -106,11 +99,7 @@ class TopK(Method):
         """The saved index; its node store is opened (header checked, nodes read when used) only with `kv_reuse`,
         so an index whose store is missing or bad still serves `kv_reuse=off`."""
         data = read_index_file(path, _FORMAT, _VERSION, self.engine, "Top-k index")
-        stored = None
-        if self.config.kv_reuse != "off":
-            if not data["stored_kv"]:
-                raise NodeStoreError(f"{path} was indexed with kv_reuse=off: it has no stored KV to reuse")
-            stored = NodeStore(_store_path(path), model_id(self.engine))
+        stored = read_kv_beside(path, self.engine, data["stored_kv"]) if self.config.kv_reuse != "off" else None
         return ChunkIndex(data["chunks"], self.search_index(data["chunks"]), stored)
 
     def context(self, index: ChunkIndex, question: str) -> tuple[str, list[tuple[int, float]]]:
@@ -124,16 +113,11 @@ class TopK(Method):
         chosen = sorted(i for i, _ in hits)
         if index.stored is None:
             return self.reader.read(context, question, options, chosen, trace)
-        repair = self.config.repair if self.config.kv_reuse == "blend" else 0.0
-        return self.reader.read_stored([index.stored[i] for i in chosen], question, options, chosen, trace, repair,
-                                       context)
+        return self.reader.read_stored([index.stored[i] for i in chosen], question, options, chosen, trace,
+                                       repair_fraction(self.config), context)
 
 
 _FORMAT, _VERSION = "nodekv-topk-index", 1
-
-
-def _store_path(index_path: str | Path) -> Path:
-    return Path(f"{index_path}.kv")
 
 
 class BM25TopK(TopK, name="bm25"):

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..engine.engine import Engine
+from ..engine.node_store import NodeStore, NodeStoreError, write_node_store
 from ..paths import write_atomic
 
 
@@ -51,3 +52,22 @@ def read_index_file(path: str | Path, fmt: str, version: int, engine: Engine, wh
         raise IndexFileError(f"{path} was built with model {data['model']['name']} (config "
                              f"{data['model']['config'][:12]}), not the loaded {model_id(engine)['name']}")
     return {k: v for k, v in data.items() if k not in ("format", "version", "model")}
+
+
+def kv_path(index_path: str | Path) -> Path:
+    """Where the node store of an index file's nodes is kept: beside it, FILE.kv."""
+    return Path(f"{index_path}.kv")
+
+
+def write_kv_beside(index_path: str | Path, nodes: dict, engine: Engine, dtype: str) -> None:
+    """Write the KV of an index's nodes (id -> StoredNode) beside its index file; write it before the index file,
+    so that an index file that says it has KV names a store that is whole."""
+    write_node_store(kv_path(index_path), nodes, model_id(engine), dtype)
+
+
+def read_kv_beside(index_path: str | Path, engine: Engine, has_kv: bool) -> NodeStore:
+    """The node store beside an index file (header checked; nodes read when used); NodeStoreError, naming the file,
+    when the index was built without one, or the store is missing, truncated, foreign or of another model."""
+    if not has_kv:
+        raise NodeStoreError(f"{index_path} was indexed with kv_reuse=off: it has no stored KV to reuse")
+    return NodeStore(kv_path(index_path), model_id(engine))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Hashable, Sequence
 
 from ..engine.engine import Engine
-from ..engine.node_store import StoredNode
+from ..engine.node_store import STORE_DTYPES, StoredNode
 from ..engine.session import Session
 from .options import Option
 from .prompts import PromptSpec
@@ -35,6 +35,19 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 # every method's `reader` option: the shared reader, or the paper's own final step (the paper-exact rows)
 READER_OPTION = Option("reader", str, "shared", "shared: the dataset's prompt over what the method read "
                        "(nodekv.methods.reader); paper: the paper's own answer step", choices=("shared", "paper"))
+# the options of a method that can read its nodes from a node store (engine/node_store.py) instead of prefilling them
+KV_REUSE_OPTIONS = (
+    Option("kv_reuse", str, "off", "off: prefill the nodes read; reuse: place their KV, prefilled once at indexing, "
+           "with no forward (engine/node_store.py); blend: reuse, then recompute the `repair` fraction of their "
+           "tokens whose keys deviate most", choices=("off", "reuse", "blend")),
+    Option("repair", float, 0.15, "with kv_reuse=blend: the fraction of placed tokens recomputed", low=0.0, high=1.0),
+    Option("kv_dtype", str, "float16", "with kv_reuse: how the nodes' KV is stored (int8: a scale per vector)",
+           choices=STORE_DTYPES))
+
+
+def repair_fraction(config) -> float:
+    """The fraction of placed tokens to recompute under a method config with KV_REUSE_OPTIONS."""
+    return config.repair if config.kv_reuse == "blend" else 0.0
 
 
 @dataclass

@@ -6,6 +6,11 @@ appended; then after each appended node a rolled-back probe ("Yes"/"No") decides
 maximises z_i = Σ_j r_j e_ji (r_j: the visited node's attention to the query, times its prompt position) plus its
 embedding similarity to the query. The shared reader then answers from the visited nodes (`reader=paper`: the
 second-turn prompt decodes the answer from the same cache).
+
+With `kv_reuse` (beyond the paper) each node's KV is stored at indexing and placed instead of prefilled, in the
+search and in the reader (engine/node_store.py). A placed node's tokens never attended to the query, so r comes from
+the tokens `blend` repairs (collected as they are recomputed); under pure `reuse` r is 0 and the search is by
+embedding similarity alone (the paper's "w/o attention" ablation), though the probes still read the placed KV.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ...engine.engine import Engine
+from ...engine.node_store import as_stored
 from ...paths import write_atomic
 from ..base import Answer, Method, chat_pieces
 from ..options import Option
@@ -21,7 +27,7 @@ from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Z_SCALES, next_node, positional_relevance
 from .pecan_store import PecanIndex, load, save, to_graphml, to_html
 from ..prompts import PromptSpec
-from ..reader import READER_OPTION, Reader
+from ..reader import KV_REUSE_OPTIONS, READER_OPTION, Reader, repair_fraction
 
 FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
               "Do not provide any explanation.\n\nQuestion:\n{}\n\nInformation:\n{}")
@@ -73,6 +79,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
         Option("z_scale", str, "paper", "max: z divided by the largest z among the candidates, so that it weighs like "
                "cosine similarity; paper: Eq. (1) as it is", choices=Z_SCALES),
         READER_OPTION,
+        *KV_REUSE_OPTIONS,
     )
     can_save = True
     exports = {".graphml": "the graph as GraphML", ".html": "the graph drawn in an HTML page"}
@@ -81,6 +88,9 @@ class Pecan(Method, name="pecan", title="PECAN"):
                  search_engine: Engine | None = None, embedder=None, **options):
         super().__init__(engine, prompt, progress, **options)
         self.search_engine = search_engine or engine
+        if self.search_engine is not engine and self.config.kv_reuse != "off":
+            raise ValueError("kv_reuse stores the nodes' KV with the model that builds the graph: it needs the search "
+                             "to run on that model too (no search_engine)")
         self._embedder = embedder
 
     @property
@@ -96,13 +106,18 @@ class Pecan(Method, name="pecan", title="PECAN"):
         return {"t_p": (PAPER_T_P[dataset], "App. E (tuned for Llama-3.1-8B)")} if dataset in PAPER_T_P else {}
 
     def index_key(self) -> dict:
-        return {"build_version": BUILD_VERSION, **{k: v for k, v in asdict(self.config).items() if k in INDEX_OPTIONS}}
+        key = {"build_version": BUILD_VERSION, **{k: v for k, v in asdict(self.config).items() if k in INDEX_OPTIONS}}
+        return key if self.config.kv_reuse == "off" else {**key, "kv_dtype": self.config.kv_dtype}
 
     # ---------------------------------------------------------------- construction
     def index(self, document: str) -> PecanIndex:
         graph, log = GraphBuilder(self.engine, self.config, self.progress).build(document)
+        stored = None
+        if self.config.kv_reuse != "off":  # each node as the search appends it
+            stored = {n: as_stored(self.engine.store_node(self._node_ids(graph, n)), self.config.kv_dtype)
+                      for n in graph.nodes}
         return PecanIndex(graph, self.embedder.encode([n.text for n in graph.nodes.values()]), asdict(self.config),
-                          log)
+                          log, stored)
 
     # ---------------------------------------------------------------- search
     def answer(self, index: PecanIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
@@ -132,7 +147,10 @@ class Pecan(Method, name="pecan", title="PECAN"):
             return Answer(text, visited, trace, 0, len(s) - generated, generated, context=read)
         eng = self.search_engine
         reader = self.reader if eng is self.engine else Reader(eng, self.answer_prompt)
-        return reader.read(read, question, options, visited, trace)
+        if index.stored is None:
+            return reader.read(read, question, options, visited, trace)
+        return reader.read_stored([index.stored[n] for n in visited], question, options, visited, trace,
+                                  repair_fraction(self.config), read)
 
     def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
                probe: bool = True) -> Iterator[dict]:
@@ -170,17 +188,44 @@ class Pecan(Method, name="pecan", title="PECAN"):
                     yield {"stop": "graph exhausted" if picked is None else "budget"}
                     return
                 node, why = picked.node, {"z": picked.z, "sim": picked.similarity, "by_sim": picked.by_similarity}
-            ids = tok.encode("* " + graph.nodes[node].text.strip() + "\n")
-            if len(s) + len(ids) > room:
+            if index.stored is None:
+                stored, ids = None, self._node_ids(graph, node)
+                n_tokens = len(ids)
+            else:
+                stored = index.stored[node]
+                n_tokens = len(stored)
+            if len(s) + n_tokens > room:
                 yield {"stop": "context full"}
                 return
-            s.append(ids, node_id=node, collect=True)
+            placed = {}
+            if stored is None:
+                s.append(ids, node_id=node, collect=True)
+            else:
+                recomputed = self._place(s, stored, node)
+                placed = {"reused": n_tokens - recomputed, "recomputed": recomputed}
             visited.append(node)
-            query_mass.append(float(s.token_mass(node)[:, 1].mean()) / q_len)  # node -> query, token-to-node mean
-            step = {"node": node, "level": graph.nodes[node].level, **why, "r": query_mass[-1]}
+            # node -> query, token-to-node mean (over its repaired tokens when placed; none repaired: no attention)
+            collected = stored is None or placed["recomputed"] > 0
+            query_mass.append(float(s.token_mass(node)[:, 1].mean()) / q_len if collected else 0.0)
+            step = {"node": node, "level": graph.nodes[node].level, **why, "r": query_mass[-1], **placed}
             if probe and not pending:  # probes start once the whole top level is in
                 step["p_yes"] = s.probe(["Yes", "No"], tokens=probe_ids)["Yes"]
             yield step
+
+    def _node_ids(self, graph, node: int) -> list[int]:
+        """A node's tokens as the search appends it: "* text" and a newline."""
+        return self.search_engine.tokenizer.encode("* " + graph.nodes[node].text.strip() + "\n")
+
+    def _place(self, s, stored, node: int) -> int:
+        """Place a stored node in the search session; with kv_reuse=blend, recompute its `repair` fraction of tokens
+        whose keys deviate most, collecting their attention mass (the node's relevance r). Returns how many."""
+        span = s.append_stored(stored, node_id=node)
+        count = round(repair_fraction(self.config) * len(span))
+        if count:
+            placed = list(range(span.start, span.end))
+            worst = s.key_deviation(placed).topk(count).indices.tolist()
+            s.repair(sorted(placed[i] for i in worst), collect=True)
+        return count
 
     def respond(self, s, question: str, options: tuple[str, ...] = ()) -> tuple[str, int]:
         """Append the second turn (Table A2) to a searched session and decode the answer: (text, tokens)."""
@@ -205,10 +250,11 @@ class Pecan(Method, name="pecan", title="PECAN"):
         return self.config.answer_tokens if self.prompt is None else self.prompt.max_new_tokens
 
     def save_index(self, index: PecanIndex, path: str | Path) -> None:
-        save(index, path, self.engine)
+        save(index, path, self.engine, self.config.kv_dtype)
 
     def load_index(self, path: str | Path) -> PecanIndex:
-        return load(path, self.engine)
+        """The saved index, with its node store opened (lazily) when kv_reuse is on."""
+        return load(path, self.engine, kv=self.config.kv_reuse != "off")
 
     def export(self, index: PecanIndex, path: str | Path) -> None:
         write = GRAPH_WRITERS.get(Path(path).suffix)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from ...engine.engine import Engine
+from ...engine.node_store import NodeStore, StoredNode
 from .. import graph_view
 from ..graph_view import GraphView
-from ..index_file import IndexFileError, read_index_file, write_index_file
+from ..index_file import IndexFileError, read_index_file, read_kv_beside, write_index_file, write_kv_beside
 from .pecan_graph import Graph, Node
 
 FORMAT, VERSION = "nodekv-pecan-index", 1
@@ -27,25 +29,31 @@ class PecanIndex:
     vectors: torch.Tensor                                  # [nodes, 384] all-MiniLM-L6-v2
     config: dict
     log: list[str] = field(default_factory=list)
+    stored: Mapping[int, StoredNode] | NodeStore | None = None  # with kv_reuse: each node's KV, as it is appended
 
 
-def save(index: PecanIndex, path: str | Path, engine: Engine) -> None:
+def save(index: PecanIndex, path: str | Path, engine: Engine, kv_dtype: str = "float16") -> None:
+    """Write an index file, and its nodes' KV beside it (FILE.kv, `kv_dtype`) where the index holds them."""
+    if index.stored is not None:
+        write_kv_beside(path, dict(index.stored), engine, kv_dtype)
     vectors = index.vectors.float().contiguous()
-    body = {"config": index.config, "log": index.log,
+    body = {"config": index.config, "log": index.log, "stored_kv": index.stored is not None,
             "nodes": [[n.id, n.level, n.text] for n in index.graph.nodes.values()],
             "edges": {str(p): {str(c): w for c, w in kids.items()} for p, kids in index.graph.edges.items()},
             "vectors": {"shape": list(vectors.shape), "float32": base64.b64encode(vectors.numpy().tobytes()).decode()}}
     write_index_file(path, FORMAT, VERSION, engine, body)
 
 
-def load(path: str | Path, engine: Engine) -> PecanIndex:
-    """Read an index, refusing a corrupt or foreign file and one built with a different model."""
+def load(path: str | Path, engine: Engine, kv: bool = False) -> PecanIndex:
+    """Read an index, refusing a corrupt or foreign file and one built with a different model; kv: open its node
+    store too (`read_kv_beside`), refusing one that is missing or bad."""
     data = read_index_file(path, FORMAT, VERSION, engine, "PECAN index")
     graph = Graph({i: Node(i, level, text) for i, level, text in data["nodes"]},
                   {int(p): {int(c): w for c, w in kids.items()} for p, kids in data["edges"].items()})
     raw = base64.b64decode(data["vectors"]["float32"])
     vectors = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(data["vectors"]["shape"])
-    return PecanIndex(graph, vectors, data["config"], data["log"])
+    stored = read_kv_beside(path, engine, data.get("stored_kv", False)) if kv else None
+    return PecanIndex(graph, vectors, data["config"], data["log"], stored)
 
 
 def view(graph: Graph) -> GraphView:

@@ -57,6 +57,11 @@ def test_a_placed_node_has_hf_keys_and_values_at_its_position(pair, at):
         k, v = cached_kv(s, at, at + 21)
     want_k, want_v = hf_kv(hf, list(node.tokens), at)
     assert rel(k, want_k) <= 1e-5 and rel(v, want_v) <= 1e-5
+    with engine.session() as s:  # placing leaves the node as it was: placed again, it gives the same keys
+        if at:
+            s.append(ids(at, 2))
+        s.append_stored(node)
+        assert torch.equal(cached_kv(s, at, at + 21)[0], k)
 
 
 def test_a_node_placed_first_then_a_question_gives_the_prefill_logits(pair):
@@ -190,6 +195,33 @@ def test_repairing_every_placed_token_gives_a_prefill(pair):
     assert charged == recompute_flops(engine.config, list(range(len(prefix), len(prefix) + 26)))
     matmuls, attention, _ = forward_flop_parts(engine.config, 26, 0, n_logits=26, collect=True)
     assert recompute_flops(engine.config, list(range(26))) == matmuls + attention  # all rows of a prefill, no head
+
+
+def test_repaired_tokens_have_the_node_mass_of_hf_eager_attention(pair):
+    """repair(collect=True): each repaired token's attention mass per node, averaged over heads and layers, is the
+    row HF's eager softmax gives the same token in a prefill of the whole (every placed token repaired, so the
+    context is a prefill's); a partial repair records rows for its tokens only."""
+    from numerics import hf_attention
+
+    hf, engine = pair
+    prefix, a, b = ids(11, 30), ids(17, 31), ids(9, 32)
+    with engine.session() as s:
+        s.append(prefix, node_id="p")
+        for name, node in (("a", a), ("b", b)):
+            s.append_stored(engine.store_node(node), node_id=name)
+        s.repair(range(len(prefix), len(s)), collect=True)
+        got = {name: s.token_mass(name).double() for name in ("a", "b")}
+        with pytest.raises(KeyError, match="was not collected"):
+            s.token_mass("p")
+    att = hf_attention(hf, prefix + a + b)
+    bounds = [0, 11, 28, 37]
+    want = torch.stack([att[:, x:y].sum(1) for x, y in zip(bounds, bounds[1:])], 1)  # [T, nodes]
+    assert (got["a"] - want[11:28, :2]).abs().max() <= 1e-5 and (got["b"] - want[28:37]).abs().max() <= 1e-5
+    with engine.session() as s:
+        s.append(prefix)
+        span = s.append_stored(engine.store_node(a), node_id="a")
+        s.repair([span.start + 3, span.start + 8], collect=True)
+        assert s.token_mass("a").shape == (2, 2) and torch.allclose(s.token_mass("a").sum(1), torch.ones(2))
 
 
 def test_a_partial_repair_rewrites_only_its_positions_and_bad_ones_are_refused(pair):

@@ -263,3 +263,57 @@ def test_the_restated_answer_turn_ends_as_the_dataset_prompt_does(built):
                                 ._second_turn_ids(question))
     assert "Only give me the answer and do not output any other words.\n\nQuestion: " + question + "\nAnswer:" in turn
     assert question not in eng.tokenizer.decode(Pecan(eng, prompt=prompt_for("hotpotqa"))._second_turn_ids(question))
+
+
+@pytest.fixture(scope="module")
+def stored(built):
+    """The same document indexed with each node's KV stored (float32, so that placing it is exact)."""
+    from nodekv.methods.pecan.pecan import Pecan
+
+    eng, method, _ = built
+    options = {**dataclasses.asdict(method.config), "kv_reuse": "blend", "kv_dtype": "float32", "reader": "paper"}
+    return options, Pecan(eng, **options).index(DOC)
+
+
+def test_placed_nodes_all_repaired_search_as_prefilled_ones(built, stored):
+    """kv_reuse=blend with every placed token repaired gives the KV of a prefill (tests/engine/test_node_store.py),
+    so the search visits the same nodes with the same relevance r (from the repaired tokens' mass) and p(Yes)."""
+    from nodekv.methods.pecan.pecan import Pecan
+
+    eng, method, index = built
+    options, index_kv = stored
+    assert index_kv.graph.nodes == index.graph.nodes and index_kv.graph.edges == index.graph.edges
+    question = "Who kept the lamps burning?"
+    want = Pecan(eng, **{**options, "kv_reuse": "off"}).answer(index, question)
+    got = Pecan(eng, **{**options, "repair": 1.0}).answer(index_kv, question)
+    steps = [(w, g) for w, g in zip(want.trace, got.trace) if "node" in w]
+    assert got.nodes == want.nodes and len(steps) == len(want.nodes)
+    for w, g in steps:
+        assert g["node"] == w["node"] and g["recomputed"] > 0 and g["reused"] == 0
+        assert g["r"] == pytest.approx(w["r"], rel=1e-4, abs=1e-7)
+        assert g.get("p_yes", 0.0) == pytest.approx(w.get("p_yes", 0.0), abs=1e-4)
+
+
+def test_pure_reuse_searches_by_similarity_and_runs_no_forward_over_the_nodes(built, stored, tmp_path):
+    """kv_reuse=reuse places every node without a forward: r is 0 (no token of a node saw the query), the trace says
+    each node's tokens were all reused, and the query costs less than prefilling them; saved and loaded with its
+    node store, the index answers the same."""
+    from nodekv.engine.node_store import NodeStoreError
+    from nodekv.methods.pecan.pecan import Pecan
+
+    eng, method, index = built
+    options, index_kv = stored
+    question = "Who kept the lamps burning?"
+    reuse = Pecan(eng, **{**options, "kv_reuse": "reuse"})
+    got = reuse.answer(index_kv, question)
+    off = Pecan(eng, **{**options, "kv_reuse": "off", "attention": False}).answer(index, question)
+    placed = [step for step in got.trace if "node" in step]
+    assert placed and all(step["r"] == 0.0 and step["recomputed"] == 0 and step["reused"] > 0 for step in placed)
+    assert got.nodes[:len(index.graph.top_level)] == off.nodes[:len(index.graph.top_level)]
+    assert got.flops < off.flops
+    reuse.save_index(index_kv, tmp_path / "doc.pecan")
+    again = reuse.answer(reuse.load_index(tmp_path / "doc.pecan"), question)
+    assert (again.text, again.nodes, again.trace, again.flops) == (got.text, got.nodes, got.trace, got.flops)
+    method.save_index(index, tmp_path / "plain.pecan")
+    with pytest.raises(NodeStoreError, match="indexed with kv_reuse=off"):
+        reuse.load_index(tmp_path / "plain.pecan")
