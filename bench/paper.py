@@ -6,11 +6,12 @@
    mean/min/max, 22.3% of documents cut to a 100K window). The convention whose implied overhead is positive and
    the same on every dataset is the paper's.
 2. PECAN Table A4: construction per document and search per query from our PECAN runs, projected to the 8B preset
-   (exact count), amortised over 1/2/4/8 queries per document.
+   (exact count), amortised over 1/2/4/8 queries per document; with `--pecan-run` repeated, PECAN with stored nodes
+   (`kv_reuse`) beside the paper's search.
 3. JERR Table 6 (tokens per query), GoR Table 4 (retrieval seconds per query, measured here on a QMSum meeting)
    and DICE Table 4 (minutes per dataset) from our runs, marked where they do not compare.
 
-    nodekv bench paper [--model qwen2.5-0.5b] [--runs results] [--limit N] [--out FILE]
+    nodekv bench paper [--model qwen2.5-0.5b] [--runs results] [--pecan-run LABEL ...] [--limit N] [--out FILE]
 
 Prompts are tokenised with `--model`'s tokenizer (Llama-3.1's is not here; both are ~130K-entry byte-level BPEs).
 """
@@ -105,29 +106,31 @@ def _arithmetic(conv: pt.Convention, c, name: str, cv: float, tokens: float) -> 
             f"(paper {pt.PECAN_FULL_TFLOPS[name]})")
 
 
-def construction_table(runs: Path, label: str, full_exact: dict[str, float]) -> str:
-    """Table A4 from our PECAN runs (8B projection, exact count) next to the paper's."""
-    lines = ["| dataset | construction / document | search / query | full context | 1 query | 2 | 4 | 8 | "
-             "paper: construction / search / 1 / 2 / 4 / 8 |", "|---|---|---|---|---|---|---|---|---|"]
+def construction_table(runs: Path, labels: list[str], full_exact: dict[str, float]) -> str:
+    """Table A4 from our PECAN runs (8B projection, exact count), a row per run label and dataset, next to the
+    paper's. With kv_reuse a run's construction also holds the nodes' stored prefill, and its search places them."""
+    lines = ["| dataset | run | construction / document | search / query | full context | 1 query | 2 | 4 | 8 | "
+             "paper: construction / search / 1 / 2 / 4 / 8 |", "|---|---|---|---|---|---|---|---|---|---|"]
     order = list(pt.PECAN_FULL_TFLOPS)
     for name in order:
         paper = pt.PECAN_AMORTISED
         i = order.index(name)
         paper_cells = (f"{pt.PECAN_CONSTRUCTION[name]} / {pt.PECAN_SEARCH[name]} / "
                        + " / ".join(str(paper[q][i]) for q in (1, 2, 4, 8)))
-        found = sorted(runs.rglob(f"{label}-{pt.PECAN_FILES.get(name, name)}.jsonl"))
-        rows = [r for r in _lines(found[0]) if "error" not in r] if found else []
-        if not rows:
-            lines.append(f"| {name} | no run | | | | | | | {paper_cells} |")
-            continue
-        docs = {r["document"]: r["index_flops_8b"] / 1e12 for r in rows}
-        build, search = statistics.mean(docs.values()), statistics.mean(r["query_flops_8b"] / 1e12 for r in rows)
-        amortised = " | ".join(f"{pt.amortised(build, search, q):.1f}" for q in (1, 2, 4, 8))
-        lines.append(f"| {name} ({len(rows)} q., {len(docs)} docs) | {build:.1f} | {search:.2f} | "
-                     f"{full_exact.get(name, float('nan')):.1f} | {amortised} | {paper_cells} |")
+        for label in labels:
+            found = sorted(runs.rglob(f"{label}-{pt.PECAN_FILES.get(name, name)}.jsonl"))
+            rows = [r for r in _lines(found[0]) if "error" not in r] if found else []
+            if not rows:
+                lines.append(f"| {name} | {label}: no run | | | | | | | | {paper_cells} |")
+                continue
+            docs = {r["document"]: r["index_flops_8b"] / 1e12 for r in rows}
+            build, search = statistics.mean(docs.values()), statistics.mean(r["query_flops_8b"] / 1e12 for r in rows)
+            amortised = " | ".join(f"{pt.amortised(build, search, q):.1f}" for q in (1, 2, 4, 8))
+            lines.append(f"| {name} ({len(rows)} q., {len(docs)} docs) | {label} | {build:.1f} | {search:.2f} | "
+                         f"{full_exact.get(name, float('nan')):.1f} | {amortised} | {paper_cells} |")
     shown = runs.resolve().relative_to(base()) if runs.resolve().is_relative_to(base()) else runs
-    lines.append(f"\nOurs: run `{label}` under {shown}, FLOPs projected to {TARGET} for the same token counts, exact "
-                 "causal count (the paper's convention above counts more, most of all at long prompts).")
+    lines.append(f"\nOurs: runs under {shown}, FLOPs projected to {TARGET} for the same token counts, exact causal "
+                 "count (the paper's convention above counts more, most of all at long prompts).")
     return "\n".join(lines)
 
 
@@ -224,7 +227,9 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="nodekv bench paper", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-0.5b", help="whose tokenizer measures the prompts")
     p.add_argument("--runs", type=Path, default=results_dir(), help="where finished runs are")
-    p.add_argument("--pecan-run", default="pecan-prompt_style=restate", help="the PECAN run label for Table A4")
+    p.add_argument("--pecan-run", action="append", default=None,
+                   help="a PECAN run label for Table A4, repeatable, e.g. `pecan` and `pecan-kv_reuse=blend` to set "
+                        "stored nodes beside the paper's search (default: pecan-prompt_style=restate)")
     p.add_argument("--limit", type=int, default=None, help="records per dataset (default: all)")
     p.add_argument("--skip-latency", action="store_true", help="do not time GoR's retrieval")
     p.add_argument("--out", type=Path, default=None,
@@ -238,7 +243,7 @@ def main() -> None:
     table1, exact = full_context_table(tokenizer, args.limit)
     sections = [("PECAN Table 1: full context, Llama-3.1-8B TFLOPs per query", table1),
                 ("PECAN Table A4: construction and search (Llama-3.1-8B TFLOPs)",
-                 construction_table(args.runs, args.pecan_run, exact)),
+                 construction_table(args.runs, args.pecan_run or ["pecan-prompt_style=restate"], exact)),
                 ("JERR Table 6: tokens per query", jerr_tokens(args.runs)),
                 ("DICE Table 4: running time", dice_minutes(args.runs))]
     if not args.skip_latency:
