@@ -64,7 +64,7 @@ def test_greedy_continuation_matches_hf(engine, hf_model, prompt):
 
 
 def test_bf16_top1_agreement_with_fp32(engine):
-    """HF's own bf16-vs-fp32 top-1 agreement on these tokens is 97.5% on AMX machines (DESIGN.md §7) and 97.95%
+    """HF's own bf16-vs-fp32 top-1 agreement on these tokens is 97.5% on AMX machines and 97.95%
     on this AVX2 machine (measured by bench/engine_speed.py's former `--agreement`, commit 062f4df; too slow for
     the suite: HF's bf16 GEMMs run at ~16 GFLOP/s here). nodekv must do at least as well as the better of the two."""
     import nodekv
