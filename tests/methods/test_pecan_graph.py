@@ -107,3 +107,12 @@ def test_max_scaled_z_weighs_like_similarity():
     assert next_node(g, [0, 1], {}, sim, z_scale="max").node == 4  # no attention yet: similarity decides
     with pytest.raises(ValueError, match="z_scale"):
         next_node(g, [0, 1], r, sim, z_scale="softmax")
+
+
+def test_the_paper_thresholds_are_keyed_by_dataset_names_eval_knows():
+    """App. E's t_p per dataset reaches `nodekv eval` only under a name it loads (Qasper is scientific_qa here)."""
+    from nodekv.evaluation.datasets import DATASETS
+    from nodekv.methods.pecan.pecan import PAPER_T_P, Pecan
+
+    assert set(PAPER_T_P) <= set(DATASETS)
+    assert Pecan.dataset_defaults("scientific_qa")["t_p"][0] == 0.98
