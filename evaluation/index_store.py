@@ -2,9 +2,11 @@
 index key), with the FLOPs and time their construction cost, so a rerun or a resumed run does not rebuild them."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -56,20 +58,33 @@ class IndexStore:
 
     def build_or_load(self, method: Method, document: str) -> BuiltIndex:
         """`document`'s index and its cost, built (and saved) unless this store has it; construction is charged
-        to the engine's "index" scope."""
+        to the engine's "index" scope. With kv_reuse on, an index that the same root holds for kv_reuse=off only
+        gets its nodes' KV stored (`Method.store_kv`: the same index as a build from the document), and its cost
+        is that index's plus the storing's."""
         doc = document_hash(document)
         found = self.get(method, doc)
         if found is not None:
             return found
+        kv_free = self._kv_free(method, doc)
         acc = self.engine.flops
         before, before_8b, tokens, t = acc.total, acc.projected.get(PROJECT_TO, 0), processed_tokens(acc), \
             time.perf_counter()
         with acc.scope("index"):
-            built = method.index(document)
+            built = method.index(document) if kv_free is None else method.store_kv(kv_free.index)
         cost = (acc.total - before, acc.projected.get(PROJECT_TO, 0) - before_8b, time.perf_counter() - t,
                 processed_tokens(acc) - tokens)
+        if kv_free is not None:
+            cost = tuple(a + b if b is not None else None for a, b in zip(cost, kv_free[1:]))
         self.put(method, doc, built, cost)
         return BuiltIndex(built, *cost)
+
+    def _kv_free(self, method: Method, doc: str) -> BuiltIndex | None:
+        """The saved kv_reuse=off index of the document hashed `doc`, when `method` stores KV and this root has it."""
+        if getattr(method.config, "kv_reuse", "off") == "off" or not method.can_save:
+            return None
+        off = copy.copy(method)
+        off.config = replace(method.config, kv_reuse="off")
+        return IndexStore.for_method(self.root, self.engine, off).get(off, doc)
 
     def build_cost(self, method: Method, document: str) -> tuple | str:
         """What building (or finding) `document`'s index cost (BuiltIndex's fields after the index), or the error

@@ -127,6 +127,12 @@ class Method(ABC):
     def answer(self, index: Any, question: str, options: tuple[str, ...] = ()) -> Answer:
         """The answer to `question` from `index`; `options` are a multiple-choice question's choices."""
 
+    def store_kv(self, index: Any) -> Any:
+        """`index`, built with kv_reuse=off, with its nodes' KV prefilled and stored as `index(document)` stores it
+        under this config's kv_reuse: a saved kv-free index then needs only this (`IndexStore.build_or_load`). Methods
+        with KV_REUSE_OPTIONS override it."""
+        raise ValueError(f"{self.title} does not store its nodes' KV")
+
     def fit(self, examples: Sequence[tuple[Any, Any]]) -> None:
         """Learn from other documents before answering: (index, record) pairs, the record's question and
         references included. With `learns_across_documents` set, `nodekv eval` deals the run's documents into

@@ -4,7 +4,7 @@ one prompt."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -79,11 +79,12 @@ class TopK(Method):
         tok = self.engine.tokenizer
         ids = tok.encode(_check_document(document))
         chunks = [tok.decode(ids[a:b]) for a, b in text_chunk_spans(ids, tok, self.config.chunk_tokens)]
-        stored = None
-        if self.config.kv_reuse != "off":
-            stored = [as_stored(self.engine.store_node(self.reader.passage_ids(c)), self.config.kv_dtype)
-                      for c in chunks]
-        return ChunkIndex(chunks, self.search_index(chunks), stored)
+        index = ChunkIndex(chunks, self.search_index(chunks))
+        return index if self.config.kv_reuse == "off" else self.store_kv(index)
+
+    def store_kv(self, index: ChunkIndex) -> ChunkIndex:
+        return replace(index, stored=[as_stored(self.engine.store_node(self.reader.passage_ids(c)),
+                                                self.config.kv_dtype) for c in index.chunks])
 
     def index_key(self) -> dict:
         stores_kv = self.config.kv_reuse != "off"

@@ -14,7 +14,7 @@ embedding similarity alone (the paper's "w/o attention" ablation), though the pr
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -113,12 +113,16 @@ class Pecan(Method, name="pecan", title="PECAN"):
     # ---------------------------------------------------------------- construction
     def index(self, document: str) -> PecanIndex:
         graph, log = GraphBuilder(self.engine, self.config, self.progress).build(document)
-        stored = None
-        if self.config.kv_reuse != "off":  # each node as the search appends it
-            stored = {n: as_stored(self.engine.store_node(self._node_ids(graph, n)), self.config.kv_dtype)
-                      for n in graph.nodes}
-        return PecanIndex(graph, self.embedder.encode([n.text for n in graph.nodes.values()]), asdict(self.config),
-                          log, stored)
+        index = PecanIndex(graph, self.embedder.encode([n.text for n in graph.nodes.values()]), asdict(self.config),
+                           log)
+        return index if self.config.kv_reuse == "off" else self.store_kv(index)
+
+    def store_kv(self, index: PecanIndex) -> PecanIndex:
+        """Each node's KV as the search appends it (`_node_ids`)."""
+        kv = {k: getattr(self.config, k) for k in ("kv_reuse", "kv_dtype")}
+        return replace(index, config={**index.config, **kv},
+                       stored={n: as_stored(self.engine.store_node(self._node_ids(index.graph, n)),
+                                            self.config.kv_dtype) for n in index.graph.nodes})
 
     # ---------------------------------------------------------------- search
     def answer(self, index: PecanIndex, question: str, options: tuple[str, ...] = ()) -> Answer:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.model
 
@@ -273,6 +274,20 @@ def stored(built):
     eng, method, _ = built
     options = {**dataclasses.asdict(method.config), "kv_reuse": "blend", "kv_dtype": "float32", "reader": "paper"}
     return options, Pecan(eng, **options).index(DOC)
+
+
+def test_storing_the_kv_of_a_kv_free_index_gives_the_index_built_with_it(built, stored):
+    """`store_kv` on the index built with kv_reuse=off holds, node for node, the KV of the index built with kv_reuse
+    on (what lets a saved kv-free index serve kv_reuse runs without building the graph again)."""
+    from nodekv.methods.pecan.pecan import Pecan
+
+    eng, _, index = built
+    options, index_kv = stored
+    got = Pecan(eng, **options).store_kv(index)
+    assert got.graph is index.graph and got.config["kv_reuse"] == "blend" and sorted(got.stored) == sorted(index_kv.stored)
+    for n, want in index_kv.stored.items():
+        assert got.stored[n].tokens == want.tokens
+        assert torch.equal(got.stored[n].k, want.k) and torch.equal(got.stored[n].v, want.v)
 
 
 def test_placed_nodes_all_repaired_search_as_prefilled_ones(built, stored):

@@ -13,46 +13,7 @@ from nodekv.engine.flops import FlopAccount, forward_flops
 from nodekv.methods.baselines import BM25TopK, FullContext
 from nodekv.methods.prompts import PromptSpec, prompt_for
 from nodekv.methods.reader import CONTENT_FREE, Reader, calibrated_choice
-
-
-class CharTokenizer:
-    """One id per character (printable ASCII: code point - 32; a line break: 95); chat() is the user turn's
-    characters; id 100 is EOS, as in the tiny models' 101-token vocabulary."""
-
-    eos_ids = (100,)
-
-    def encode(self, text, parse_special=False):
-        assert all(32 <= ord(c) < 127 or c == "\n" for c in text), text
-        return [95 if c == "\n" else ord(c) - 32 for c in text]
-
-    def decode(self, ids, skip_special=False):
-        return "".join("\n" if i == 95 else chr(i + 32) for i in ids)
-
-    def decode_stream(self, skip_special=False, context=()):
-        from nodekv.engine.tokenizer import DecodeStream
-
-        return DecodeStream(self, skip_special, context)
-
-    def token_id(self, piece):
-        (i,) = self.encode(piece)
-        return i
-
-    def render_chat(self, messages):
-        return messages[0]["content"]
-
-    def chat(self, messages):
-        return self.encode(self.render_chat(messages))
-
-
-def _char_engine(path):
-    from nodekv.engine.engine import Engine
-    from nodekv.engine.loader import load_checkpoint
-    from nodekv.engine.model import Llama
-    from nodekv.engine.page_pool import PagePool
-
-    ckpt = load_checkpoint(path)
-    model = Llama(ckpt.config, ckpt.tensors, torch.float32, "torch")
-    return Engine(model, CharTokenizer(), PagePool(ckpt.config, model.dtype, 64, 8))
+from char_engine import CharTokenizer, char_engine
 
 
 def _ids_engine(max_seq_len):
@@ -106,7 +67,7 @@ def test_full_context_reads_with_its_window_and_shares_its_prefix(monkeypatch):
 @pytest.mark.parametrize("penalty", [1.0, 1.5])
 def test_free_text_answers_are_greedy_with_the_penalty_over_generated_tokens_only(hf_tiny, penalty):
     hf, path = hf_tiny
-    eng, context = _char_engine(path), "the cat sat on the mat, the cat sat"
+    eng, context = char_engine(path), "the cat sat on the mat, the cat sat"
     spec = PromptSpec("{context}|{question}", 12, repetition_penalty=penalty)
     answer = Reader(eng, spec).read(context, "who?")
     prompt = CharTokenizer().encode(context + "|who?")
@@ -121,7 +82,7 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_the_answers_stay_the_same(
     """The first question pays the prefix and the rest, the second only the rest (by the FLOP formula), and the
     prefix's prefill is counted as saved; the answers equal HF's greedy ones."""
     hf, path = hf_tiny
-    eng, spec, context = _char_engine(path), PromptSpec("{context}|{question}", 6), "some shared document text"
+    eng, spec, context = char_engine(path), PromptSpec("{context}|{question}", 6), "some shared document text"
     reader = Reader(eng, spec)
     for q in ("why", "who is it"):
         n_shared = reader.shared_length(context, q)
@@ -210,7 +171,7 @@ def test_stored_passages_repaired_whole_answer_as_the_same_prompt_prefilled(hf_t
     """read_stored places passages prefilled once between the prompt's pieces. With every placed token repaired it
     answers as HF's greedy loop on the same ids; pure reuse runs no forward over the passages."""
     hf, path = hf_tiny
-    eng, spec = _char_engine(path), PromptSpec("{context}|{question}", 6)
+    eng, spec = char_engine(path), PromptSpec("{context}|{question}", 6)
     reader = Reader(eng, spec)
     stored = [eng.store_node(reader.passage_ids(p)) for p in ("the mill was built", " it burned down ")]
     head, tail = reader.pieces("who?")
@@ -233,7 +194,7 @@ def test_stored_passages_repaired_whole_answer_as_the_same_prompt_prefilled(hf_t
 
 def test_bm25_with_kv_reuse_stores_every_chunk_once_and_places_the_chosen(hf_tiny):
     _, path = hf_tiny
-    eng = _char_engine(path)
+    eng = char_engine(path)
     method = BM25TopK(eng, PromptSpec("{context}|{question}", 4), k=2, chunk_tokens=12, kv_reuse="blend", repair=0.5)
     index = method.index("the mill was built in 1821. it burned down in 1900. a school stands there now.")
     assert len(index.stored) == len(index.chunks) and all(len(n) > 0 for n in index.stored)
@@ -255,7 +216,7 @@ def test_top_k_index_saved_with_its_kv_answers_as_the_one_built(hf_tiny, tmp_pat
     from nodekv.engine.node_store import NodeStoreError
 
     _, path = hf_tiny
-    eng = _char_engine(path)
+    eng = char_engine(path)
     opts = dict(k=2, chunk_tokens=12, kv_reuse="blend", repair=0.5, kv_dtype=kv_dtype)
     method = BM25TopK(eng, PromptSpec("{context}|{question}", 4), **opts)
     built = method.index("the mill was built in 1821. it burned down in 1900. a school stands there now.")
