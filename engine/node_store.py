@@ -161,6 +161,10 @@ class NodeStore:
         tokens = sum(len(e["tokens"]) for e in self._entries.values())
         return 1000 * sum(sum(e["sizes"]) for e in self._entries.values()) / max(tokens, 1)
 
+    def nbytes(self, node_id) -> int:
+        """The node's bytes in the file (what reading it maps in)."""
+        return sum(self._entries[str(node_id)]["sizes"])
+
     def __getitem__(self, node_id) -> StoredNode:
         return self.get(node_id)
 

@@ -140,6 +140,9 @@ def test_a_store_file_round_trip_keeps_the_kv_within_its_dtype(pair, tmp_path, d
     per_token = {"float32": 4, "float16": 2, "int8": 1}[dtype]
     c = engine.config
     assert store.bytes_per_1k_tokens() >= 1000 * 2 * c.n_layers * c.n_kv_heads * c.head_dim * per_token
+    for name, node in nodes.items():  # K and V, plus int8's fp32 scale per vector
+        vectors = 2 * c.n_layers * len(node) * c.n_kv_heads
+        assert store.nbytes(name) == vectors * (c.head_dim * per_token + (4 if dtype == "int8" else 0))
 
 
 def test_a_truncated_corrupt_or_foreign_store_is_refused_by_name(pair, tmp_path):
