@@ -1,6 +1,7 @@
 """Seconds to first token and query FLOPs of BM25 Top-k with its chunks prefilled in the prompt (kv_reuse=off), placed
-from the node store (reuse) and placed with a fraction of their tokens recomputed (blend), side by side on the same
-dev records in one process, and the store's size per token in each dtype.
+from the node store (reuse) and placed with a fraction of their tokens recomputed (blend: those whose keys deviate
+most, or each chunk's first tokens), side by side on the same dev records in one process, and the store's size per
+token in each dtype.
 
 Each record is indexed once with its chunks' KV stored (charged to the index, not timed); every setting then answers
 the record's question from that index, the settings in a rotated order per record so that none always runs first
@@ -9,7 +10,8 @@ the prompt in the cache, the chunks placed and repaired included. The store size
 file (`write_node_store`) of each record's chunks, per stored token.
 
     python -m nodekv.bench.stored_nodes [--model qwen2.5-1.5b] [--dataset hotpotqa] [--records 5]
-                                        [--repair 0.05,0.15,0.3] [--k 5] [--threads 2]
+                                        [--repair 0.05,0.15,0.3] [--repair-by deviation,boundary] [--k 5]
+                                        [--threads 2]
 """
 from __future__ import annotations
 
@@ -32,10 +34,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--records", type=int, default=5, help="the first N good records")
     p.add_argument("--k", type=int, default=5, help="chunks retrieved")
     p.add_argument("--repair", type=_fractions, default=[0.05, 0.15, 0.3], help="blend's repaired fractions")
+    p.add_argument("--repair-by", type=lambda t: t.split(","), default=["deviation", "boundary"],
+                   help="blend's rules for which tokens to repair")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     if any(not 0 < r <= 1 for r in args.repair):
         p.error(f"--repair fractions must be in (0, 1], got {args.repair}")
+    if set(args.repair_by) - {"deviation", "boundary"}:
+        p.error(f"--repair-by takes deviation and boundary, got {args.repair_by}")
 
     import nodekv
     from nodekv.engine.node_store import STORE_DTYPES, write_node_store
@@ -49,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = nodekv.load_engine(args.model, threads=args.threads)
     prompt = prompt_for(args.dataset)
     settings = {"off": {"kv_reuse": "off"}, "reuse": {"kv_reuse": "reuse"},
-                **{f"blend {r:g}": {"kv_reuse": "blend", "repair": r} for r in args.repair}}
+                **{f"blend {r:g} by {by}": {"kv_reuse": "blend", "repair": r, "repair_by": by}
+                   for by in args.repair_by for r in args.repair}}
     methods = {name: BM25TopK(engine, prompt, k=args.k, **options) for name, options in settings.items()}
     rows = {name: {"ttft": [], "flops": [], "f1": []} for name in settings}
     store_bytes = {dtype: 0 for dtype in STORE_DTYPES}

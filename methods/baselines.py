@@ -14,7 +14,7 @@ from .base import Answer, Method
 from .index_file import read_index_file, read_kv_beside, write_index_file, write_kv_beside
 from .options import Option
 from .prompts import PromptSpec
-from .reader import KV_REUSE_OPTIONS, repair_fraction
+from .reader import KV_REUSE_OPTIONS, Repair
 from .retrieval import BM25Index, DenseIndex, text_chunk_spans
 
 
@@ -115,7 +115,7 @@ class TopK(Method):
         if index.stored is None:
             return self.reader.read(context, question, options, chosen, trace)
         return self.reader.read_stored([index.stored[i] for i in chosen], question, options, chosen, trace,
-                                       repair_fraction(self.config), context)
+                                       Repair.of(self.config), context)
 
 
 _FORMAT, _VERSION = "nodekv-topk-index", 1

@@ -39,15 +39,37 @@ READER_OPTION = Option("reader", str, "shared", "shared: the dataset's prompt ov
 KV_REUSE_OPTIONS = (
     Option("kv_reuse", str, "off", "off: prefill the nodes read; reuse: place their KV, prefilled once at indexing, "
            "with no forward (engine/node_store.py); blend: reuse, then recompute the `repair` fraction of their "
-           "tokens whose keys deviate most", choices=("off", "reuse", "blend")),
+           "tokens chosen by `repair_by`", choices=("off", "reuse", "blend")),
     Option("repair", float, 0.15, "with kv_reuse=blend: the fraction of placed tokens recomputed", low=0.0, high=1.0),
+    Option("repair_by", str, "deviation", "with kv_reuse=blend: deviation, the tokens whose keys deviate most "
+           "(CacheBlend); boundary, each node's first tokens (EPIC)", choices=("deviation", "boundary")),
     Option("kv_dtype", str, "float16", "with kv_reuse: how the nodes' KV is stored (int8: a scale per vector)",
            choices=STORE_DTYPES))
 
 
-def repair_fraction(config) -> float:
-    """The fraction of placed tokens to recompute under a method config with KV_REUSE_OPTIONS."""
-    return config.repair if config.kv_reuse == "blend" else 0.0
+@dataclass(frozen=True)
+class Repair:
+    """Which placed tokens to recompute with their context: `fraction` of them, chosen `by`
+    - "deviation": those whose keys deviate most in the first layer that sees context (CacheBlend); choosing costs
+      that layer's pass over the placed tokens;
+    - "boundary": each node's first tokens, the fraction of its own length (EPIC: a node prefilled alone starts with
+      an attention sink that, placed after other text, it should not have); choosing costs nothing."""
+
+    fraction: float = 0.0
+    by: str = "deviation"
+
+    @classmethod
+    def of(cls, config) -> "Repair":
+        """What a method config with KV_REUSE_OPTIONS asks for: nothing unless kv_reuse=blend."""
+        return cls(config.repair if config.kv_reuse == "blend" else 0.0, config.repair_by)
+
+    def positions(self, s: Session, spans: Sequence) -> list[int]:
+        """The positions to recompute among the placed nodes' `spans` (each with .start and .end) in session `s`."""
+        if self.by == "boundary":
+            return [p for span in spans for p in range(span.start, span.start + round(self.fraction * len(span)))]
+        placed = [p for span in spans for p in range(span.start, span.end)]
+        count = round(self.fraction * len(placed))
+        return sorted(placed[i] for i in s.key_deviation(placed).topk(count).indices.tolist()) if count else []
 
 
 @dataclass
@@ -151,13 +173,13 @@ class Reader:
         return self.engine.tokenizer.encode("\n\n" + passage.strip())
 
     def read_stored(self, passages: Sequence[StoredNode], question: str, options: Sequence[str] = (),
-                    nodes: Sequence[Hashable] = (), trace: list[dict] | None = None, repair: float = 0.0,
+                    nodes: Sequence[Hashable] = (), trace: list[dict] | None = None, repair: Repair = Repair(),
                     context: str | None = None) -> Answer:
         """`read` over passages stored once (`Engine.store_node` of `passage_ids`), placed between the prompt's
-        `pieces` without a forward over their tokens. repair: the fraction of the placed tokens recomputed with their
-        context, those whose keys deviate most in the first layer that sees context (CacheBlend; 0: pure reuse, 1:
-        a prefill's numbers). `context` (the passages' text) is kept for the diagnostics. The query is charged what
-        runs: the head, the deviation pass and the repair, the tail and the answer."""
+        `pieces` without a forward over their tokens. repair: which placed tokens are recomputed with their context
+        (fraction 0: pure reuse; 1: a prefill's numbers). `context` (the passages' text) is kept for the diagnostics.
+        The query is charged what runs: the head, choosing and recomputing the repaired tokens, the tail and the
+        answer."""
         head, tail = self.pieces(question, options)
         n = len(head) + sum(len(p) for p in passages) + len(tail)
         window = min(self.engine.config.max_seq_len, self.window or self.engine.config.max_seq_len)
@@ -171,9 +193,7 @@ class Reader:
             if head:
                 s.append(head, node_id="head")
             spans = [s.append_stored(p) for p in passages]
-            placed = [i for span in spans for i in range(span.start, span.end)]
-            count = round(repair * len(placed))
-            worst = sorted(placed[i] for i in s.key_deviation(placed).topk(count).indices.tolist()) if count else []
+            worst = repair.positions(s, spans)
             if worst:
                 s.repair(worst)
             s.append(tail, node_id="prompt")
@@ -182,7 +202,7 @@ class Reader:
         recomputed = [sum(span.start <= p < span.end for p in worst) for span in spans]
         per_node = [{"node": node, "reused": len(span) - r, "recomputed": r}
                     for node, span, r in zip(nodes or range(len(spans)), spans, recomputed)]
-        answer = Answer(text, list(nodes), (trace or []) + [{"placed": len(placed), "repaired": count,
+        answer = Answer(text, list(nodes), (trace or []) + [{"placed": sum(map(len, spans)), "repaired": len(worst),
                                                                "nodes": per_node}],
                         eng.flops.scopes["query"] - before, n, generated, False, context=context, prompt_s=prompt_s)
         if options:

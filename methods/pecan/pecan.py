@@ -27,7 +27,7 @@ from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Z_SCALES, next_node, positional_relevance
 from .pecan_store import PecanIndex, load, save, to_graphml, to_html
 from ..prompts import PromptSpec
-from ..reader import KV_REUSE_OPTIONS, READER_OPTION, Reader, repair_fraction
+from ..reader import KV_REUSE_OPTIONS, READER_OPTION, Reader, Repair
 
 FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
               "Do not provide any explanation.\n\nQuestion:\n{}\n\nInformation:\n{}")
@@ -155,7 +155,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
         if index.stored is None:
             return reader.read(read, question, options, visited, trace)
         return reader.read_stored([index.stored[n] for n in visited], question, options, visited, trace,
-                                  repair_fraction(self.config), read)
+                                  Repair.of(self.config), read)
 
     def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
                probe: bool = True) -> Iterator[dict]:
@@ -223,14 +223,12 @@ class Pecan(Method, name="pecan", title="PECAN"):
 
     def _place(self, s, stored, node: int) -> int:
         """Place a stored node in the search session; with kv_reuse=blend, recompute its `repair` fraction of tokens
-        whose keys deviate most, collecting their attention mass (the node's relevance r). Returns how many."""
+        (`Repair`), collecting their attention mass (the node's relevance r). Returns how many."""
         span = s.append_stored(stored, node_id=node)
-        count = round(repair_fraction(self.config) * len(span))
-        if count:
-            placed = list(range(span.start, span.end))
-            worst = s.key_deviation(placed).topk(count).indices.tolist()
-            s.repair(sorted(placed[i] for i in worst), collect=True)
-        return count
+        worst = Repair.of(self.config).positions(s, [span])
+        if worst:
+            s.repair(worst, collect=True)
+        return len(worst)
 
     def respond(self, s, question: str, options: tuple[str, ...] = ()) -> tuple[str, int]:
         """Append the second turn (Table A2) to a searched session and decode the answer: (text, tokens)."""

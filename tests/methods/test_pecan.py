@@ -290,9 +290,11 @@ def test_storing_the_kv_of_a_kv_free_index_gives_the_index_built_with_it(built, 
         assert torch.equal(got.stored[n].k, want.k) and torch.equal(got.stored[n].v, want.v)
 
 
-def test_placed_nodes_all_repaired_search_as_prefilled_ones(built, stored):
-    """kv_reuse=blend with every placed token repaired gives the KV of a prefill (tests/engine/test_node_store.py),
-    so the search visits the same nodes with the same relevance r (from the repaired tokens' mass) and p(Yes)."""
+@pytest.mark.parametrize("repair_by", ["deviation", "boundary"])
+def test_placed_nodes_all_repaired_search_as_prefilled_ones(built, stored, repair_by):
+    """kv_reuse=blend with every placed token repaired (by either rule) gives the KV of a prefill
+    (tests/engine/test_node_store.py), so the search visits the same nodes with the same relevance r (from the
+    repaired tokens' mass) and p(Yes)."""
     from nodekv.methods.pecan.pecan import Pecan
 
     eng, method, index = built
@@ -300,7 +302,7 @@ def test_placed_nodes_all_repaired_search_as_prefilled_ones(built, stored):
     assert index_kv.graph.nodes == index.graph.nodes and index_kv.graph.edges == index.graph.edges
     question = "Who kept the lamps burning?"
     want = Pecan(eng, **{**options, "kv_reuse": "off"}).answer(index, question)
-    got = Pecan(eng, **{**options, "repair": 1.0}).answer(index_kv, question)
+    got = Pecan(eng, **{**options, "repair": 1.0, "repair_by": repair_by}).answer(index_kv, question)
     steps = [(w, g) for w, g in zip(want.trace, got.trace) if "node" in w]
     assert got.nodes == want.nodes and len(steps) == len(want.nodes)
     for w, g in steps:

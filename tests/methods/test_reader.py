@@ -12,7 +12,7 @@ import torch
 from nodekv.engine.flops import FlopAccount, forward_flops
 from nodekv.methods.baselines import BM25TopK, FullContext
 from nodekv.methods.prompts import PromptSpec, prompt_for
-from nodekv.methods.reader import CONTENT_FREE, Reader, calibrated_choice
+from nodekv.methods.reader import CONTENT_FREE, Reader, Repair, calibrated_choice
 from char_engine import CharTokenizer, char_engine
 
 
@@ -178,7 +178,7 @@ def test_stored_passages_repaired_whole_answer_as_the_same_prompt_prefilled(hf_t
     ids = head + [i for node in stored for i in node.tokens] + tail
     assert CharTokenizer().decode(ids) == "\n\nthe mill was built\n\nit burned down|who?"
     placed = len(ids) - len(head) - len(tail)
-    whole = reader.read_stored(stored, "who?", nodes=[0, 1], repair=1.0, context="the passages")
+    whole = reader.read_stored(stored, "who?", nodes=[0, 1], repair=Repair(1.0), context="the passages")
     assert whole.text == CharTokenizer().decode(_hf_greedy(hf, ids, 6, 1.0)).strip()
     assert whole.prompt_tokens == len(ids) and whole.nodes == [0, 1] and whole.context == "the passages"
     sizes = [len(node) for node in stored]
@@ -190,6 +190,31 @@ def test_stored_passages_repaired_whole_answer_as_the_same_prompt_prefilled(hf_t
     c = eng.config
     decode = reused.flops - forward_flops(c, len(head)) - forward_flops(c, len(tail), len(ids) - len(tail))
     assert 0 <= decode < forward_flops(c, placed, len(head), n_logits=0)  # the passages' prefill was not run
+
+
+def test_boundary_repair_recomputes_each_passages_first_tokens_without_a_deviation_pass(hf_tiny, monkeypatch):
+    """repair_by boundary (EPIC) recomputes the first round(f n) tokens of each placed passage of n tokens, chooses
+    them without the key deviation pass, and with f = 1 answers as HF's greedy loop on the prompt's ids."""
+    from nodekv.engine.session import Session
+
+    hf, path = hf_tiny
+    eng, spec = char_engine(path), PromptSpec("{context}|{question}", 6)
+    reader = Reader(eng, spec)
+    stored = [eng.store_node(reader.passage_ids(p)) for p in ("the mill was built", " it burned down in 1900 ")]
+    head, tail = reader.pieces("who?")
+    ids = head + [i for node in stored for i in node.tokens] + tail
+    monkeypatch.setattr(Session, "key_deviation", lambda *a, **k: pytest.fail("boundary repair needs no deviation"))
+    repaired = []
+    repair = Session.repair
+    monkeypatch.setattr(Session, "repair", lambda s, positions, **k: (repaired.append(list(positions)),
+                                                                      repair(s, positions, **k)))
+    answer = reader.read_stored(stored, "who?", repair=Repair(0.3, "boundary"))
+    starts = [len(head), len(head) + len(stored[0])]
+    firsts = [round(0.3 * len(node)) for node in stored]
+    assert repaired == [[p for a, n in zip(starts, firsts) for p in range(a, a + n)]]
+    assert [n["recomputed"] for n in answer.trace[-1]["nodes"]] == firsts and answer.trace[-1]["repaired"] == sum(firsts)
+    whole = reader.read_stored(stored, "who?", repair=Repair(1.0, "boundary"))
+    assert whole.text == CharTokenizer().decode(_hf_greedy(hf, ids, 6, 1.0)).strip()
 
 
 def test_bm25_with_kv_reuse_stores_every_chunk_once_and_places_the_chosen(hf_tiny):
