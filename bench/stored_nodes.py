@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="blend's rules for which tokens to repair")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
+    if min(args.records, args.k, args.threads) < 1:
+        p.error("--records, --k and --threads must be at least 1")
     if any(not 0 < r <= 1 for r in args.repair):
         p.error(f"--repair fractions must be in (0, 1], got {args.repair}")
     if set(args.repair_by) - {"deviation", "boundary"}:
