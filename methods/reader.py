@@ -23,7 +23,7 @@ from typing import Hashable, Sequence
 
 from ..engine.engine import Engine
 from ..engine.node_store import STORE_DTYPES, StoredNode
-from ..engine.session import Session
+from ..engine.session import NodeSpan, Session
 from .options import Option
 from .prompts import PromptSpec
 
@@ -63,8 +63,8 @@ class Repair:
         """What a method config with KV_REUSE_OPTIONS asks for: nothing unless kv_reuse=blend."""
         return cls(config.repair if config.kv_reuse == "blend" else 0.0, config.repair_by)
 
-    def positions(self, s: Session, spans: Sequence) -> list[int]:
-        """The positions to recompute among the placed nodes' `spans` (each with .start and .end) in session `s`."""
+    def positions(self, s: Session, spans: Sequence[NodeSpan]) -> list[int]:
+        """The positions to recompute, in order, among the placed nodes' `spans` in session `s`."""
         if self.by == "boundary":
             return [p for span in spans for p in range(span.start, span.start + round(self.fraction * len(span)))]
         placed = [p for span in spans for p in range(span.start, span.end)]
