@@ -167,15 +167,20 @@ def test_two_methods_reading_the_same_context_send_the_same_prompt(monkeypatch):
     assert CharTokenizer().decode(sent[0]) == spec.render(document, "Who sang Nobody's Hero?")
 
 
+def _stored_passages(path, passages: tuple[str, ...]):
+    """(reader, stored passages, head, tail, the prompt's ids) on the char-token engine, the question "who?"."""
+    eng = char_engine(path)
+    reader = Reader(eng, PromptSpec("{context}|{question}", 6))
+    stored = [eng.store_node(reader.passage_ids(p)) for p in passages]
+    head, tail = reader.pieces("who?")
+    return reader, stored, head, tail, head + [i for node in stored for i in node.tokens] + tail
+
+
 def test_stored_passages_repaired_whole_answer_as_the_same_prompt_prefilled(hf_tiny):
     """read_stored places passages prefilled once between the prompt's pieces. With every placed token repaired it
     answers as HF's greedy loop on the same ids; pure reuse runs no forward over the passages."""
     hf, path = hf_tiny
-    eng, spec = char_engine(path), PromptSpec("{context}|{question}", 6)
-    reader = Reader(eng, spec)
-    stored = [eng.store_node(reader.passage_ids(p)) for p in ("the mill was built", " it burned down ")]
-    head, tail = reader.pieces("who?")
-    ids = head + [i for node in stored for i in node.tokens] + tail
+    reader, stored, head, tail, ids = _stored_passages(path, ("the mill was built", " it burned down "))
     assert CharTokenizer().decode(ids) == "\n\nthe mill was built\n\nit burned down|who?"
     placed = len(ids) - len(head) - len(tail)
     whole = reader.read_stored(stored, "who?", nodes=[0, 1], repair=Repair(1.0), context="the passages")
@@ -187,7 +192,7 @@ def test_stored_passages_repaired_whole_answer_as_the_same_prompt_prefilled(hf_t
     reused = reader.read_stored(stored, "who?")
     assert reused.trace == [{"placed": placed, "repaired": 0, "nodes": [
         {"node": i, "reused": n, "recomputed": 0} for i, n in enumerate(sizes)]}]
-    c = eng.config
+    c = reader.engine.config
     decode = reused.flops - forward_flops(c, len(head)) - forward_flops(c, len(tail), len(ids) - len(tail))
     assert 0 <= decode < forward_flops(c, placed, len(head), n_logits=0)  # the passages' prefill was not run
 
@@ -198,11 +203,7 @@ def test_boundary_repair_recomputes_each_passages_first_tokens_without_a_deviati
     from nodekv.engine.session import Session
 
     hf, path = hf_tiny
-    eng, spec = char_engine(path), PromptSpec("{context}|{question}", 6)
-    reader = Reader(eng, spec)
-    stored = [eng.store_node(reader.passage_ids(p)) for p in ("the mill was built", " it burned down in 1900 ")]
-    head, tail = reader.pieces("who?")
-    ids = head + [i for node in stored for i in node.tokens] + tail
+    reader, stored, head, tail, ids = _stored_passages(path, ("the mill was built", " it burned down in 1900 "))
     monkeypatch.setattr(Session, "key_deviation", lambda *a, **k: pytest.fail("boundary repair needs no deviation"))
     repaired = []
     repair = Session.repair
