@@ -62,4 +62,4 @@ def test_bench_paper_runs_and_names_the_convention(tmp_path, capsys, monkeypatch
                  "--runs", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "The paper's convention: square attention" in out
-    assert "| hotpotqa | no run |" in out and "## DICE Table 4" in out
+    assert "| hotpotqa | pecan-prompt_style=restate: no run |" in out and "## DICE Table 4" in out  # the default run
