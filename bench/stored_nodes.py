@@ -38,12 +38,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="blend's rules for which tokens to repair")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    if min(args.records, args.k, args.threads) < 1:
-        p.error("--records, --k and --threads must be at least 1")
-    if any(not 0 < r <= 1 for r in args.repair):
-        p.error(f"--repair fractions must be in (0, 1], got {args.repair}")
-    if set(args.repair_by) - {"deviation", "boundary"}:
-        p.error(f"--repair-by takes deviation and boundary, got {args.repair_by}")
+    if min(args.records, args.threads) < 1:
+        p.error("--records and --threads must be at least 1")
 
     import nodekv
     from nodekv.engine.node_store import STORE_DTYPES, write_node_store
@@ -53,12 +49,17 @@ def main(argv: list[str] | None = None) -> None:
     from nodekv.methods.index_file import model_id
     from nodekv.methods.prompts import prompt_for
 
-    records = load_dataset(args.dataset, args.data_dir, args.records).records  # refuses a missing set before loading
-    engine = nodekv.load_engine(args.model, threads=args.threads)
-    prompt = prompt_for(args.dataset)
     settings = {"off": {"kv_reuse": "off"}, "reuse": {"kv_reuse": "reuse"},
                 **{f"blend {r:g} by {by}": {"kv_reuse": "blend", "repair": r, "repair_by": by}
                    for by in args.repair_by for r in args.repair}}
+    for options in settings.values():  # the method's own checks of k, repair and repair_by, before any loading
+        try:
+            BM25TopK.configure(k=args.k, **options)
+        except ValueError as e:
+            p.error(str(e))
+    records = load_dataset(args.dataset, args.data_dir, args.records).records  # refuses a missing set before loading
+    engine = nodekv.load_engine(args.model, threads=args.threads)
+    prompt = prompt_for(args.dataset)
     methods = {name: BM25TopK(engine, prompt, k=args.k, **options) for name, options in settings.items()}
     rows = {name: {"ttft": [], "flops": [], "f1": []} for name in settings}
     store_bytes = {dtype: 0 for dtype in STORE_DTYPES}
