@@ -34,7 +34,7 @@ class Runner:
 
 class NodekvRunner(Runner):
     """nodekv: prefill on the dense fp32 weights, decode on the GGUF's quantised blocks (picked by the engine), with
-    fp32 activations or (precision "int8") int8 ones in the decode steps."""
+    fp32 activations or (precision "int8") int8 ones in the quantised projections."""
 
     def __init__(self, path: Path, threads: int, precision: str = "exact"):
         import nodekv
