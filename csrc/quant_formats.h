@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -185,18 +186,24 @@ NKV_AVX2 inline float sum32(const float* x) {
 //           (the K-quants' min and centring terms), q
 // Every integer sum fits: a byte pair of maddubs is at most 2 * 128 * 127 < 2^15, and a super-block's total with its
 // 6-bit or int8 scales below 2^26, so the fp32 conversion of each lane is exact.
+// q sits at a multiple of 32 bytes within a block whose size is a multiple of 64, so in the drivers' 64-byte aligned
+// buffer no 32-byte load of q straddles two cache lines (unpadded, 40 and 292 bytes, most did: qwen2.5-1.5b's
+// matmuls at 64 tokens took 8% longer, a 512-token int8 prefill 19% longer, on an AMD EPYC Zen 4).
 struct XQ32 {
     static constexpr int64_t kElems = 32;
     float d, s;
+    float pad[6];
     int8_t q[32];
 };
 struct XQ256 {
     static constexpr int64_t kElems = 256;
     float d;
     int16_t sum16[16];
+    float pad[7];
     int8_t q[256];
 };
-static_assert(sizeof(XQ32) == 40 && sizeof(XQ256) == 292, "quantised x blocks are whole floats, unpadded");
+static_assert(sizeof(XQ32) == 64 && offsetof(XQ32, q) == 32 && sizeof(XQ256) == 320 && offsetof(XQ256, q) == 64,
+              "quantised x blocks: q 32-byte aligned, whole cache lines");
 
 inline float round_scale(float amax, float* inv) {
     const float d = amax / 127.0f;
