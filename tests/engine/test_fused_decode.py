@@ -191,15 +191,17 @@ def test_prompts_on_the_blocks_equal_the_dense_copy_bit_for_bit(qtype, tmp_path)
         assert isinstance(layers[0].wqkv.quant, QuantStack)
 
 
-@pytest.mark.parametrize("dense", [False, True])
-def test_the_gate_up_product_in_tiles_equals_it_whole(tmp_path, monkeypatch, dense):
+@pytest.mark.parametrize("path", ["scratch", "dense", "int8"])
+def test_the_gate_up_product_in_tiles_equals_it_whole(tmp_path, monkeypatch, path):
     """A many-token step computes silu(gate) * up in tiles of GATED_ROWS rows (and, decoding into the scratch,
     GATED_COLS columns: gate and up rows decoded a block at a time; Linear.gated): the logits equal those of the
-    product taken whole, to fp32 rounding (the GEMM may block a tile differently)."""
+    product taken whole, to fp32 rounding (the GEMM may block a tile differently), and bit for bit on the int8
+    blocks (a row's product does not depend on the others)."""
     from nodekv.engine import model as model_module
 
     ckpt = load_checkpoint(_gguf(tmp_path, "q8_0", kind="qwen2")[1])
-    model = Llama(ckpt.config, ckpt.tensors, dense_copy=dense)
+    precision = "int8" if path == "int8" else "exact"
+    model = Llama(ckpt.config, ckpt.tensors, dense_copy=path == "dense", precision=precision)
     ids = torch.randint(0, 101, (QUANT_MAX_TOKENS + 9,), generator=torch.Generator().manual_seed(3))
     whole = model.forward(ids, new_cache(model), logits="all")
     monkeypatch.setattr(model_module, "GATED_ROWS", 8)
@@ -209,9 +211,12 @@ def test_the_gate_up_product_in_tiles_equals_it_whole(tmp_path, monkeypatch, den
     monkeypatch.setattr(model.ops, "silu_mul", lambda gate_up: tiles.append(tuple(gate_up.shape)) or act(gate_up))
     parts = model.forward(ids, new_cache(model), logits="all")
     rows = [8, 8, 8, 8, 8, 1]  # 41 rows in tiles of 8
-    cols = [192] if dense else [80, 80, 32]  # the dense copy in one block; else 96 outputs in blocks of 40
+    cols = [80, 80, 32] if path == "scratch" else [192]  # 96 outputs decoded in blocks of 40; else in one block
     assert tiles == [(r, c) for c in cols for r in rows] * model.config.n_layers
-    _close(parts, whole, 1e-5)
+    if path == "int8":
+        assert torch.equal(parts, whole)
+    else:
+        _close(parts, whole, 1e-5)
 
 
 def test_dense_lm_head_runs_in_python(tmp_path):
