@@ -190,9 +190,10 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
     kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
     at most a quarter of physical memory); page_size: positions per page. dense_copy: keep a dense fp32 copy of
     a GGUF model's projections for prompts (the older path, for comparison; `model.DequantScratch`).
-    precision: "exact" (fp32 activations throughout) or "int8", the opt-in fast path for GGUF models: every step
-    (prompts, decode, probes) multiplies int8-quantised activations in the quantised projections (`Llama`);
-    attention, norms and the residual stream stay fp32. The FLOP account is the same (it counts the model's FLOPs,
+    precision: "exact" (fp32 activations throughout) or "int8", the opt-in fast path for GGUF models: decode steps,
+    probes and short appends multiply int8-quantised activations in the quantised projections, and so do prompts
+    in K-quant (Q4_K/Q6_K) projections, where that is faster than the fp32 GEMM (`Llama`); attention, norms and the
+    residual stream stay fp32. The FLOP account is the same (it counts the model's FLOPs,
     not instructions)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -33,6 +33,11 @@ from .kv_cache import PagedKVCache
 # whatever the token count, so a batched decode step of up to 32 sessions gives the numbers of sequential ones.
 QUANT_MAX_TOKENS = 32
 GATED_ROWS, GATED_COLS = 512, 2048  # a many-token step's gate|up product in tiles (Linear.gated)
+# Types whose int8 kernels outrun the fp32 GEMM on many-token steps too: their sub-block scales are integers, applied
+# once a super-block before one conversion. The 32-element types convert every block and lose there (qwen2.5-0.5b's
+# Q5_0/Q8_0 projections: int8 prefill 0.84-0.94x the exact path's; qwen2.5-1.5b's K-quants 1.24-1.62x; bench
+# engine_speed), so their many-token steps stay on the fp32 GEMM.
+INT8_PROMPT_QTYPES = frozenset({"q4_k", "q6_k"})
 PRECISIONS = ("exact", "int8")  # Llama(precision=...): fp32 activations, or int8 ones in the quantised projections
 
 
@@ -81,8 +86,8 @@ class Linear:
     """A linear layer: for GGUF models the quantised blocks (one type, or row segments of several), run directly for
     few-token steps and, for many-token steps, either decoded into a shared `scratch` per call or taken from a `dense`
     copy [out, in] (in the dtype its matmul runs in; the older, memory-hungry path); without either every step runs
-    on the blocks. Non-quantised weights have only `dense`. int8: every step runs on the blocks through
-    `quant_linear`'s int8 fast path, prompts included (its kernels outrun the fp32 GEMM there too, by 1.2x)."""
+    on the blocks. Non-quantised weights have only `dense`. int8: the steps on the blocks take `quant_linear`'s int8
+    fast path, and so do many-token steps of K-quant weights (INT8_PROMPT_QTYPES), where it outruns the fp32 GEMM."""
 
     dense: torch.Tensor | None
     quant: QuantLinearWeight | None = None
@@ -90,9 +95,13 @@ class Linear:
     scratch: DequantScratch | None = None
     int8: bool = False
 
+    def __post_init__(self) -> None:
+        parts = () if self.quant is None else getattr(self.quant, "parts", (self.quant,))
+        self._int8_prompts = self.int8 and all(p.qtype in INT8_PROMPT_QTYPES for p in parts)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         quant = self.quant
-        if quant is not None and (self.int8 or x.shape[0] <= QUANT_MAX_TOKENS or self._blocks_only()):
+        if quant is not None and (x.shape[0] <= QUANT_MAX_TOKENS or self._int8_prompts or self._blocks_only()):
             if x.dtype is torch.float32:  # the decode hot path: no conversions, not even no-op ones (~2 µs each)
                 return quant_linear(x, quant, self.bias, self.int8)
             bias = None if self.bias is None else self.bias.float()
@@ -107,7 +116,7 @@ class Linear:
         block's gate and up rows are decoded once for all row tiles (the scratch then holds 2 x GATED_COLS rows, not
         the 2I of the whole weight: 25 MB, not 110)."""
         T = x.shape[0]
-        on_blocks = self.quant is not None and (self.int8 or T <= QUANT_MAX_TOKENS or self._blocks_only())
+        on_blocks = self.quant is not None and (T <= QUANT_MAX_TOKENS or self._int8_prompts or self._blocks_only())
         if T <= GATED_ROWS and (on_blocks or self.dense is not None):
             return act(self(x))
         if on_blocks:  # in row tiles, each on the blocks (as whole rows: their products equal a single step's)
@@ -164,10 +173,10 @@ class Llama:
         """backend: the kernels' backend (see `nodekv.kernels.backend_ops`). dense_copy: keep a dense fp32 copy of
         every quantised projection for many-token steps (the older path: ~4-7x the file's size in memory) instead
         of decoding each into a shared scratch buffer per step (`DequantScratch`); bf16 models always keep one.
-        precision: "exact" (fp32 activations) or "int8": every step multiplies int8-quantised activations in the
-        quantised projections (`quant_linear`'s fast path; float32 only), prompts included: the int8 kernels are
-        bound by their two integer multiplies per 32 products (maddubs, then madd with the sub-block scales; AVX2
-        has no VNNI) and still prefill ~1.2x faster than the fp32 GEMM."""
+        precision: "exact" (fp32 activations) or "int8": steps of up to QUANT_MAX_TOKENS tokens (decode, probes,
+        short appends), the lm_head, and longer steps of the K-quant projections (INT8_PROMPT_QTYPES) multiply
+        int8-quantised activations (`quant_linear`'s fast path; float32 only); longer steps of other types stay on
+        the fp32 GEMM, which outruns their int8 kernels there."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         if precision not in PRECISIONS:

@@ -1,7 +1,7 @@
 """The engine's int8 fast path (load_engine(precision="int8")) on tiny GGUF models: few-token steps take the int8
 kernels (their logits move off the exact path's by about the activations' quantisation error, and no further), the
 fused decode step gives the op-by-op int8 step's numbers bit for bit, a batch of sequences gives each sequence's
-one-token steps, long prompts take the int8 kernels as short steps do, and bad precisions are refused before anything loads."""
+one-token steps, long prompts take the int8 kernels where their types are listed and stay exact elsewhere, and bad precisions are refused before anything loads."""
 from __future__ import annotations
 
 import pytest
@@ -76,20 +76,30 @@ def test_int8_batch_matches_single_sequences(gguf_path):
     assert torch.equal(batch, torch.cat(alone))
 
 
-def test_long_prompts_take_the_int8_kernels(gguf_path):
-    """A step longer than QUANT_MAX_TOKENS runs the int8 kernels too (they outrun the fp32 GEMM on prompts): its
-    logits are those of the same tokens appended in steps of QUANT_MAX_TOKENS (a projection's output row depends on
-    its own token alone; only attention's summation order differs), and they sit off the exact path's by about the
-    activations' quantisation error, as the short steps' do."""
+@pytest.mark.parametrize("listed", [False, True])
+def test_long_prompts_take_the_int8_kernels_of_listed_types(gguf_path, monkeypatch, listed):
+    """A step longer than QUANT_MAX_TOKENS takes the int8 kernels where the weight's type is in INT8_PROMPT_QTYPES
+    (the K-quants, faster than the fp32 GEMM there; the tiny model's q4_0 is listed here for the test, as a K-quant
+    model cannot be this small): its logits are those of the same tokens appended in steps of QUANT_MAX_TOKENS (a
+    projection's output row depends on its own token alone; only attention's summation order differs), off the exact
+    path's by about the activations' quantisation error. Unlisted, it stays on the fp32 GEMM: the exact logits."""
+    from nodekv.engine import model as model_module
+
+    if listed:
+        monkeypatch.setattr(model_module, "INT8_PROMPT_QTYPES", frozenset({"q4_0"}))
     ids = torch.randint(0, 101, (2 * QUANT_MAX_TOKENS + 9,), generator=torch.Generator().manual_seed(8))
     exact, int8 = _model(gguf_path), _model(gguf_path, "int8")
+    exact.lm_head.int8 = int8.lm_head.int8 = False  # the lm_head runs on its blocks at any length, int8 included
     whole = int8.forward(ids, new_cache(int8, page_size=8), logits="all")
+    reference = exact.forward(ids, new_cache(exact, page_size=8), logits="all")
+    if not listed:
+        assert torch.equal(whole, reference)
+        return
     cache = new_cache(int8, page_size=8)
     steps = torch.cat([int8.forward(ids[i:i + QUANT_MAX_TOKENS], cache, logits="all")
                        for i in range(0, len(ids), QUANT_MAX_TOKENS)])
     torch.testing.assert_close(whole, steps, rtol=0, atol=1e-5)
-    p = exact.forward(ids, new_cache(exact, page_size=8), logits="all").double().log_softmax(-1)
-    q = whole.double().log_softmax(-1)
+    p, q = reference.double().log_softmax(-1), whole.double().log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
     assert 0 < kl.max() < 1e-3, kl.max()
 
