@@ -11,7 +11,7 @@
 3. JERR Table 6 (tokens per query), GoR Table 4 (retrieval seconds per query, measured here on a QMSum meeting)
    and DICE Table 4 (minutes per dataset) from our runs, marked where they do not compare.
 
-    nodekv bench paper [--model qwen2.5-0.5b] [--runs results] [--pecan-run LABEL ...] [--limit N] [--out FILE]
+    nodekv bench paper [--model qwen2.5-0.5b] [--runs results] [--pecan-run [DIR/]LABEL ...] [--limit N] [--out FILE]
 
 Prompts are tokenised with `--model`'s tokenizer (Llama-3.1's is not here; both are ~130K-entry byte-level BPEs).
 """
@@ -118,7 +118,8 @@ def construction_table(runs: Path, labels: list[str], full_exact: dict[str, floa
         paper_cells = (f"{pt.PECAN_CONSTRUCTION[name]} / {pt.PECAN_SEARCH[name]} / "
                        + " / ".join(str(paper[q][i]) for q in (1, 2, 4, 8)))
         for label in labels:
-            found = sorted(runs.rglob(f"{label}-{pt.PECAN_FILES.get(name, name)}.jsonl"))
+            where, stem = (runs, label) if "/" not in label else (Path(label).parent, Path(label).name)
+            found = sorted(where.rglob(f"{stem}-{pt.PECAN_FILES.get(name, name)}.jsonl"))
             rows = [r for r in _lines(found[0]) if "error" not in r] if found else []
             if not rows:
                 lines.append(f"| {name} | {label}: no run | | | | | | | | {paper_cells} |")
@@ -128,8 +129,10 @@ def construction_table(runs: Path, labels: list[str], full_exact: dict[str, floa
             amortised = " | ".join(f"{pt.amortised(build, search, q):.1f}" for q in (1, 2, 4, 8))
             lines.append(f"| {name} ({len(rows)} q., {len(docs)} docs) | {label} | {build:.1f} | {search:.2f} | "
                          f"{full_exact.get(name, float('nan')):.1f} | {amortised} | {paper_cells} |")
-    shown = runs.resolve().relative_to(base()) if runs.resolve().is_relative_to(base()) else runs
-    lines.append(f"\nOurs: runs under {shown}, FLOPs projected to {TARGET} for the same token counts, exact causal "
+    dirs = sorted({str(Path(label).parent) for label in labels if "/" in label}
+                  | ({str(runs.resolve().relative_to(base()) if runs.resolve().is_relative_to(base()) else runs)}
+                     if any("/" not in label for label in labels) else set()))
+    lines.append(f"\nOurs: runs under {', '.join(dirs)}, FLOPs projected to {TARGET} for the same token counts, exact causal "
                  "count (the paper's convention above counts more, most of all at long prompts).")
     return "\n".join(lines)
 
@@ -229,7 +232,8 @@ def main() -> None:
     p.add_argument("--runs", type=Path, default=results_dir(), help="where finished runs are")
     p.add_argument("--pecan-run", action="append", default=None,
                    help="a PECAN run label for Table A4, repeatable, e.g. `pecan` and `pecan-kv_reuse=blend` to set "
-                        "stored nodes beside the paper's search (default: pecan-prompt_style=restate)")
+                        "stored nodes beside the paper's search (default: pecan-prompt_style=restate); DIR/LABEL "
+                        "looks under DIR instead of --runs")
     p.add_argument("--limit", type=int, default=None, help="records per dataset (default: all)")
     p.add_argument("--skip-latency", action="store_true", help="do not time GoR's retrieval")
     p.add_argument("--out", type=Path, default=None,
