@@ -7,8 +7,8 @@ torch.mm peak measured in the same run, and the targets. About 5 minutes on a qu
     python -m nodekv.bench.engine_speed [--model qwen2.5-0.5b] [--engines nodekv,hf,llama-cpp] [--threads 2]
                                         [--rounds 512:512,2048:4096] [--quick] [--json FILE]
 
-Engines: nodekv, nodekv-int8 (precision="int8": int8 activations in the quantised projections), hf (HF transformers, sdpa
-attention), hf-eager (HF's eager attention), llama-cpp. `--rounds`
+Engines: nodekv, nodekv-int8 (precision="int8": int8 activations in the quantised projections), hf (HF
+transformers, sdpa attention), hf-eager (HF's eager attention), llama-cpp. `--rounds`
 P:C,... prefills P tokens from an empty cache and decodes after C; peak RSS is also read after each round (rounds
 run in the order given, so in increasing length it is the peak up to that length).
 

@@ -118,7 +118,7 @@ def construction_table(runs: Path, labels: list[str], full_exact: dict[str, floa
         paper_cells = (f"{pt.PECAN_CONSTRUCTION[name]} / {pt.PECAN_SEARCH[name]} / "
                        + " / ".join(str(paper[q][i]) for q in (1, 2, 4, 8)))
         for label in labels:
-            where, stem = (runs, label) if "/" not in label else (Path(label).parent, Path(label).name)
+            where, stem = _run_dir(runs, label)
             found = sorted(where.rglob(f"{stem}-{pt.PECAN_FILES.get(name, name)}.jsonl"))
             rows = [r for r in _lines(found[0]) if "error" not in r] if found else []
             if not rows:
@@ -129,12 +129,19 @@ def construction_table(runs: Path, labels: list[str], full_exact: dict[str, floa
             amortised = " | ".join(f"{pt.amortised(build, search, q):.1f}" for q in (1, 2, 4, 8))
             lines.append(f"| {name} ({len(rows)} q., {len(docs)} docs) | {label} | {build:.1f} | {search:.2f} | "
                          f"{full_exact.get(name, float('nan')):.1f} | {amortised} | {paper_cells} |")
-    dirs = sorted({str(Path(label).parent) for label in labels if "/" in label}
-                  | ({str(runs.resolve().relative_to(base()) if runs.resolve().is_relative_to(base()) else runs)}
-                     if any("/" not in label for label in labels) else set()))
-    lines.append(f"\nOurs: runs under {', '.join(dirs)}, FLOPs projected to {TARGET} for the same token counts, exact causal "
-                 "count (the paper's convention above counts more, most of all at long prompts).")
+    dirs = sorted({str(_shown(_run_dir(runs, label)[0])) for label in labels})
+    lines.append(f"\nOurs: runs under {', '.join(dirs)}, FLOPs projected to {TARGET} for the same token counts, "
+                 "exact causal count (the paper's convention above counts more, most of all at long prompts).")
     return "\n".join(lines)
+
+
+def _run_dir(runs: Path, label: str) -> tuple[Path, str]:
+    """(directory to search, run label) of a --pecan-run value: LABEL under `runs`, or DIR/LABEL."""
+    return (runs, label) if "/" not in label else (Path(label).parent, Path(label).name)
+
+
+def _shown(path: Path) -> Path:
+    return path.resolve().relative_to(base()) if path.resolve().is_relative_to(base()) else path
 
 
 def _lines(path: Path) -> list[dict]:

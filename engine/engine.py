@@ -193,8 +193,7 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
     precision: "exact" (fp32 activations throughout) or "int8", the opt-in fast path for GGUF models: decode steps,
     probes and short appends multiply int8-quantised activations in the quantised projections, and so do prompts
     in K-quant (Q4_K/Q6_K) projections, where that is faster than the fp32 GEMM (`Llama`); attention, norms and the
-    residual stream stay fp32. The FLOP account is the same (it counts the model's FLOPs,
-    not instructions)."""
+    residual stream stay fp32. The FLOP account is the same (it counts the model's FLOPs, not instructions)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if backend not in BACKENDS:

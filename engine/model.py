@@ -97,11 +97,11 @@ class Linear:
 
     def __post_init__(self) -> None:
         parts = () if self.quant is None else getattr(self.quant, "parts", (self.quant,))
-        self._int8_prompts = self.int8 and all(p.qtype in INT8_PROMPT_QTYPES for p in parts)
+        self._int8_prompt_types = all(p.qtype in INT8_PROMPT_QTYPES for p in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         quant = self.quant
-        if quant is not None and (x.shape[0] <= QUANT_MAX_TOKENS or self._int8_prompts or self._blocks_only()):
+        if self._on_blocks(x.shape[0]):
             if x.dtype is torch.float32:  # the decode hot path: no conversions, not even no-op ones (~2 µs each)
                 return quant_linear(x, quant, self.bias, self.int8)
             bias = None if self.bias is None else self.bias.float()
@@ -116,7 +116,7 @@ class Linear:
         block's gate and up rows are decoded once for all row tiles (the scratch then holds 2 x GATED_COLS rows, not
         the 2I of the whole weight: 25 MB, not 110)."""
         T = x.shape[0]
-        on_blocks = self.quant is not None and (T <= QUANT_MAX_TOKENS or self._int8_prompts or self._blocks_only())
+        on_blocks = self._on_blocks(T)
         if T <= GATED_ROWS and (on_blocks or self.dense is not None):
             return act(self(x))
         if on_blocks:  # in row tiles, each on the blocks (as whole rows: their products equal a single step's)
@@ -136,8 +136,10 @@ class Linear:
                 out[i:i + y.shape[0], a:b] = y
         return out
 
-    def _blocks_only(self) -> bool:
-        return self.dense is None and self.scratch is None
+    def _on_blocks(self, n_tokens: int) -> bool:
+        """Whether a step of n_tokens runs on the quantised blocks (else on the dense copy or the scratch)."""
+        return self.quant is not None and (n_tokens <= QUANT_MAX_TOKENS or (self.int8 and self._int8_prompt_types)
+                                           or (self.dense is None and self.scratch is None))
 
     def _rows(self) -> int:
         return self.dense.shape[0] if self.dense is not None else self.quant.out_features
