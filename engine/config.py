@@ -97,6 +97,28 @@ class ModelConfig:
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
 
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` dict of this config (`from_hf` reads it back to an equal config): what
+        transformers needs to build the same model, e.g. as the reference for random weights of a preset's shapes."""
+        scaling = None
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                       "high_freq_factor": s.high_freq_factor,
+                       "original_max_position_embeddings": s.original_max_position_embeddings}
+        return {
+            "architectures": [self.architecture], "model_type": _HF_MODEL_TYPES[self.architecture],
+            "vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
+            "intermediate_size": self.intermediate_size, "max_position_embeddings": self.max_seq_len,
+            "head_dim": self.head_dim, "rope_theta": self.rope_theta, "rope_scaling": scaling,
+            "rms_norm_eps": self.norm_eps, "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": self.qkv_bias, "hidden_act": "silu",
+        }
+
+
+_HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+
 
 def _rope_scaling_from_hf(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
     if not scaling:
@@ -114,7 +136,8 @@ def _rope_scaling_from_hf(scaling: Mapping[str, Any] | None) -> RopeScaling | No
     )
 
 
-_LLAMA3_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA3_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192)
 
 PRESETS: dict[str, ModelConfig] = {
     "llama-3.1-8b": ModelConfig(
@@ -128,6 +151,16 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-3.2-3b": ModelConfig(
         vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, intermediate_size=8192,
         max_seq_len=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING, norm_eps=1e-5, tie_embeddings=True,
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, intermediate_size=4864,
+        max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
+        architecture="Qwen2ForCausalLM",
+    ),
+    "qwen2.5-1.5b": ModelConfig(
+        vocab_size=151936, dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, intermediate_size=8960,
+        max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
+        architecture="Qwen2ForCausalLM",
     ),
     "smollm2-135m": ModelConfig(
         vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,

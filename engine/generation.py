@@ -121,8 +121,9 @@ class GenerationState:
         if self.session.cache.length + 1 > self.session.engine.config.max_seq_len:
             return self._finish("window")
         if self._bounds is not None:  # this token's attention mass to every node, the generated one included
-            self._pending_mass = torch.zeros(1, len(self._bounds))
-            bounds = torch.tensor(self._bounds + [self.session.cache.length + 1], dtype=torch.int32)
+            device = self.session.engine.device  # where the attention kernels add to it
+            self._pending_mass = torch.zeros(1, len(self._bounds), device=device)
+            bounds = torch.tensor(self._bounds + [self.session.cache.length + 1], dtype=torch.int32, device=device)
             self.session.cache.collect(bounds, self._pending_mass)
         return token
 

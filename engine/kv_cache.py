@@ -68,7 +68,7 @@ class PagedKVCache:
         if new_pages > 0:
             self.pages += self.pool.alloc(new_pages)
         if cow or new_pages > 0 or self._table is None:
-            self._table = torch.tensor(self.pages, dtype=torch.int32)
+            self._table = self._new_table()
         return self.length
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -84,8 +84,8 @@ class PagedKVCache:
         if positions is None:
             positions = torch.arange(self.length, self.length + k.shape[0])
         pages, offsets = self._slots(positions, writable=True)
-        self.pool.k[layer, pages, :, offsets] = k.to(self.pool.k.dtype)
-        self.pool.v[layer, pages, :, offsets] = v.to(self.pool.v.dtype)
+        self.pool.k[layer, pages, :, offsets] = k.to(self.pool.k)
+        self.pool.v[layer, pages, :, offsets] = v.to(self.pool.v)
 
     def read(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values ([T, kv_heads, hd] each) cached at `positions` (int64 [T]) of `layer`."""
@@ -96,6 +96,7 @@ class PagedKVCache:
         """(page ids, offsets in them) of `positions`; writable: pages shared with a fork are first copied, so that a
         write never shows in another sequence (as `begin` does for the last page)."""
         P = self.pool.page_size
+        positions = positions.to(self.pool.device)
         index = positions // P
         if writable:
             for i in sorted(set(index.tolist())):
@@ -103,8 +104,13 @@ class PagedKVCache:
                     self.pages[i] = self.pool.copy(self.pages[i])
                     self._table = None
         if self._table is None:
-            self._table = torch.tensor(self.pages, dtype=torch.int32)
+            self._table = self._new_table()
         return self._table[index].long(), positions % P
+
+    def _new_table(self) -> torch.Tensor:
+        """The block table on the pool's device, where the attention kernels read it (one copy per change of pages,
+        not one per layer)."""
+        return torch.tensor(self.pages, dtype=torch.int32, device=self.pool.device)
 
     def commit(self, n_tokens: int) -> None:
         self.length += n_tokens

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO, Mapping, Union
 
 import gguf
 import numpy as np
@@ -114,6 +114,18 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read {file}: corrupt or truncated safetensors ({e})") from None
     return config, tensors
+
+
+def hf_state_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, Tensor]:
+    """A Hugging Face state dict held in memory (a transformers model's `state_dict()`) under canonical names, as
+    float32 CPU tensors: what `Llama` takes, so a model built by transformers (e.g. random weights of a preset's
+    shapes) runs here on the same weights."""
+    tensors = {}
+    for key, value in state.items():
+        canonical = _hf_canonical(key)
+        if canonical is not None:
+            tensors[canonical] = value.detach().float().cpu()
+    return tensors
 
 
 def _hf_canonical(key: str) -> str | None:

@@ -5,10 +5,14 @@ cpu backend and GGUF-quantised projections a decode step (one new token, of one 
 further: one C++ call runs every layer (`cpu_ops.Decoder`, the same kernels in the same order as the op-by-op forward,
 so the same numbers).
 
+Device: on the CPU, GGUF projections run from their quantised blocks (C++ kernels); on CUDA every weight is
+dequantised once into a dense tensor on the GPU (cuBLAS matmuls), the kernels are the Triton backend, and the page
+pool, RoPE tables and activations live there too; logits come back as the same float32 tensors either way.
+
 bf16 models: weights, matmul inputs and outputs, and the KV cache are bf16; the residual stream, the norms and the
-logits stay fp32 (cheap, and it keeps top-1 agreement with fp32 above HF's all-bf16 forward). On CPUs without native bf16
-matrix units (torch's bf16 GEMM there is ~100x slower than fp32) the dense weights are stored as bf16-rounded fp32
-and each matmul runs in fp32 with its output rounded to bf16: the arithmetic of a bf16 GEMM with fp32
+logits stay fp32 (cheap, and it keeps top-1 agreement with fp32 above HF's all-bf16 forward). On CPUs without native
+bf16 matrix units (torch's bf16 GEMM there is ~100x slower than fp32) the dense weights are stored as bf16-rounded
+fp32 and each matmul runs in fp32 with its output rounded to bf16: the arithmetic of a bf16 GEMM with fp32
 accumulation, at fp32 speed.
 """
 from __future__ import annotations
@@ -171,43 +175,50 @@ class Llama:
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, Union[torch.Tensor, QuantWeight]],
                  dtype: torch.dtype = torch.float32, backend: str = "auto", dense_copy: bool = False,
-                 precision: str = "exact"):
+                 precision: str = "exact", device: torch.device | str = "cpu"):
         """backend: the kernels' backend (see `nodekv.kernels.backend_ops`). dense_copy: keep a dense fp32 copy of
         every quantised projection for many-token steps (the older path: ~4-7x the file's size in memory) instead
         of decoding each into a shared scratch buffer per step (`DequantScratch`); bf16 models always keep one.
         precision: "exact" (fp32 activations) or "int8": steps of up to QUANT_MAX_TOKENS tokens (decode, probes,
         short appends), the lm_head, and longer steps of the K-quant projections (INT8_PROMPT_QTYPES) multiply
         int8-quantised activations (`quant_linear`'s fast path; float32 only); longer steps of other types stay on
-        the fp32 GEMM, which outruns their int8 kernels there."""
+        the fp32 GEMM, which outruns their int8 kernels there. device: where weights, activations and the RoPE tables
+        live ("cpu", or a CUDA device: every weight dense on it, the quantised blocks decoded once at load)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if precision == "int8" and dtype != torch.float32:
             raise ValueError("precision 'int8' runs float32 models only")
+        self.device = torch.device(device)
+        on_cuda = self.device.type == "cuda"
+        if precision == "int8" and on_cuda:
+            raise ValueError("precision 'int8' runs on the CPU's quantised kernels only; use 'exact' on CUDA")
         self.precision = precision
         self.config = config
         self.dtype = dtype
         # fp32 on CPU: one C++ call and one pass per op (torch's RMSNorm is 6 ops, RoPE 4): decode steps are bound
         # by per-op overhead, and a 512-token prefill runs ~10% faster; other dtypes take the torch reference
-        self.ops = backend_ops(backend, dtype)
-        matmul_dtype = dtype if dtype == torch.float32 or native_bf16_matmul() else torch.float32
+        self.ops = backend_ops(backend, dtype, self.device)
+        matmul_dtype = dtype if dtype == torch.float32 or on_cuda or native_bf16_matmul() else torch.float32
         # the scratch decodes fp32 values only: bf16 models round their dense weights to bf16 once, at load
-        scratch = None if dense_copy or dtype != torch.float32 else DequantScratch()
-        weights = _WeightReader(tensors, dtype, matmul_dtype, scratch, int8=precision == "int8")
+        scratch = None if dense_copy or dtype != torch.float32 or on_cuda else DequantScratch()
+        weights = _WeightReader(tensors, dtype, matmul_dtype, scratch, int8=precision == "int8", device=self.device)
 
         head = "embed" if config.tie_embeddings else "lm_head"
         # Logits leave the bf16 lm_head unrounded (bf16 inputs, fp32 accumulation and output): rounded to bf16's 8
         # mantissa bits they would tie and flip the argmax that greedy decoding and Yes/No probes read.
         # A quantised lm_head keeps no dense copy: on its blocks it runs as fast as the fp32 GEMM from 1 to 512 tokens
         # (Qwen2.5-0.5B's [151936, 896] Q8_0 on one core: 0.30 vs 0.39 s at 64 tokens, 2.2 vs 2.2-2.5 s at 512),
-        # and the copy would take 545 MB.
+        # and the copy would take 545 MB. On CUDA it is a dense fp32 copy of the bf16-rounded weights: exact logits, at
+        # a price to measure there (qwen2.5-1.5b's 151936 x 1536 head is then 0.93 GB, a quarter of a decode step's
+        # weight reads; a bf16 product with fp32 output would halve that).
         self.lm_head = weights.linear([head], config.dim, out_sizes=[config.vocab_size], matmul_dtype=torch.float32,
                                       dense=False)
         # The embedding only serves row lookups: a quantised table stays in its blocks, rows decoded as looked up.
         embed_shape = (config.vocab_size, config.dim)
         self.embed: torch.Tensor | QuantWeight = weights.get("embed", embed_shape)
-        if not isinstance(self.embed, QuantWeight):
+        if not (weights.blocks and isinstance(self.embed, QuantWeight)):
             tied = config.tie_embeddings and self.lm_head.dense.dtype == dtype
             self.embed = self.lm_head.dense if tied else weights.dense("embed", embed_shape)
         self.norm = weights.dense("norm", (config.dim,)).float()
@@ -215,8 +226,8 @@ class Llama:
         inv_freq = rope_inv_freq(config)
         if "rope_freqs" in tensors:
             inv_freq = inv_freq / weights.get("rope_freqs", (config.head_dim // 2,))
-        self.inv_freq = inv_freq
-        self._cos = self._sin = torch.empty(0)
+        self.inv_freq = inv_freq.to(self.device)
+        self._cos = self._sin = torch.empty(0, device=self.device)
         # Decode steps (one token per sequence) as one C++ call through all layers (`_decode_step`) where that
         # applies; False runs them op by op like longer steps (the fused step gives the same numbers: a switch for
         # tests and benchmarks).
@@ -242,7 +253,7 @@ class Llama:
         end = positions.stop if isinstance(positions, slice) else int(positions.max()) + 1
         if end > self._cos.shape[0]:
             size = min(max(end, 2 * self._cos.shape[0], 256), max(end, self.config.max_seq_len))
-            freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            freqs = torch.arange(size, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq[None, :]
             # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: one roll instead of two slices, a neg and a cat
             self._cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.dtype)
             self._sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(self.dtype)
@@ -266,7 +277,8 @@ class Llama:
         rows = None if keep == T else slice(T - keep, T)
         return self._forward_rows(tokens, self.rope(slice(start, start + T)), cache, rows, logits is not None)
 
-    def forward_batch(self, tokens: torch.Tensor, batch: CacheBatch, logits: str | None = "last") -> torch.Tensor | None:
+    def forward_batch(self, tokens: torch.Tensor, batch: CacheBatch,
+                      logits: str | None = "last") -> torch.Tensor | None:
         """`forward` of several sequences at once: `tokens` holds batch.counts[i] new tokens of sequence i in turn.
         Logits: "last" gives one row per sequence, "all" every row, None none. One token per sequence runs fused
         where `forward`'s one token would (`_decode_step`), with the same results."""
@@ -328,8 +340,9 @@ class Llama:
         tokens to repair). None: every layer, written, and None returned."""
         c = self.config
         n, end = tokens.shape[0], int(positions.max()) + 1
+        positions = positions.to(self.device)
         cos, sin = self.rope(positions)
-        table = torch.tensor(cache.pages, dtype=torch.int32)
+        table = torch.tensor(cache.pages, dtype=torch.int32, device=self.device)
         cast = _identity if self.dtype == torch.float32 else lambda t: t.to(self.dtype)
         x = self._embed_rows(tokens)
         h = self.ops.rms_norm(x, self.layers[0].attn_norm, c.norm_eps)
@@ -361,7 +374,7 @@ class Llama:
         if isinstance(self.embed, QuantWeight):
             x = self.embed.rows(tokens)
             return x if self.dtype == torch.float32 else x.to(self.dtype).float()
-        return self.embed[tokens].float()
+        return self.embed[tokens.to(self.device)].float()
 
     def _decode_step(self, tokens: torch.Tensor, batch: CacheBatch, logits: str | None):
         """`forward_batch` of one token per sequence (of a batch of one for `forward`) as one C++ call through every
@@ -432,7 +445,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -441,9 +455,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class _WeightReader:
     """Checks each canonical tensor's presence and shape, fuses, and converts to the model's dtypes."""
 
-    def __init__(self, tensors, dtype, matmul_dtype, scratch: DequantScratch | None, int8: bool = False):
+    def __init__(self, tensors, dtype, matmul_dtype, scratch: DequantScratch | None, int8: bool = False,
+                 device: torch.device = torch.device("cpu")):
         self.tensors, self.dtype, self.matmul_dtype, self.scratch = tensors, dtype, matmul_dtype, scratch
-        self.int8 = int8
+        self.int8, self.device = int8, device
+        self.blocks = device.type == "cpu"  # the quantised kernels are C++: on other devices every weight is dense
 
     def get(self, name: str, shape: tuple[int, ...]):
         t = self.tensors.get(name)
@@ -458,7 +474,7 @@ class _WeightReader:
         """The tensor in the model dtype (so bf16 models hold bf16 values even where kept in fp32)."""
         t = self.get(name, shape)
         t = t.dequantize() if isinstance(t, QuantWeight) else t
-        return t.to(self.dtype).contiguous()
+        return t.to(self.dtype).to(self.device).contiguous()
 
     def linear(self, names: list[str], in_features: int, bias: list[str] | None = None, *,
                out_sizes: list[int], matmul_dtype: torch.dtype | None = None, dense: bool = True) -> Linear:
@@ -467,7 +483,7 @@ class _WeightReader:
         made here, unless dense=False (every step on the blocks)."""
         parts = [self.get(n, (o, in_features)) for n, o in zip(names, out_sizes)]
         quant = None
-        if all(isinstance(p, QuantWeight) for p in parts):
+        if self.blocks and all(isinstance(p, QuantWeight) for p in parts):
             quant = parts[0] if len(parts) == 1 else QuantStack(parts)
         matmul_dtype = matmul_dtype or self.matmul_dtype
         weight = None
@@ -476,9 +492,10 @@ class _WeightReader:
         elif dense and self.scratch is None:
             weight = quant.dequantize()
         if weight is not None:  # bf16 numerics: round weights to bf16 even when the matmul itself runs in fp32
-            weight = weight.to(self.dtype).to(matmul_dtype).contiguous()
+            weight = weight.to(self.dtype).to(self.device, matmul_dtype).contiguous()
         b = None
         if bias is not None:
-            b = torch.cat([self.get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(matmul_dtype)
+            b = torch.cat([self.get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(self.device,
+                                                                                                 matmul_dtype)
         return Linear(weight, quant, b, self.scratch if quant is not None and dense else None,
                       self.int8 and quant is not None)

@@ -16,17 +16,22 @@ from .errors import PoolExhaustedError
 class PagePool:
     """K and V storage [layers, n_pages, kv_heads, page_size, head_dim] with a refcount per page and a free list."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, n_pages: int, page_size: int = 64):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, n_pages: int, page_size: int = 64,
+                 device: torch.device | str = "cpu"):
         if n_pages < 1 or page_size < 1:
             raise ValueError(f"a page pool needs n_pages >= 1 and page_size >= 1, got {n_pages} and {page_size}")
         self.config, self.dtype = config, dtype
         self.n_pages, self.page_size = n_pages, page_size
         shape = (config.n_layers, n_pages, config.n_kv_heads, page_size, config.head_dim)
         # torch.empty reserves address space only: pages cost memory once written
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.refcount = [0] * n_pages
         self._free = list(range(n_pages - 1, -1, -1))  # pop() hands out low page ids first
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
 
     @property
     def n_free(self) -> int:
@@ -72,11 +77,15 @@ class PagePool:
         return new
 
 
-def default_pool_pages(config: ModelConfig, dtype: torch.dtype, page_size: int, kv_tokens: int | None) -> int:
-    """Pages for kv_tokens positions (default: four full context windows, capped at a quarter of physical memory)."""
+def default_pool_pages(config: ModelConfig, dtype: torch.dtype, page_size: int, kv_tokens: int | None,
+                       device: torch.device | str = "cpu") -> int:
+    """Pages for kv_tokens positions (default: four full context windows, capped at a quarter of the device's
+    memory: physical memory on the CPU, a quarter of what is free on a GPU once the weights are there)."""
     if kv_tokens is None:
         per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
-        kv_tokens = min(4 * config.max_seq_len, _physical_memory() // 4 // per_token)
+        device = torch.device(device)
+        memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _physical_memory()
+        kv_tokens = min(4 * config.max_seq_len, memory // 4 // per_token)
     if kv_tokens < 1:
         raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
     return -(-kv_tokens // page_size)

@@ -20,6 +20,7 @@ class ModelRunner(Protocol):
     tokenizer: object  # encode / decode / token_id / decode_stream / eos_ids
     flops: FlopAccount
     pool: PagePool
+    device: torch.device  # where the forward runs: collection targets live there
 
     def new_cache(self) -> PagedKVCache: ...
 

@@ -40,7 +40,8 @@ class NodeMass:
 
 
 class Session:
-    """An ordered list of node spans over a paged KV cache; every forward goes through the engine (FLOPs are charged)."""
+    """An ordered list of node spans over a paged KV cache; every forward goes through the engine (FLOPs are
+    charged)."""
 
     def __init__(self, engine: ModelRunner):
         self.engine = engine
@@ -260,8 +261,10 @@ class Session:
         node cached and the appended one."""
         bounds = [s.start for s in self.nodes] + [len(self.tokens)] + ([len(self.tokens) + n_tokens] if n_tokens
                                                                        else [])
-        mass = torch.zeros(n_tokens if n_queries is None else n_queries, len(bounds) - 1)
-        self.cache.collect(torch.tensor(bounds, dtype=torch.int32), mass)
+        # on the engine's device, where the attention kernels add to it; `_add_node` brings it back
+        device = self.engine.device
+        mass = torch.zeros(n_tokens if n_queries is None else n_queries, len(bounds) - 1, device=device)
+        self.cache.collect(torch.tensor(bounds, dtype=torch.int32, device=device), mass)
         return mass
 
     def _node_at(self, position: int) -> int:
@@ -287,7 +290,7 @@ class Session:
         self._logits[node_id] = logits
         if mass is not None:
             c = self.engine.config
-            self._mass[node_id] = mass / (c.n_heads * c.n_layers)
+            self._mass[node_id] = mass.cpu() / (c.n_heads * c.n_layers)
         return span
 
 

@@ -16,6 +16,7 @@ from nodekv.methods.prompts import PROMPTS
 
 PRECISION_HELP = ("exact: fp32 activations; int8: the fast path, int8 activations in the quantised projections of a "
                   "GGUF model (docs/engine.md)")
+DEVICE_HELP = "cpu, cuda (or cuda:N), or auto: CUDA when torch sees a GPU (default); bfloat16 there, float32 on the CPU"
 MODEL_HELP = f"a registered name (`nodekv models`), HF directory or .gguf file (default: {DEFAULT_MODEL})"
 
 
@@ -119,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "index store's <method>-...idx, e.g. from index-corpus's manifest)")
     ask.add_argument("question")
     ask.add_argument("--model", default=None, help=MODEL_HELP)
-    ask.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ask.add_argument("--device", default="auto", help=DEVICE_HELP)
+    ask.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: by --device")
     ask.add_argument("--precision", default="exact", choices=["exact", "int8"], help=PRECISION_HELP)
     ask.add_argument("--prompt", default="", choices=sorted(PROMPTS), metavar="DATASET",
                      help="answer in this dataset's prompt, e.g. narrativeqa for a story (default: the generic "
@@ -142,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--label", default=None, help="the run's name (default: the method and its options)")
     ev.add_argument("--model", default=None, help=MODEL_HELP)
     ev.add_argument("--precision", default="exact", choices=["exact", "int8"], help=PRECISION_HELP)
+    ev.add_argument("--device", default="auto", help=DEVICE_HELP + "; --ray's workers run on the CPU")
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")
     ev.add_argument("--reference", default=None, help="report: method the TFLOPs ratio is taken against")

@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from nodekv.engine.engine import resolve_device
 from nodekv.engine.models import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
 from nodekv.methods.prompts import prompt_for
 from nodekv.paths import check_input, check_output_file, check_output_folder, read_text
@@ -105,6 +106,7 @@ def ask(args: argparse.Namespace) -> int:
     from nodekv.methods.base import check_question
 
     check_question(args.question)
+    resolve_device(args.device)
     doc = check_input(args.document, "document")
     name = args.method or _saved_by(doc) or "full"
     method_class, options = get(name), dict(args.option)
@@ -112,7 +114,8 @@ def ask(args: argparse.Namespace) -> int:
     saved = method_class.can_save and _saved_by(doc) == name
     text = None if saved else _read_document(doc)
     t0 = time.perf_counter()
-    eng = load_engine(args.model, dtype=args.dtype, threads=args.threads, precision=args.precision)
+    eng = load_engine(args.model, dtype=args.dtype, threads=args.threads, precision=args.precision,
+                      device=args.device)
     t1 = time.perf_counter()
     prompt = replace(prompt_for(args.prompt), max_new_tokens=args.max_new_tokens)
     method = method_class(eng, prompt=prompt, **options)
@@ -179,11 +182,15 @@ def evaluate(args: argparse.Namespace) -> int:
         cfg = run_config(args)
         plan = _ray_plan(args)
         get(cfg.method).configure(**cfg.options)  # bad options, data and paths fail before the model loads
+        resolve_device(args.device)
         check_dataset(cfg.dataset, cfg.data_dir)
         check_output_folder(cfg.out)
         if cfg.match is not None:
             check_input(cfg.match, "reference run")
-        path = run(load_engine(args.model, threads=args.threads, precision=args.precision), cfg, ray=plan)
+        if plan is not None and args.device not in ("auto", "cpu"):
+            raise ValueError(f"--ray runs its workers on the CPU; drop --device {args.device} or --ray")
+        engine = load_engine(args.model, threads=args.threads, precision=args.precision, device=args.device)
+        path = run(engine, cfg, ray=plan)
     except (DataNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -135,9 +135,10 @@ def test_the_python_api_refuses_a_limit_below_one():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"precision": "fp8"}, "precision must be one of exact, int8, got 'fp8'"),
-    ({"precision": "int8", "dtype": "bfloat16"}, "precision 'int8' runs float32 models only"),
+    ({"precision": "int8", "dtype": "bfloat16"}, "precision 'int8' runs float32 models on the CPU only"),
+    ({"device": "gpu"}, "device must be one of auto, cpu, cuda or cuda:<index>, got 'gpu'"),
 ])
-def test_load_engine_refuses_a_bad_precision_before_reading_the_model(kwargs, message, monkeypatch):
+def test_load_engine_refuses_bad_settings_before_reading_the_model(kwargs, message, monkeypatch):
     from nodekv.engine import engine
 
     monkeypatch.setattr(engine, "load_checkpoint", lambda *a: pytest.fail("the model was read"))

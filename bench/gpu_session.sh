@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 36's checks on a lent GPU machine, in one `run` call of about ten minutes: build nodekv there, run the CUDA
+# tests, then the kernel and engine benchmarks against HF transformers; every log lands in $OUT.
+#
+# The machine has PyTorch, Triton and transformers but not gguf, which the loader imports: fetch its wheel here first
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl gguf==0.19.0      # (.whl/ is git-ignored via .git/info/exclude)
+# then: run(command="bash bench/gpu_session.sh", carry=[".whl"]).
+set -o pipefail
+out=${OUT:-/tmp/gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+# the C++ extension is built for this machine's Python (the CPU kernels; the CUDA path does not use them)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$out/build.log" 2>&1 || {
+    tail -30 "$out/build.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_cuda.py tests/engine/test_device.py \
+    2>&1 | tee "$out/tests.log" | tail -15
+python3 -m nodekv.bench.triton_gpu 2>&1 | tee "$out/triton_gpu.md"
+python3 -m nodekv.bench.gpu_engine --preset qwen2.5-1.5b 2>&1 | tee "$out/gpu_engine-qwen2.5-1.5b.md"
+python3 -m nodekv.bench.gpu_engine --preset llama-3.1-8b --no-check --prompts 2048 --batch 16 \
+    2>&1 | tee "$out/gpu_engine-llama-3.1-8b.md"
