@@ -22,15 +22,32 @@ Split-KV (flash-decoding): when the (row block, KV head) grid is too small to fi
 the key range is cut into `num_splits` chunks run by separate programs, each writing a partial output normalised by
 its own denominator and its log-sum-exp; `_attn_combine` then merges the splits with weights 2^(lse_s - lse).
 
-Node mass (`_attn_mass`): mass[i, j] += Σ_h Σ_{k in node j} p_h[i, k], p the softmax probabilities. This is
-softmax(QKᵀ)·M with M[k, j] = 1 when key k is in node j, i.e. a second value matrix; we compute it in a second
-pass over the key blocks using the final log-sum-exp from the attention pass, so p = 2^(s·scale - lse) is exactly
-normalised when it is added (no rescaling of an [n, N] accumulator whenever the running max moves, and nothing
-depends on N). Nodes are contiguous runs of keys, so a key block touches a short range [j0, j1] of node ids; the
-program keeps the partial mass of the node still open at the end of a block in registers and adds a node's mass to
-`mass` (tl.atomic_add, as other KV heads and splits add to the same entries) once the node is finished, so a node
-costs one atomic per row, not one per key block. Extra memory: the [n, H] log-sum-exp and an int32 node id per key
-position [end]; the mass pass costs a second QKᵀ (about +50% of the attention FLOPs) and no PV product.
+Node mass: mass[i, j] += Σ_h Σ_{k in node j} p_h[i, k], p the softmax probabilities, i.e. softmax(QKᵀ)·M with
+M[k, j] = 1 when key k is in node j: a second value matrix of N columns, computed one of two ways.
+
+One pass (N <= ONE_PASS_MAX_NODES, the default there): `_attn_fwd` keeps mass_acc [BLOCK_M, N_PAD] fp32 (N_PAD =
+max(16, next_power_of_2(N))) next to acc and treats it like acc: rescaled by alpha = 2^(m_old - m_new) whenever
+the running max moves, gets the block's fp32 probabilities p summed per node, and is divided by l at the end, so
+mass[i, j] = Σ_blocks 2^(m_block - m) Σ_{k in node j, block} 2^(s_k - m_block) / l. Nodes are contiguous runs of
+keys, so a key block touches only nodes j0..j1 (found by counting node starts <= its first and last key): one
+masked row sum over the [BLOCK_M, BLOCK_N] tile per touched node, added into its column with a select. A one-hot
+tl.dot(p, M_block) would cost as much as the PV product whatever the nodes; the masked sums cost about one
+elementwise pass over p per touched node, cheap while nodes are longer than a few keys (the worst case, a block
+split into many small nodes, costs one pass per node). A single split atomically adds each row's mass to mass[i, :]
+(the G heads of a query in a tile and the other KV heads add to the same row), skipping nodes after the block's
+last visible key. With split-KV each split stores its mass normalised by its own l into a [splits, n, H, N] fp32
+buffer and `_attn_combine` merges it with the output's weights 2^(lse_s - lse) before adding it. Extra memory:
+the registers of mass_acc, BLOCK_M × N_PAD / (32 × num_warps) fp32 a thread (16 for a decode tile at N_PAD = 128,
+64 for a 64-row tile, where ptxas for sm_90 spills about 1.5 KB a thread at hd = 128 against 0.5 KB without mass),
+and with splits the buffer; no log-sum-exp, no node-id array and no extra kernel launch.
+
+Two passes (`_attn_mass`, N > ONE_PASS_MAX_NODES, whose accumulator would not fit registers, or mass_pass="two"):
+a second pass over the key blocks using the final log-sum-exp from the attention pass, so p = 2^(s·scale - lse) is
+exactly normalised when it is added and nothing depends on N. The program keeps the partial mass of the node still
+open at the end of a block in registers and adds a node's mass to `mass` (tl.atomic_add, as other KV heads and
+splits add to the same entries) once the node is finished, so a node costs one atomic per row, not one per key
+block. Extra memory: the [n, H] log-sum-exp and an int32 node id per key position [end]; the pass costs a second
+QKᵀ (about +50% of the attention FLOPs, 1.5-1.8x the time without mass on a GPU) and no PV product.
 
 Limits: head_dim <= 256 (padded to a power of two >= 16, the smallest tl.dot tile; padding is masked); any page
 size (keys are gathered per row); int64 offsets into the page pool. fp32 inputs use IEEE fp32 dots (not TF32) so
@@ -47,7 +64,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["ONE_PASS_MAX_NODES", "paged_attention", "write_kv"]
+
+# the most nodes summed inside the attention pass: a [BLOCK_M, N_PAD] fp32 accumulator held in registers, like acc
+ONE_PASS_MAX_NODES = 128
 
 
 # ---------------------------------------------------------------- paged KV write
@@ -133,19 +153,32 @@ def _scores(q, KP, BT, kp_base, stride_kpp, stride_kpr, start, hi, qpos, qk_scal
     return tl.where(visible, qk * qk_scale, float("-inf")), s, kmask, page
 
 
-@triton.jit(do_not_specialize=["layer", "n", "end", "split_len"])
-def _attn_fwd(Q, KP, VP, BT, O, L, layer, n, end, split_len, qk_scale,
+@triton.jit
+def _node_of(starts, s):
+    """The node of key position s: how many node starts (starts = b[0..N-1], padded with end) are <= s, less one."""
+    return tl.sum((starts <= s).to(tl.int32), 0) - 1
+
+
+@triton.jit(do_not_specialize=["layer", "n", "end", "split_len", "n_nodes"])
+def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, layer, n, end, split_len, n_nodes, qk_scale,
               stride_qn, stride_qh,
               stride_kpl, stride_kpp, stride_kph, stride_kpr,
               stride_vpl, stride_vpp, stride_vph, stride_vpr,
               stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_lh,
+              stride_ms, stride_mn, stride_mh, stride_mj,
               G: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              MASS: tl.constexpr, MASS_SPLITS: tl.constexpr, N_PAD: tl.constexpr):
     """Program (row block, KV head, split): online-softmax attention over keys [split * split_len,
     min((split + 1) * split_len, causal end of the block)). Writes acc / l to O[split] (O's dtype) and, with
     STORE_LSE, the base-2 log-sum-exp m + log2(l) of the scaled scores to L[split] (-inf and a zero output for a
-    row that sees no key of this split)."""
+    row that sees no key of this split).
+
+    With MASS (one-pass node mass over n_nodes <= N_PAD nodes, NB = node_bounds): also mass_acc / l, the row's
+    probabilities summed per node, at MB + split * stride_ms + i * stride_mn + head * stride_mh + j * stride_mj:
+    stored for every node (MASS_SPLITS: a [splits, n, H, N] buffer that `_attn_combine` merges), else atomically
+    added to mass[i, j] (stride_ms = stride_mh = 0: the heads of a query add to one row)."""
     pid_m, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r0 = pid_m * BLOCK_M
     q, i, head, row_ok = _load_q(Q, stride_qn, stride_qh, kvh, r0, n, G, HD, BLOCK_M, BLOCK_D)
@@ -161,6 +194,10 @@ def _attn_fwd(Q, KP, VP, BT, O, L, layer, n, end, split_len, qk_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if MASS:
+        cols = tl.arange(0, N_PAD)
+        starts = tl.load(NB + cols, mask=cols < n_nodes, other=end)  # padding is > every key position
+        mass_acc = tl.zeros([BLOCK_M, N_PAD], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         qk, s, kmask, page = _scores(q, KP, BT, kp_base, stride_kpp, stride_kpr, start, hi, qpos, qk_scale,
                                      HD, PAGE, BLOCK_N, BLOCK_D, DOT_PRECISION)
@@ -174,22 +211,43 @@ def _attn_fwd(Q, KP, VP, BT, O, L, layer, n, end, split_len, qk_scale,
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+        if MASS:
+            # p in fp32 (the l_i it is normalised by), rescaled like acc. Nodes are runs of keys, so the block
+            # touches nodes j0..j1 only: a masked row sum per touched node, not a one-hot dot over all N_PAD nodes
+            mass_acc = mass_acc * alpha[:, None]
+            for j in range(_node_of(starts, start), _node_of(starts, tl.minimum(start + BLOCK_N, hi) - 1) + 1):
+                in_j = (s >= tl.load(NB + j)) & (s < tl.load(NB + j + 1))
+                part = tl.sum(tl.where(in_j[None, :], p, 0.0), 1)
+                mass_acc = tl.where(cols[None, :] == j, mass_acc + part[:, None], mass_acc)
 
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    denom = tl.where(empty, 1.0, l_i)
+    out = acc / denom[:, None]
     o_ptr = O + split.to(tl.int64) * stride_os + i.to(tl.int64)[:, None] * stride_on + head[:, None] * stride_oh \
         + d[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HD))
     if STORE_LSE:
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(L + split * stride_ls + i * stride_ln + head * stride_lh, lse, mask=row_ok)
+    if MASS:
+        m_ptr = MB + split.to(tl.int64) * stride_ms + i.to(tl.int64)[:, None] * stride_mn \
+            + head[:, None] * stride_mh + cols[None, :] * stride_mj
+        if MASS_SPLITS:  # every node, zeros included: the buffer is uninitialised
+            tl.store(m_ptr, mass_acc / denom[:, None], mask=row_ok[:, None] & (cols[None, :] < n_nodes))
+        else:  # nodes after the block's last visible key got nothing: skip their atomics
+            tl.atomic_add(m_ptr, mass_acc / denom[:, None], sem="relaxed",
+                          mask=row_ok[:, None] & (cols[None, :] <= _node_of(starts, hi - 1)))
 
 
-@triton.jit(do_not_specialize=["n_splits"])
-def _attn_combine(PO, PL, O, L, n_splits, stride_ps, stride_pn, stride_ph, stride_qs, stride_qn, stride_qh,
-                  stride_on, stride_oh, stride_ln, stride_lh,
-                  HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr):
-    """Program (query, head): out = Σ_s 2^(lse_s - lse) O_s with lse = log2 Σ_s 2^lse_s over the splits."""
+@triton.jit(do_not_specialize=["n_splits", "n_nodes"])
+def _attn_combine(PO, PL, O, L, PM, M, n_splits, n_nodes, stride_ps, stride_pn, stride_ph,
+                  stride_qs, stride_qn, stride_qh, stride_on, stride_oh, stride_ln, stride_lh,
+                  stride_pms, stride_pmn, stride_pmh, stride_pmj, stride_mn, stride_mj,
+                  HD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
+                  MASS: tl.constexpr, N_PAD: tl.constexpr):
+    """Program (query, head): out = Σ_s 2^(lse_s - lse) O_s with lse = log2 Σ_s 2^lse_s over the splits; with
+    MASS, the split masses PM[s, i, h] merged with the same weights and atomically added to M[i] (as the query's
+    other heads are)."""
     i, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -204,6 +262,12 @@ def _attn_combine(PO, PL, O, L, n_splits, stride_ps, stride_pn, stride_ph, strid
     tl.store(O + i * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HD)
     if STORE_LSE:
         tl.store(L + i * stride_ln + h * stride_lh, m + tl.log2(w_sum))
+    if MASS:
+        j = tl.arange(0, N_PAD)
+        pm = tl.load(PM + s[:, None] * stride_pms + i * stride_pmn + h * stride_pmh + j[None, :] * stride_pmj,
+                     mask=smask[:, None] & (j[None, :] < n_nodes), other=0.0)
+        tl.atomic_add(M + i * stride_mn + j * stride_mj, tl.sum(pm * w[:, None], 0) / w_sum, sem="relaxed",
+                      mask=j < n_nodes)
 
 
 @triton.jit(do_not_specialize=["layer", "n", "end", "split_len"])
@@ -285,10 +349,20 @@ def _num_splits(programs: int, end: int, block_n: int, device: torch.device) -> 
     return max(1, min(-(-2 * sms // programs), end // (4 * block_n), 64))
 
 
+def _one_pass(mass_pass: str | None, n_nodes: int) -> bool:
+    """Whether node mass is summed inside the attention pass: by default when the nodes fit the accumulator."""
+    if mass_pass not in (None, "one", "two"):
+        raise ValueError(f"paged_attention: mass_pass must be 'one', 'two' or None, got {mass_pass!r}")
+    if mass_pass == "one" and n_nodes > ONE_PASS_MAX_NODES:
+        raise ValueError(f"paged_attention: mass_pass='one' holds at most {ONE_PASS_MAX_NODES} nodes, got {n_nodes}")
+    return mass_pass == "one" or (mass_pass is None and n_nodes <= ONE_PASS_MAX_NODES)
+
+
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int,
                     block_table: torch.Tensor, end: int, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, node_bounds: torch.Tensor | None = None,
-                    mass: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                    mass: torch.Tensor | None = None, *, num_splits: int | None = None,
+                    mass_pass: str | None = None) -> torch.Tensor:
     """Causal GQA attention of q [n, H, hd] (any strides, last dim contiguous) over the paged keys [0, end);
     returns a contiguous [n, H * hd] in q's dtype.
 
@@ -296,7 +370,9 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     Scale 1/sqrt(hd). With mass (float32 [n, N]) and node_bounds (int32 [N + 1]):
     mass[i, j] += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k] (callers divide by heads × layers).
     num_splits (keyword, optional) forces the number of key splits; by default it is chosen from the grid size and
-    the GPU's SM count (always 1 off CUDA)."""
+    the GPU's SM count (always 1 off CUDA). mass_pass (keyword, optional) forces how mass is computed: "one" inside
+    the attention pass (at most ONE_PASS_MAX_NODES nodes), "two" in a second pass over the keys; by default "one"
+    when N <= ONE_PASS_MAX_NODES, else "two". Any other value is a ValueError."""
     n, H, hd = q.shape
     Hkv = k_pages.shape[2]
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
@@ -310,6 +386,16 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         raise ValueError(f"paged_attention: head_dim {hd} > 256")
     if not n <= end or not 0 <= layer < k_pages.shape[0]:
         raise ValueError(f"paged_attention: {n} queries, end {end}, layer {layer} out of range")
+    N = 0
+    if mass is not None:
+        if node_bounds is None:
+            raise ValueError("paged_attention: mass needs node_bounds")
+        N = node_bounds.shape[0] - 1
+        if mass.shape != (n, N) or mass.dtype != torch.float32:
+            raise ValueError(f"paged_attention: mass must be float32 [{n}, {N}], got {mass.dtype} "
+                             f"{tuple(mass.shape)}")
+    one_pass = _one_pass(mass_pass, N) and mass is not None
+    two_pass = mass is not None and not one_pass
     out = torch.empty(n, H, hd, dtype=q.dtype, device=q.device)
     if n == 0:
         return out.view(0, H * hd)
@@ -320,45 +406,51 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     splits = num_splits or _num_splits(grid_m * Hkv, end, block_n, q.device)
     split_len = triton.cdiv(triton.cdiv(end, splits), block_n) * block_n
     splits = triton.cdiv(end, split_len)
-    want_lse = mass is not None
-    if want_lse:
-        if node_bounds is None:
-            raise ValueError("paged_attention: mass needs node_bounds")
-        N = node_bounds.shape[0] - 1
-        if mass.shape != (n, N) or mass.dtype != torch.float32:
-            raise ValueError(f"paged_attention: mass must be float32 [{n}, {N}], got {mass.dtype} "
-                             f"{tuple(mass.shape)}")
-    lse = torch.empty(n, H, dtype=torch.float32, device=q.device) if want_lse else out  # out: an unused pointer
+    if mass is not None:
+        bounds = node_bounds.to(device=q.device, dtype=torch.int32)
+        acc = mass if mass.device == q.device else torch.zeros(n, N, dtype=torch.float32, device=q.device)
+    # unused pointers are `out`; the final lse is only needed by the second mass pass
+    lse = torch.empty(n, H, dtype=torch.float32, device=q.device) if two_pass else out
     precision = "ieee" if q.dtype == torch.float32 else None
     qk_scale = 1.0 / math.sqrt(hd) * math.log2(math.e)
     common = {"G": G, "HD": hd, "PAGE": k_pages.shape[3], "BLOCK_M": block_m, "BLOCK_N": block_n,
               "BLOCK_D": block_d, "DOT_PRECISION": precision}
     kp_strides, vp_strides = k_pages.stride()[:4], v_pages.stride()[:4]
     if splits == 1:
-        o_buf, l_buf = out[None], lse[None] if want_lse else out[None, :, :, 0]
+        o_buf, l_buf = out[None], lse[None] if two_pass else out[None, :, :, 0]
     else:
         o_buf = torch.empty(splits, n, H, hd, dtype=torch.float32, device=q.device)
         l_buf = torch.empty(splits, n, H, dtype=torch.float32, device=q.device)
+    # one pass: a split's mass goes to a [splits, n, H, N] buffer for the combine, a single split's straight to mass
+    if one_pass and splits > 1:
+        m_buf = torch.empty(splits, n, H, N, dtype=torch.float32, device=q.device)
+        m_strides = m_buf.stride()
+    elif one_pass:
+        m_buf, m_strides = acc, (0, acc.stride(0), 0, acc.stride(1))
+    else:
+        m_buf, m_strides = out, (0, 0, 0, 0)
+    n_pad = max(16, triton.next_power_of_2(N)) if one_pass else 16
     _attn_fwd[(grid_m, Hkv, splits)](
-        q, k_pages, v_pages, block_table, o_buf, l_buf, layer, n, end, split_len, qk_scale,
+        q, k_pages, v_pages, block_table, o_buf, l_buf, bounds if one_pass else out, m_buf,
+        layer, n, end, split_len, N, qk_scale,
         q.stride(0), q.stride(1), *kp_strides, *vp_strides,
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
-        STORE_LSE=want_lse or splits > 1, **common)
+        *m_strides, STORE_LSE=two_pass or splits > 1, MASS=one_pass, MASS_SPLITS=splits > 1, N_PAD=n_pad, **common)
     if splits > 1:
         _attn_combine[(n, H)](
-            o_buf, l_buf, out, lse, splits, o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
-            l_buf.stride(0), l_buf.stride(1), l_buf.stride(2), out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1) if want_lse else 0,
-            HD=hd, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(hd), STORE_LSE=want_lse)
-    if want_lse:
-        bounds = node_bounds.to(device=q.device, dtype=torch.int32)
+            o_buf, l_buf, out, lse, m_buf, acc if one_pass else out, splits, N,
+            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1) if two_pass else 0,
+            *m_strides, *(acc.stride() if one_pass else (0, 0)),
+            HD=hd, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(hd), STORE_LSE=two_pass,
+            MASS=one_pass, N_PAD=n_pad)
+    if two_pass:
         node_of_key = (torch.searchsorted(bounds, torch.arange(end, dtype=torch.int32, device=q.device), right=True)
                        - 1).to(torch.int32)
-        acc = mass if mass.device == q.device else torch.zeros(n, N, dtype=torch.float32, device=q.device)
         _attn_mass[(grid_m, Hkv, splits)](
             q, k_pages, block_table, lse, node_of_key, acc, layer, n, end, split_len, qk_scale,
             q.stride(0), q.stride(1), *kp_strides, lse.stride(0), lse.stride(1), acc.stride(0), acc.stride(1),
             **common)
-        if acc is not mass:
-            mass += acc.to(mass.device)
+    if mass is not None and acc is not mass:
+        mass += acc.to(mass.device)
     return out.view(n, H * hd)

@@ -1,5 +1,6 @@
 """Paged attention with node-mass output, every backend against a brute-force float64 oracle."""
 import importlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -67,3 +68,72 @@ def test_without_mass_or_writes(backend):
     want_out, _ = brute_force(case)
     out = BACKENDS[backend](case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end)
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+
+
+# Triton's node mass by path: one pass (accumulated next to the output) or two (a second pass with the final lse),
+# one key split or several (num_splits=3 gives 3 splits from end > 128, 2 from end > 64: splits are whole key
+# blocks). Bounds are explicit where the node layout is the point; an int: that many nodes at random cuts.
+MASS_CASES = {  # name: (n queries, T new tokens, end, H, Hkv, hd, page size, node bounds or n_nodes)
+    "one node, decode": (1, 1, 140, 4, 2, 16, 8, [0, 140]),
+    "node over three key blocks": (9, 9, 200, 4, 2, 16, 16, [0, 5, 170, 200]),
+    "40 one-key nodes in a key block, MQA decode": (1, 1, 100, 4, 1, 16, 8, [*range(41), 100]),
+    "GQA 3, prefill": (5, 5, 130, 6, 2, 32, 4, 7),
+    "ONE_PASS_MAX_NODES nodes": (3, 3, 150, 6, 2, 16, 8, 128),
+    "ONE_PASS_MAX_NODES + 1 nodes": (3, 3, 150, 6, 2, 16, 8, 129),
+}
+
+
+def _mass_case(n, T, end, H, Hkv, hd, P, nodes):
+    if isinstance(nodes, int):
+        return make_case(n, T, end, H, Hkv, hd, P, nodes)
+    return replace(make_case(n, T, end, H, Hkv, hd, P), node_bounds=torch.tensor(nodes, dtype=torch.int32))
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("mass_pass", ["one", "two"])
+@pytest.mark.parametrize("name", MASS_CASES)
+def test_triton_node_mass_one_and_two_pass(name, mass_pass, splits):
+    from nodekv.kernels import triton_attention
+
+    case = _mass_case(*MASS_CASES[name])
+    n, H = case.q.shape[:2]
+    N = case.node_bounds.shape[0] - 1
+    mass = torch.ones(n, N)  # mass is added to
+    run = lambda: triton_attention.paged_attention(  # noqa: E731
+        case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new, case.v_new,
+        case.node_bounds, mass, num_splits=splits, mass_pass=mass_pass)
+    if mass_pass == "one" and N > triton_attention.ONE_PASS_MAX_NODES:
+        with pytest.raises(ValueError, match="at most"):
+            run()
+        return
+    out = run()
+    want_out, want_mass = brute_force(case)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass.double() - 1, want_mass, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass.sum(1).double() - N, torch.full((n,), float(H), dtype=torch.float64),
+                               atol=1e-5, rtol=1e-6)
+
+
+class _Unreachable:
+    def __getitem__(self, grid):
+        raise AssertionError("the two-pass mass kernel was launched")
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("extra", [0, 1])
+def test_triton_mass_pass_defaults_to_one_up_to_the_limit(monkeypatch, extra):
+    from nodekv.kernels import triton_attention
+
+    N = triton_attention.ONE_PASS_MAX_NODES + extra
+    case = make_case(1, 1, N + 5, n_nodes=N)
+    monkeypatch.setattr(triton_attention, "_attn_mass", _Unreachable())
+    args = (case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new, case.v_new,
+            case.node_bounds, torch.zeros(1, N))
+    if extra:
+        with pytest.raises(AssertionError, match="two-pass"):
+            triton_attention.paged_attention(*args)
+    else:
+        triton_attention.paged_attention(*args)
+    with pytest.raises(ValueError, match="mass_pass must be"):
+        triton_attention.paged_attention(*args, mass_pass="three")

@@ -51,9 +51,10 @@ SHAPES = [  # (n queries, T new tokens, end, H, Hkv, hd, page size, nodes)
 ]
 
 
+@pytest.mark.parametrize("mass_pass", ["one", "two"])  # node mass inside the attention pass or after it
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_paged_attention_and_node_mass_on_cuda(shape, dtype):
+def test_paged_attention_and_node_mass_on_cuda(shape, dtype, mass_pass):
     from nodekv.kernels import triton_attention
 
     n, T, end, H, Hkv, hd, P, N = shape
@@ -62,7 +63,7 @@ def test_paged_attention_and_node_mass_on_cuda(shape, dtype):
     gpu = _on(rounded, dtype)
     mass = torch.zeros(n, N, device="cuda")
     out = triton_attention.paged_attention(gpu.q, gpu.k_pages, gpu.v_pages, gpu.layer, gpu.block_table, end,
-                                           gpu.k_new, gpu.v_new, gpu.node_bounds, mass)
+                                           gpu.k_new, gpu.v_new, gpu.node_bounds, mass, mass_pass=mass_pass)
     ref_gpu = _on(rounded, dtype)
     ref_mass = torch.zeros(n, N, device="cuda")
     ref_out = reference.paged_attention(ref_gpu.q, ref_gpu.k_pages, ref_gpu.v_pages, ref_gpu.layer,
