@@ -439,7 +439,8 @@ struct Q4_0 {
         __m256 v[4];
         nibbles(blk + 2, 8.0f, v);
         scaled_dot<TT>(v, bcast_half(blk), xp, ldx, acc);
-    }    using XQ = XQ32;
+    }
+    using XQ = XQ32;
     template <int TT>
     NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
         signed_dot<TT>(_mm256_sub_epi8(nibble_bytes(blk + 2), _mm256_set1_epi8(8)), bcast_half(blk), x, ldx, acc);
@@ -492,7 +493,8 @@ struct Q4_1 {
             const float* x = xp + t * ldx;
             acc[t] = _mm256_fmadd_ps(mp, _mm256_loadu_ps(x + 32), _mm256_fmadd_ps(d, dot4(v, x), acc[t]));
         }
-    }    using XQ = XQ32;
+    }
+    using XQ = XQ32;
     // d sum(q q_x) d_x + m s_x: the min meets x's sum, which the quantiser keeps (s)
     template <int TT>
     NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
@@ -625,7 +627,8 @@ struct Q4_K {
         }
         const __m256 offset = _mm256_fmsub_ps(_mm256_set1_ps(8.0f), dsc, dmn);  // w = d sc (q - 8) + offset
         for (int t = 0; t < TT; ++t) acc[t] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(xp + t * ldx + 256), acc[t]);
-    }    using XQ = XQ256T;
+    }
+    using XQ = XQ256T;
     // d d_x sum_j sc_j sum(q_j q_xj) - dmin d_x sum_j m_j sum(q_xj), the weights transposed into x's interleaved order
     // (XQ256T) once per block, then per token 8 maddubs summed in int16 lanes of one sub-block each, one madd with the
     // scales, one with the mins against x's sums of 16, one conversion each. Against sub-blocks in order (a madd
@@ -751,7 +754,8 @@ struct Q6_K {
                 scaled_dot<TT>(v, pair(s[h], g), xp + 128 * h + 32 * g, ldx, acc);
             }
         }
-    }    using XQ = XQ256;
+    }
+    using XQ = XQ256;
     // d d_x (sum_k sc_k sum(q_k q_xk) - 32 sum_k sc_k sum(q_xk)), k over the 16 sub-blocks: q unsigned for maddubs,
     // centred through x's sums of 16
     template <int TT>
