@@ -136,7 +136,7 @@ class Linear:
             for i in range(0, T, GATED_ROWS):
                 y = act(self._product(x[i:i + GATED_ROWS], weight, bias))
                 if out is None:
-                    out = torch.empty(T, width, dtype=y.dtype)
+                    out = torch.empty(T, width, dtype=y.dtype, device=y.device)
                 out[i:i + y.shape[0], a:b] = y
         return out
 

@@ -95,6 +95,7 @@ class Session:
         finally:
             self.cache.collect(None, None)
         if mass is not None:
+            mass = mass.cpu()  # collected on the engine's device
             c, owner = self.engine.config, torch.tensor([self._node_at(p) for p in positions])
             for j in owner.unique().tolist():
                 self._mass[self.nodes[j].node_id] = mass[owner == j, : j + 1] / (c.n_heads * c.n_layers)

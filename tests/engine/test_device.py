@@ -64,6 +64,31 @@ def test_a_model_from_a_state_dict_in_memory_matches_hf(kind):
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
+def test_the_forward_keeps_to_the_models_device():
+    """The whole forward on the meta device (shapes without data): a tensor the forward makes on the CPU, where the
+    model's device is another (the bug CPU-only runs cannot see), fails loudly when it meets the model's tensors.
+    Covers a prompt longer than the gate|up tile (Linear.gated), a batched step and a probe rolled back; node mass and
+    recompute read data (`.item()`), so they are left to the CUDA tests."""
+    from nodekv.bench import gpu_engine
+    from nodekv.engine.cache_batch import CacheBatch
+    from nodekv.engine.model import GATED_ROWS
+
+    tensors = hf_state_tensors(gpu_engine.hf_model(gpu_engine.TINY, torch.float32, torch.device("cpu"),
+                                                   "eager").state_dict())
+    model = Llama(gpu_engine.TINY, tensors, backend="torch", device="meta")
+    pool = PagePool(gpu_engine.TINY, torch.float32, 64, 16, "meta")
+    a, b = PagedKVCache(pool, model.ops), PagedKVCache(pool, model.ops)
+    ids = torch.arange(GATED_ROWS + 88) % gpu_engine.TINY.vocab_size
+    assert model.forward(ids, a).device.type == "meta"
+    model.forward(ids[:5], b, logits=None)
+    assert model.forward_batch(ids[:3], CacheBatch([a, b], [2, 1])).shape == (2, gpu_engine.TINY.vocab_size)
+    state = a.state()
+    model.forward(ids[:4], a, logits="all")
+    a.restore(state)
+    model.forward(ids[:1], a)
+    assert a.length == GATED_ROWS + 91 and a.block_table.device.type == "meta"
+
+
 def test_gpu_benchmark_runs_its_checks_on_the_cpu(capsys):
     """bench gpu_engine's own code path on the CPU (tiny shapes, fp32): its checks hold and every table row prints."""
     from nodekv.bench import gpu_engine
