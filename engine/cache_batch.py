@@ -2,7 +2,9 @@
 rows attend to its own cache (its own block table, length and node-mass collector).
 
 Everything in the forward except attention is row by row, so a batch computes what its sequences would compute one
-by one; attention is where the rows go back to their sequences.
+by one; attention is where the rows go back to their sequences: one call per sequence, or, for a decode step (one
+token each, no node mass) on a backend with `decode_attention` (Triton), one call for the batch, over the block
+tables padded into one [B, pages] tensor made once per forward on the pool's device.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class CacheBatch:
             raise ValueError("a batch cannot hold the same cache twice (fork the session instead)")
         self.caches, self.counts = list(caches), list(counts)
         self.kept = list(counts)  # rows per sequence that reach the final layer's attention (see `keep_rows`)
+        self._decode_args: tuple | None = ()  # `decode_attention`'s arguments, None where it does not serve; () unknown
 
     @property
     def collecting(self) -> bool:
@@ -48,10 +51,30 @@ class CacheBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """`PagedKVCache.attend` per sequence: k, v hold every row; q holds every row or only the kept ones."""
+        batched = self._decode_batch()
+        if batched is not None:
+            pool = self.caches[0].pool
+            return self.caches[0].ops.decode_attention(q, pool.k, pool.v, layer, *batched, k, v)
         q_counts = self.counts if q.shape[0] == sum(self.counts) else self.kept
         outs = [cache.attend(layer, qi, ki, vi) for cache, qi, ki, vi in
                 zip(self.caches, q.split(q_counts), k.split(self.counts), v.split(self.counts))]
         return torch.cat(outs)
+
+    def _decode_batch(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(block tables [B, pages], ends [B], max end) for `decode_attention`, or None where this forward is not a
+        decode step it serves: one token per sequence, two or more sequences of one pool, no node mass collected,
+        and a backend that has it."""
+        if self._decode_args == ():
+            caches = self.caches
+            if len(caches) < 2 or any(n != 1 for n in self.counts) or self.collecting or \
+                    any(type(c) is not PagedKVCache or c.pool is not caches[0].pool for c in caches) or \
+                    not hasattr(caches[0].ops, "decode_attention"):
+                self._decode_args = None
+            else:
+                tables = torch.nn.utils.rnn.pad_sequence([c.block_table for c in caches], batch_first=True)
+                ends = [c.length + 1 for c in caches]
+                self._decode_args = tables, torch.tensor(ends, dtype=torch.int32, device=tables.device), max(ends)
+        return self._decode_args
 
     def commit(self, n_tokens: int) -> None:
         """Every cache keeps its rows (n_tokens: all the batch's rows, as `KVCache.commit` is called)."""

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ONE_PASS_MAX_NODES", "paged_attention", "write_kv"]
+__all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "write_kv"]
 
 # the most nodes summed inside the attention pass: a [BLOCK_M, N_PAD] fp32 accumulator held in registers, like acc
 ONE_PASS_MAX_NODES = 128
@@ -74,15 +74,20 @@ ONE_PASS_MAX_NODES = 128
 
 
 @triton.jit(do_not_specialize=["layer", "first_pos"])
-def _write_kv_kernel(K, V, KP, VP, BT, layer, first_pos,
+def _write_kv_kernel(K, V, KP, VP, BT, ENDS, layer, first_pos, stride_bt,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kpl, stride_kpp, stride_kph, stride_kpr,
                      stride_vpl, stride_vpp, stride_vph, stride_vpr,
                      HKV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per new token t: k[t], v[t] [HKV, HD] -> row pos % PAGE of page block_table[pos // PAGE]."""
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PER_SEQ: tl.constexpr):
+    """One program per new token t: k[t], v[t] [HKV, HD] -> row pos % PAGE of page block_table[pos // PAGE], at pos =
+    first_pos + t; PER_SEQ (one token of each of a batch's sequences): pos = ENDS[t] - 1 in table row t."""
     t = tl.program_id(0)
-    pos = first_pos + t
+    if PER_SEQ:
+        pos = tl.load(ENDS + t) - 1
+        BT += t * stride_bt
+    else:
+        pos = first_pos + t
     page = tl.load(BT + pos // PAGE).to(tl.int64)
     row = pos % PAGE
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -111,11 +116,11 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_tab
     if not 0 <= layer < k_pages.shape[0] or end < T:
         raise ValueError(f"write_kv: layer {layer} / end {end} out of range for {T} tokens")
     _write_kv_kernel[(T,)](
-        k, v, k_pages, v_pages, block_table, layer, end - T,
+        k, v, k_pages, v_pages, block_table, block_table, layer, end - T, 0,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_pages.stride()[:4], *v_pages.stride()[:4],
         HKV=Hkv, HD=hd, PAGE=k_pages.shape[3],
-        BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(hd))
+        BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(hd), PER_SEQ=False)
 
 
 # ---------------------------------------------------------------- attention
@@ -159,9 +164,9 @@ def _node_of(starts, s):
     return tl.sum((starts <= s).to(tl.int32), 0) - 1
 
 
-@triton.jit(do_not_specialize=["layer", "n", "end", "split_len", "n_nodes"])
-def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, layer, n, end, split_len, n_nodes, qk_scale,
-              stride_qn, stride_qh,
+@triton.jit(do_not_specialize=["layer", "n", "end", "split_len", "n_nodes", "n_splits"])
+def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nodes, n_splits, qk_scale,
+              stride_bt, stride_qn, stride_qh,
               stride_kpl, stride_kpp, stride_kph, stride_kpr,
               stride_vpl, stride_vpp, stride_vph, stride_vpr,
               stride_os, stride_on, stride_oh, stride_ls, stride_ln, stride_lh,
@@ -169,7 +174,7 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, layer, n, end, split_len, n_nodes, qk
               G: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              MASS: tl.constexpr, MASS_SPLITS: tl.constexpr, N_PAD: tl.constexpr):
+              MASS: tl.constexpr, MASS_SPLITS: tl.constexpr, N_PAD: tl.constexpr, PER_SEQ: tl.constexpr):
     """Program (row block, KV head, split): online-softmax attention over keys [split * split_len,
     min((split + 1) * split_len, causal end of the block)). Writes acc / l to O[split] (O's dtype) and, with
     STORE_LSE, the base-2 log-sum-exp m + log2(l) of the scaled scores to L[split] (-inf and a zero output for a
@@ -178,8 +183,19 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, layer, n, end, split_len, n_nodes, qk
     With MASS (one-pass node mass over n_nodes <= N_PAD nodes, NB = node_bounds): also mass_acc / l, the row's
     probabilities summed per node, at MB + split * stride_ms + i * stride_mn + head * stride_mh + j * stride_mj:
     stored for every node (MASS_SPLITS: a [splits, n, H, N] buffer that `_attn_combine` merges), else atomically
-    added to mass[i, j] (stride_ms = stride_mh = 0: the heads of a query add to one row)."""
+    added to mass[i, j] (stride_ms = stride_mh = 0: the heads of a query add to one row).
+
+    PER_SEQ (`decode_attention`, n = 1): program axis 2 is (sequence b, split) = (pid // n_splits, pid % n_splits),
+    and sequence b's one query is row b of Q / O / L, its keys [0, ENDS[b]) through table row b."""
     pid_m, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PER_SEQ:
+        seq = split // n_splits
+        split = split % n_splits
+        end = tl.load(ENDS + seq)
+        BT += seq * stride_bt
+        Q += seq * stride_qn
+        O += seq * stride_on
+        L += seq * stride_ln
     r0 = pid_m * BLOCK_M
     q, i, head, row_ok = _load_q(Q, stride_qn, stride_qh, kvh, r0, n, G, HD, BLOCK_M, BLOCK_D)
     qpos = end - n + i
@@ -431,11 +447,12 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         m_buf, m_strides = out, (0, 0, 0, 0)
     n_pad = max(16, triton.next_power_of_2(N)) if one_pass else 16
     _attn_fwd[(grid_m, Hkv, splits)](
-        q, k_pages, v_pages, block_table, o_buf, l_buf, bounds if one_pass else out, m_buf,
-        layer, n, end, split_len, N, qk_scale,
-        q.stride(0), q.stride(1), *kp_strides, *vp_strides,
+        q, k_pages, v_pages, block_table, o_buf, l_buf, bounds if one_pass else out, m_buf, block_table,
+        layer, n, end, split_len, N, splits, qk_scale,
+        0, q.stride(0), q.stride(1), *kp_strides, *vp_strides,
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
-        *m_strides, STORE_LSE=two_pass or splits > 1, MASS=one_pass, MASS_SPLITS=splits > 1, N_PAD=n_pad, **common)
+        *m_strides, STORE_LSE=two_pass or splits > 1, MASS=one_pass, MASS_SPLITS=splits > 1, N_PAD=n_pad,
+        PER_SEQ=False, **common)
     if splits > 1:
         _attn_combine[(n, H)](
             o_buf, l_buf, out, lse, m_buf, acc if one_pass else out, splits, N,
@@ -454,3 +471,64 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if mass is not None and acc is not mass:
         mass += acc.to(mass.device)
     return out.view(n, H * hd)
+
+
+def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int,
+                     block_tables: torch.Tensor, ends: torch.Tensor, max_end: int, k_new: torch.Tensor,
+                     v_new: torch.Tensor, *, num_splits: int | None = None) -> torch.Tensor:
+    """One decode step of B sequences in one launch each for the KV write and the attention (plus the split
+    combine): what `paged_attention` does for each sequence alone, without node mass.
+
+    q [B, H, hd]: each sequence's new query; k_new, v_new [B, kv_heads, hd]: its new key and value, stored at
+    position ends[b] - 1; block_tables int32 [B, >= pages of the longest] (row b: sequence b's pages, padded
+    anywhere past its end); ends int32 [B] on the pages' device: each sequence's length with the new token; max_end:
+    max(ends), the host's copy (it sizes the key splits without a device sync). Returns [B, H * hd] in q's dtype.
+    One program per (KV head, sequence, key split); the splits are chosen as `paged_attention` chooses them for the
+    longest sequence (shorter ones leave their later splits empty, which the combine weighs 0)."""
+    B, H, hd = q.shape
+    Hkv = k_pages.shape[2]
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or ends.shape != (B,):
+        raise ValueError(f"decode_attention: {B} queries need block_tables [{B}, pages] and ends [{B}], got "
+                         f"{tuple(block_tables.shape)} and {tuple(ends.shape)}")
+    if k_new.shape != (B, Hkv, hd) or v_new.shape != k_new.shape:
+        raise ValueError(f"decode_attention: k_new and v_new must be [{B}, {Hkv}, {hd}], got {tuple(k_new.shape)} "
+                         f"and {tuple(v_new.shape)}")
+    _check_pages(k_pages, v_pages, block_tables[0], max_end, Hkv, hd, "decode_attention")  # pages, table width
+    if H % Hkv or hd > 256 or not 0 <= layer < k_pages.shape[0]:
+        raise ValueError(f"decode_attention: {H} heads over {Hkv} kv heads, head_dim {hd}, layer {layer}: unsupported")
+    tables = block_tables.to(device=k_pages.device, dtype=torch.int32)
+    ends = ends.to(device=k_pages.device, dtype=torch.int32)
+    q, k_new, v_new = _last_contig(q), _last_contig(k_new), _last_contig(v_new)
+    _write_kv_kernel[(B,)](
+        k_new, v_new, k_pages, v_pages, tables, ends, layer, 0, tables.stride(0),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        *k_pages.stride()[:4], *v_pages.stride()[:4],
+        HKV=Hkv, HD=hd, PAGE=k_pages.shape[3],
+        BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(hd), PER_SEQ=True)
+    G = H // Hkv
+    block_m, block_n, block_d = _blocks(G, hd)
+    splits = num_splits or _num_splits(B * Hkv, max_end, block_n, q.device)
+    split_len = triton.cdiv(triton.cdiv(max_end, splits), block_n) * block_n
+    splits = triton.cdiv(max_end, split_len)
+    out = torch.empty(B, H, hd, dtype=q.dtype, device=q.device)
+    if splits == 1:
+        o_buf, l_buf = out[None], out[None, :, :, 0]  # l_buf: an unused pointer
+    else:
+        o_buf = torch.empty(splits, B, H, hd, dtype=torch.float32, device=q.device)
+        l_buf = torch.empty(splits, B, H, dtype=torch.float32, device=q.device)
+    _attn_fwd[(triton.cdiv(G, block_m), Hkv, B * splits)](
+        q, k_pages, v_pages, tables, o_buf, l_buf, out, out, ends,
+        layer, 1, max_end, split_len, 0, splits, 1.0 / math.sqrt(hd) * math.log2(math.e),
+        tables.stride(0), q.stride(0), q.stride(1), *k_pages.stride()[:4], *v_pages.stride()[:4],
+        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
+        0, 0, 0, 0, G=G, HD=hd, PAGE=k_pages.shape[3], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, STORE_LSE=splits > 1, MASS=False,
+        MASS_SPLITS=False, N_PAD=16, PER_SEQ=True)
+    if splits > 1:
+        _attn_combine[(B, H)](
+            o_buf, l_buf, out, out, out, out, splits, 0,
+            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
+            out.stride(0), out.stride(1), 0, 0, 0, 0, 0, 0, 0, 0,
+            HD=hd, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(hd), STORE_LSE=False,
+            MASS=False, N_PAD=16)
+    return out.view(B, H * hd)

@@ -1,5 +1,6 @@
 """Triton ops module: fused RMSNorm (optionally with the residual add before it), RoPE and SiLU·mul kernels with
-`reference`'s semantics, plus `paged_attention` and `write_kv` from `triton_attention`, so that this module is a
+`reference`'s semantics, plus `paged_attention`, `write_kv` and a batch's decode step (`decode_attention`, which
+`CacheBatch` uses where a backend has it) from `triton_attention`, so that this module is a
 complete backend for the model (see `nodekv.kernels.backend_ops`).
 
 Each kernel reads its inputs once and writes its output once, computing in fp32 whatever the storage dtype (fp32,
@@ -13,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import paged_attention, write_kv
+from .triton_attention import decode_attention, paged_attention, write_kv
 
-__all__ = ["add_rms_norm_", "paged_attention", "rms_norm", "rope", "silu_mul", "write_kv"]
+__all__ = ["add_rms_norm_", "decode_attention", "paged_attention", "rms_norm", "rope", "silu_mul", "write_kv"]
 
 _MAX_ROW_BLOCK = 4096  # columns a norm program holds at once; longer rows loop
 

@@ -63,3 +63,16 @@ def brute_force(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
     b = case.node_bounds.tolist()
     mass = torch.stack([p[:, :, b[j]:b[j + 1]].sum((0, 2)) for j in range(len(b) - 1)], 1)
     return out, mass
+
+
+def make_batch(ends: list[int], H: int, Hkv: int, hd: int, page_size: int
+               ) -> tuple[list[PagedCase], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step of len(ends) sequences (one query and one new token each) in one shared pool: each sequence's
+    case (for the oracle, on its own pages) and the pool's k_pages, v_pages and the block tables [B, pages], padded
+    with -1 (no program may read it)."""
+    cases = [make_case(1, 1, end, H, Hkv, hd, page_size, seed=b) for b, end in enumerate(ends)]
+    offsets = torch.tensor([0, *[c.k_pages.shape[1] for c in cases]]).cumsum(0)
+    tables = torch.full((len(cases), max(c.block_table.shape[0] for c in cases)), -1, dtype=torch.int32)
+    for b, c in enumerate(cases):
+        tables[b, : c.block_table.shape[0]] = c.block_table + offsets[b]
+    return cases, torch.cat([c.k_pages for c in cases], 1), torch.cat([c.v_pages for c in cases], 1), tables

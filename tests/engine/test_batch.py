@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import refs_held, tiny_engine, tiny_hf_model, write_tiny_gguf
+from conftest import MODEL_BACKENDS, needs_triton_interpreter, refs_held, tiny_engine, tiny_hf_model, write_tiny_gguf
 from nodekv.engine.errors import PoolExhaustedError
 
 EOS = 100
@@ -40,7 +40,7 @@ def make_sessions(eng, rng: random.Random, n: int):
     return base, out
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", MODEL_BACKENDS)  # triton: one decode_attention call a layer for the batch
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_batched_decode_equals_sequential(hf_tiny, backend, n):
     _, path = hf_tiny
@@ -188,3 +188,23 @@ def test_a_batch_runs_one_engine(hf_tiny):
         with pytest.raises(ValueError, match="belong to the engine|one id sequence"):
             call()
     assert (len(s), len(t)) == (3, 3) and s._generation is None
+
+
+@needs_triton_interpreter
+def test_triton_decode_steps_attend_in_one_call_per_layer(hf_tiny, monkeypatch):
+    """A batch's decode steps on the Triton backend take `decode_attention` once a layer, not a call per session;
+    steps that collect node mass, and prompts, stay per session."""
+    from nodekv.kernels import triton_ops
+
+    _, path = hf_tiny
+    eng = tiny_engine(path, backend="triton", pages=160, page_size=4)
+    _, sessions = make_sessions(eng, random.Random(5), 3)
+    calls = []
+    batched = triton_ops.decode_attention
+    monkeypatch.setattr(triton_ops, "decode_attention", lambda *a, **k: calls.append(a[0].shape[0]) or batched(*a, **k))
+    eng.generate_batch(sessions, 4)
+    # each of the 4 tokens is run (cached, with the logits after it): 4 forwards of 3 sessions, every layer
+    assert calls == [3] * 4 * eng.config.n_layers
+    calls.clear()
+    eng.generate_batch(sessions, 3, collect=True)
+    assert calls == []

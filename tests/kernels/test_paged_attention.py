@@ -7,7 +7,7 @@ import torch
 
 from nodekv.kernels import reference
 from conftest import needs_triton_interpreter
-from paged_cases import brute_force, make_case
+from paged_cases import brute_force, make_batch, make_case
 
 # backend name -> module whose paged_attention is tested (Triton runs under TRITON_INTERPRET=1 on CPU, see conftest)
 MODULES = {"reference": "nodekv.kernels.reference", "cpu": "nodekv.kernels.cpu_ops",
@@ -137,3 +137,26 @@ def test_triton_mass_pass_defaults_to_one_up_to_the_limit(monkeypatch, extra):
         triton_attention.paged_attention(*args)
     with pytest.raises(ValueError, match="mass_pass must be"):
         triton_attention.paged_attention(*args, mass_pass="three")
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("ends, H, Hkv, page", [([1, 37, 200, 64], 4, 2, 8), ([150, 9], 8, 1, 16),
+                                                  ([130, 129, 131], 6, 6, 4)])
+def test_triton_decode_attention_equals_each_sequence_alone(ends, H, Hkv, page, splits):
+    """A batch's decode step in one launch (`decode_attention`): each sequence's own pages, length and new key and
+    value in one shared pool, against the float64 oracle of that sequence alone; pages outside the new rows are
+    untouched."""
+    from nodekv.kernels import reference, triton_attention
+
+    cases, k_pages, v_pages, tables = make_batch(ends, H, Hkv, 32, page)
+    want_k, want_v = k_pages.clone(), v_pages.clone()
+    for b, c in enumerate(cases):
+        reference.write_kv(want_k, want_v, c.layer, tables[b], c.end, c.k_new, c.v_new)
+    out = triton_attention.decode_attention(
+        torch.cat([c.q for c in cases]), k_pages, v_pages, cases[0].layer, tables,
+        torch.tensor(ends, dtype=torch.int32), max(ends), torch.cat([c.k_new for c in cases]),
+        torch.cat([c.v_new for c in cases]), num_splits=splits)
+    want = torch.cat([brute_force(c)[0] for c in cases])
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_pages, want_k) and torch.equal(v_pages, want_v)

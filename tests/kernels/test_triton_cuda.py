@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from nodekv.kernels import reference
 from numerics import gen
-from paged_cases import PagedCase, brute_force, make_case
+from paged_cases import PagedCase, brute_force, make_batch, make_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -74,6 +74,29 @@ def test_paged_attention_and_node_mass_on_cuda(shape, dtype, mass_pass):
     _within(mass, exact_mass, ref_mass, "mass")
     torch.testing.assert_close(mass.sum(1).double().cpu(), torch.full((n,), float(H), dtype=torch.float64),
                                atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_of_a_batch_on_cuda(dtype):
+    """A decode step of 32 sequences of different lengths in one launch (split-KV for the long ones): each
+    sequence's output within the bound of torch computing it alone, and the new keys and values written."""
+    from nodekv.kernels import triton_attention
+
+    ends = [1, 7, 64, 65, 500, 1024, 2049, 4096] * 4
+    cases, k_pages, v_pages, tables = make_batch(ends, 12, 2, 128, 16)
+    cases = [_as_cpu_dtype(c, dtype) for c in cases]
+    k_pages, v_pages = k_pages.to(dtype).cuda(), v_pages.to(dtype).cuda()
+    out = triton_attention.decode_attention(
+        torch.cat([c.q for c in cases]).to(dtype).cuda(), k_pages, v_pages, cases[0].layer, tables.cuda(),
+        torch.tensor(ends, dtype=torch.int32).cuda(), max(ends), torch.cat([c.k_new for c in cases]).to(dtype).cuda(),
+        torch.cat([c.v_new for c in cases]).to(dtype).cuda())
+    for b, c in enumerate(cases):
+        gpu = _on(c, dtype)
+        ref = reference.paged_attention(gpu.q, gpu.k_pages, gpu.v_pages, gpu.layer, gpu.block_table, c.end,
+                                        gpu.k_new, gpu.v_new)
+        _within(out[b:b + 1], brute_force(c)[0], ref, f"sequence {b}")
+        page, row = int(tables[b, (c.end - 1) // 16]), (c.end - 1) % 16
+        assert torch.equal(k_pages[c.layer, page, :, row].cpu(), c.k_new[0].to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
