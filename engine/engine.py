@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 
-from ..kernels import BACKENDS
+from ..kernels import backend_ops
 from .config import ModelConfig
 from .cache_batch import CacheBatch
 from .flops import FlopAccount, forward_flops, recompute_flops
@@ -203,7 +203,7 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     backend: "auto" (on the CPU: C++ kernels for float32, torch otherwise; on CUDA: Triton), "torch", "cpu" or
     "triton".
     kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
-    at most a quarter of physical memory); page_size: positions per page. dense_copy: keep a dense fp32 copy of
+    at most a quarter of the device's memory); page_size: positions per page. dense_copy: keep a dense fp32 copy of
     a GGUF model's projections for prompts (the older path, for comparison; `model.DequantScratch`).
     precision: "exact" (fp32 activations throughout) or "int8", the opt-in fast path for GGUF models: decode steps,
     probes and short appends multiply int8-quantised activations in the quantised projections, and so do prompts
@@ -214,8 +214,7 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
         dtype = "bfloat16" if target.type == "cuda" else "float32"
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    backend_ops(backend, DTYPES[dtype], target)  # an unknown backend, or one that cannot run here, is refused now
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "int8" and (DTYPES[dtype] != torch.float32 or target.type != "cpu"):

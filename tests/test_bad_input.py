@@ -137,6 +137,8 @@ def test_the_python_api_refuses_a_limit_below_one():
     ({"precision": "fp8"}, "precision must be one of exact, int8, got 'fp8'"),
     ({"precision": "int8", "dtype": "bfloat16"}, "precision 'int8' runs float32 models on the CPU only"),
     ({"device": "gpu"}, "device must be one of auto, cpu, cuda or cuda:<index>, got 'gpu'"),
+    ({"backend": "fpga"}, "backend must be one of auto, torch, cpu, triton, got 'fpga'"),
+    ({"backend": "cpu", "dtype": "bfloat16"}, "the cpu backend runs float32 CPU tensors only"),
 ])
 def test_load_engine_refuses_bad_settings_before_reading_the_model(kwargs, message, monkeypatch):
     from nodekv.engine import engine
