@@ -15,7 +15,8 @@ With one token count (--tokens, default 1: decode) it prints the per-projection 
 whole model's matmuls at each count on the quantised blocks and with dense fp32 F.linear on the dequantised weights,
 in ms and tokens/s, and tokens/s relative to one token (what batching that many decode steps buys), measured side by
 side. The count where dense overtakes the blocks is where a forward should switch to dense weights. --int8 adds the
-int8 fast path (`quant_linear(..., int8=True)`) beside the exact one in either table.
+int8 fast path (`quant_linear(..., int8=True)`) beside the exact one in either table, and in the sweep, on a CPU with
+AVX-512 VNNI, the same int8 kernels limited to AVX2 beside it.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from nodekv import _C
 from nodekv.kernels.quant import BLOCK_BYTES, BLOCK_ELEMS, QuantLinearWeight, QuantStack, QuantWeight, quant_linear
 
 Parts = list[tuple[int, str]]  # (rows, qtype) of the row segments of a projection
@@ -125,11 +127,20 @@ def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense:
         for w in weights:
             quant_linear(xs[t, w.in_features], w, int8=True)
 
+    def run_int8_avx2(t):  # the int8 kernels without VNNI, where the CPU has it (the same bits, slower)
+        _C.quant_limit_isa("avx2")
+        try:
+            run_int8(t)
+        finally:
+            _C.quant_limit_isa("avx512vnni")
+
     def run_dense(t):
         for w in dense_ws:
             F.linear(xs[t, w.shape[1]], w)
 
-    kernels = [("quant", run_quant)] + [("int8", run_int8)] * int8 + [("dense", run_dense)] * dense
+    vnni = int8 and _C.quant_isa() == "avx512vnni"
+    kernels = [("quant", run_quant)] + [(f"int8 {_C.quant_isa()}", run_int8)] * int8 + \
+        [("int8 avx2", run_int8_avx2)] * vnni + [("dense", run_dense)] * dense
     times: dict[tuple[str, int], list[float]] = {(name, t): [] for name, _ in kernels for t in counts}
     for rep in range(reps + 1):  # the first round warms up
         for t in counts:
@@ -139,13 +150,14 @@ def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense:
                 if rep:
                     times[name, t].append((time.perf_counter() - t0) * 1e3)
     ms = {key: statistics.median(v) for key, v in times.items()}
-    head = f"{'T':>4}" + "".join(f"{name + ' ms':>11}{'tok/s':>8}{'x T=1':>7}" for name, _ in kernels)
+    width = {name: max(11, len(name) + 4) for name, _ in kernels}
+    head = f"{'T':>4}" + "".join(f"{name + ' ms':>{width[name]}}{'tok/s':>8}{'x T=1':>7}" for name, _ in kernels)
     print(head + (f"{'dense/quant':>12}" if dense else ""))
     for t in counts:
         line = f"{t:>4}"
         for name, _ in kernels:
             gain = t * ms[name, 1] / ms[name, t] if 1 in counts else float("nan")
-            line += f"{ms[name, t]:>11.2f}{t / ms[name, t] * 1e3:>8.1f}{gain:>7.2f}"
+            line += f"{ms[name, t]:>{width[name]}.2f}{t / ms[name, t] * 1e3:>8.1f}{gain:>7.2f}"
         print(line + (f"{ms['dense', t] / ms['quant', t]:>12.2f}" if dense else ""))
     print("(median ms of the whole model's matmuls, lm_head included; x T=1: tokens/s over that at T=1;\n"
           " dense/quant > 1: the quantised blocks are faster)")

@@ -1,8 +1,8 @@
 // Shared by the CPU kernels: the run-time SIMD check, small AVX2 helpers, and an OpenMP team
 // with a guard against barrier stalls on a busy machine.
 //
-// No -mavx2 is given at build time: SIMD code carries NKV_AVX2 and runs only where
-// cpu_has_avx2() says so, so the module loads on any x86-64.
+// No -mavx2 is given at build time: SIMD code carries NKV_AVX2 (or NKV_VNNI) and runs only where
+// cpu_has_avx2() (cpu_has_vnni()) says so, so the module loads on any x86-64.
 #pragma once
 
 #include <immintrin.h>
@@ -14,15 +14,27 @@
 #include <cstdint>
 
 #define NKV_AVX2 __attribute__((target("avx2,fma,f16c")))
+// AVX2 plus AVX-512 VNNI on 256-bit vectors (vpdpbusd on ymm needs AVX512_VNNI and AVX512VL): the int8 path's byte
+// products (quant_formats.h). AMD Zen 4 and later, Intel Ice Lake / Sapphire Rapids and later.
+#define NKV_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 
 namespace nodekv {
 
-// AVX2 + FMA + F16C: the one SIMD level the kernels target.
+// AVX2 + FMA + F16C: the SIMD level every kernel has.
 inline bool cpu_has_avx2() {
     static const bool has = [] {
         __builtin_cpu_init();
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                __builtin_cpu_supports("f16c");
+    }();
+    return has;
+}
+
+inline bool cpu_has_vnni() {
+    static const bool has = [] {
+        __builtin_cpu_init();
+        return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
     }();
     return has;
 }

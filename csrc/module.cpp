@@ -82,9 +82,10 @@ PYBIND11_MODULE(_C, m) {
             return py::make_tuple(q::block_elems(qt), q::block_bytes(qt));
         },
         py::arg("qtype"), "(elements, bytes) per block of a ggml type id with a native kernel.");
-    m.def("quant_isa", &q::active_isa, "'avx2' or 'scalar': the path the quant kernels take now.");
-    m.def("quant_force_scalar", &q::set_force_scalar, py::arg("on"),
-          "Testing hook: force the scalar quant kernels even where AVX2 is available.");
+    m.def("quant_isa", &q::active_isa,
+          "'avx512vnni', 'avx2' or 'scalar': the path the quant kernels take now.");
+    m.def("quant_limit_isa", &q::limit_isa, py::arg("name"),
+          "Testing hook: no SIMD level above name ('scalar', 'avx2' or 'avx512vnni', the default: the best there is).");
 
     namespace o = nodekv::ops;
     m.def(

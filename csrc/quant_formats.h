@@ -345,6 +345,23 @@ NKV_AVX2 inline void signed_dot(__m256i w, __m256 dw, const XQ32* x, int64_t ldx
     }
 }
 
+// The same dots with AVX-512 VNNI (vpdpbusd: a lane's 4 byte products summed into int32 by one instruction, where
+// AVX2 takes maddubs and madd). No int16 pair sum saturates in the AVX2 dots, so both compute the same integers, and
+// the float steps after them are the same: the two paths give the same bits (tested), whichever the CPU has.
+NKV_VNNI inline __m256i mul_sum_us8_vnni(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+
+template <int TT>
+NKV_VNNI inline void signed_dot_vnni(__m256i w, __m256 dw, const XQ32* x, int64_t ldx, __m256* acc) {
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int t = 0; t < TT; ++t) {
+        const XQ32& xt = x[t * ldx];
+        const __m256i p = mul_sum_us8_vnni(aw, _mm256_sign_epi8(load256(xt.q), w));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(&xt.d)), acc[t]);
+    }
+}
+
 // 16 nibble bytes as 32 bytes in element order: lane 0 the low nibbles (elements 0..15), lane 1 the high (16..31).
 NKV_AVX2 inline __m256i nibble_bytes(const uint8_t* qs) {
     const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
@@ -381,6 +398,10 @@ struct ScaledQuants {
     template <int TT>
     NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
         signed_dot<TT>(F::signed_bytes(blk), bcast_half(blk), x, ldx, acc);
+    }
+    template <int TT>
+    NKV_VNNI static void dot_i8_vnni(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
+        signed_dot_vnni<TT>(F::signed_bytes(blk), bcast_half(blk), x, ldx, acc);
     }
     static float dot_i8_scalar(const uint8_t* blk, const XQ32& x) {
         int8_t q[32];
@@ -443,7 +464,14 @@ struct Q4_0 {
     using XQ = XQ32;
     template <int TT>
     NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
-        signed_dot<TT>(_mm256_sub_epi8(nibble_bytes(blk + 2), _mm256_set1_epi8(8)), bcast_half(blk), x, ldx, acc);
+        signed_dot<TT>(signed_bytes(blk), bcast_half(blk), x, ldx, acc);
+    }
+    template <int TT>
+    NKV_VNNI static void dot_i8_vnni(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
+        signed_dot_vnni<TT>(signed_bytes(blk), bcast_half(blk), x, ldx, acc);
+    }
+    NKV_AVX2 static __m256i signed_bytes(const uint8_t* blk) {
+        return _mm256_sub_epi8(nibble_bytes(blk + 2), _mm256_set1_epi8(8));
     }
     static float dot_i8_scalar(const uint8_t* blk, const XQ32& x) {
         int8_t q[32];
@@ -636,21 +664,11 @@ struct Q4_K {
     // the transpose being paid per token; one kernel for both keeps a batch's rows bit for bit its tokens' alone.
     template <int TT>
     NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ256T* x, int64_t ldx, __m256* acc) {
+        __m256i w[8];
+        int8_weights(blk, w);
         uint64_t sc, mn;
         k_scales_mins(blk + 4, &sc, &mn);
-        const __m256i m4 = _mm256_set1_epi8(0x0f);
-        __m256i w[8];  // sub-block j's q in w[j], then chunk c's in w[c]
-        for (int i = 0; i < 4; ++i) {
-            const __m256i raw = load256(blk + 16 + 32 * i);
-            w[2 * i] = _mm256_and_si256(raw, m4);
-            w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-        }
-        transpose_dwords(w);
-        // sub-block j's scale and min in int16 lanes 2j and 2j + 1
-        const __m128i s8 = _mm_cvtsi64_si128(static_cast<int64_t>(sc));
-        const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
-        const __m256i scales = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s8, s8));
-        const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        const __m256i scales = int16_pairs(sc), mins = int16_pairs(mn);
         const __m256 d = bcast_half(blk), neg_dmin = _mm256_xor_ps(bcast_half(blk + 2), _mm256_set1_ps(-0.0f));
         for (int t = 0; t < TT; ++t) {
             const XQ256T& xt = x[t * ldx];
@@ -665,6 +683,41 @@ struct Q4_K {
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc[t]);
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(neg_dmin, dx), acc[t]);
         }
+    }
+    // dot_i8 with VNNI: the 8 loads' products summed into sub-block j's int32 lane j directly, then times sc_j (an
+    // exact int32 product, the integer the madd with the scales gives above)
+    template <int TT>
+    NKV_VNNI static void dot_i8_vnni(const uint8_t* blk, const XQ256T* x, int64_t ldx, __m256* acc) {
+        __m256i w[8];
+        int8_weights(blk, w);
+        uint64_t sc, mn;
+        k_scales_mins(blk + 4, &sc, &mn);
+        const __m256i scales = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))), mins = int16_pairs(mn);
+        const __m256 d = bcast_half(blk), neg_dmin = _mm256_xor_ps(bcast_half(blk + 2), _mm256_set1_ps(-0.0f));
+        for (int t = 0; t < TT; ++t) {
+            const XQ256T& xt = x[t * ldx];
+            __m256i s = _mm256_setzero_si256();
+            for (int c = 0; c < 8; ++c) s = _mm256_dpbusd_epi32(s, w[c], load256(xt.q + 32 * c));
+            const __m256i isum = _mm256_mullo_epi32(s, scales), msum = _mm256_madd_epi16(mins, load256(xt.sum16));
+            const __m256 dx = _mm256_broadcast_ss(&xt.d);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(neg_dmin, dx), acc[t]);
+        }
+    }
+    // The block's q as bytes in XQ256T's interleaved order: w[c] holds 4 q of every sub-block (sub-block j's in dword j).
+    NKV_AVX2 static void int8_weights(const uint8_t* blk, __m256i w[8]) {
+        const __m256i m4 = _mm256_set1_epi8(0x0f);
+        for (int i = 0; i < 4; ++i) {  // sub-block j's q in w[j], then transposed
+            const __m256i raw = load256(blk + 16 + 32 * i);
+            w[2 * i] = _mm256_and_si256(raw, m4);
+            w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        }
+        transpose_dwords(w);
+    }
+    // The 8 bytes of v (sub-block j's scale or min in byte j) as int16, byte j in lanes 2j and 2j + 1.
+    NKV_AVX2 static __m256i int16_pairs(uint64_t v) {
+        const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(v));
+        return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, b));
     }
     static float dot_i8_scalar(const uint8_t* blk, const XQ256T& x) {
         uint64_t sc, mn;

@@ -36,7 +36,10 @@ decltype(auto) visit(QType qt, bool int8, Fn&& fn) {
     });
 }
 
-std::atomic<bool> g_force_scalar{false};
+// The SIMD levels, each a superset of the one before; matmul takes the highest the CPU has, up to g_isa_limit.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
+constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512vnni"};
+std::atomic<int> g_isa_limit{static_cast<int>(Isa::kVnni)};
 
 constexpr int kRowTile = 4;  // rows per one-token kernel step; thread work chunks are multiples of it
 // Tokens per pass of the several-token kernel: a block's 4 unpacked vectors, its scale, a partial sum and 8
@@ -47,7 +50,12 @@ constexpr int64_t kCallTokens = 64;      // tokens per run of the kernels (matmu
 constexpr int kSweepRows = 8;            // rows per sweep over a chunk of K (matmul_range); the prefetch distance
 constexpr int64_t kXChunkFloats = 4096;  // a sweep's chunk of prepared x (16 KiB) stays in the 32 KiB L1 cache
 
-bool use_avx2() { return cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed); }
+Isa isa_now() {
+    const int limit = g_isa_limit.load(std::memory_order_relaxed);
+    if (limit >= static_cast<int>(Isa::kVnni) && cpu_has_vnni()) return Isa::kVnni;
+    if (limit >= static_cast<int>(Isa::kAvx2) && cpu_has_avx2()) return Isa::kAvx2;
+    return Isa::kScalar;
+}
 
 // ---------------------------------------------------------------- scalar path
 
@@ -106,6 +114,17 @@ struct Int8 {
     }
 };
 
+// Int8<F> with the format's VNNI dot where it has one (the same bits, tested): the drivers in namespace vnni run it.
+template <class F, class = void>
+struct Int8Vnni : Int8<F> {};
+template <class F>
+struct Int8Vnni<F, std::void_t<decltype(&F::template dot_i8_vnni<1>)>> : Int8<F> {
+    template <int TT>
+    NKV_VNNI static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
+        F::template dot_i8_vnni<TT>(blk, reinterpret_cast<const typename F::XQ*>(xp), ldx / Int8<F>::kPrep, acc);
+    }
+};
+
 template <class F>
 NKV_AVX2 void decode_rows_avx2(const uint8_t* w, int64_t K, int64_t r0, int64_t r1, float* out) {
     const int64_t nb = K / F::kElems, row_bytes = nb * F::kBytes;
@@ -122,101 +141,17 @@ NKV_AVX2 void prepare_x(const float* x, int64_t T, int64_t K, float* xp) {
         for (int64_t b = 0; b < nb; ++b) F::prepare(x + t * K + b * F::kElems, xp + (t * nb + b) * F::kPrep);
 }
 
-// Output rows [r, re) for TT tokens (prepared x at xp + t ldx, output at y + t ldy) of a weight w of N rows of nb
-// blocks, R rows at a time, over blocks [b0, b1): each (row, token) accumulator starts at zero at block 0, runs
-// F::dot over the blocks in order and becomes y = hsum + bias after the last; between chunks of blocks it waits in
-// acc (row r + i's at acc + i TT). Not inlined: inlined into its callers with all the other (R, TT) instances,
-// its loop spilled accumulators (one token took 7% longer).
-template <class F, int R, int TT>
-__attribute__((noinline)) NKV_AVX2 void dot_rows(const float* xp, int64_t ldx, const uint8_t* w, int64_t N,
-                                                 int64_t nb, const float* bias, float* y, int64_t ldy, int64_t r,
-                                                 int64_t re, int64_t b0, int64_t b1, __m256* acc) {
-    const int64_t row_bytes = nb * F::kBytes;
-    for (int64_t i = r; i < re; i += R) {
-        // (the loops over the accumulators unrolled, so that they stay in registers: left as loops, GCC made
-        // them a stack array set and copied with rep stos and memcpy for every row group, 3-10% of one token's
-        // time)
-        __m256 a[R][TT];
-#pragma GCC unroll 64
-        for (int j = 0; j < R; ++j)
-#pragma GCC unroll 64
-            for (int t = 0; t < TT; ++t) a[j][t] = b0 == 0 ? _mm256_setzero_ps() : acc[(i - r + j) * TT + t];
-        const uint8_t* wr = w + i * row_bytes;
-        // Software prefetch of what the sweep reads later: the next chunk of the row (contiguous), or after the
-        // last, the rows a sweep further on, walked linearly (the R rows are contiguous). The hardware
-        // prefetcher alone leaves one-token decode at about half the DRAM bandwidth.
-        const uint8_t* pf = nullptr;
-        if (b1 < nb)
-            pf = wr + b1 * F::kBytes;
-        else if (i + kSweepRows + R <= N)
-            pf = wr + kSweepRows * row_bytes;
-        for (int64_t b = b0; b < b1; ++b) {
-            if (pf) {
-                constexpr int kLines = (R * F::kBytes + 63) / 64;
-                for (int l = 0; l < kLines; ++l)
-                    _mm_prefetch(reinterpret_cast<const char*>(pf) + (b - b0) * R * F::kBytes + 64 * l, _MM_HINT_T0);
-            }
-            const float* xb = xp + b * F::kPrep;
-            for (int j = 0; j < R; ++j) F::template dot<TT>(wr + j * row_bytes + b * F::kBytes, xb, ldx, a[j]);
-        }
-#pragma GCC unroll 64
-        for (int j = 0; j < R; ++j)
-#pragma GCC unroll 64
-            for (int t = 0; t < TT; ++t) {
-                if (b1 == nb)
-                    y[t * ldy + i + j] = hsum(a[j][t]) + (bias ? bias[i + j] : 0.0f);
-                else
-                    acc[(i - r + j) * TT + t] = a[j][t];
-            }
-    }
-}
+namespace avx2 {
+#define NKV_SIMD NKV_AVX2
+#include "quant_drivers.h"
+#undef NKV_SIMD
+}  // namespace avx2
 
-// dot_rows over rows [r, re) for tn tokens (a run-time count up to TT): one token R rows at a time, so that they
-// share its x loads (never in chunks: acc unused); more, one row at a time.
-template <class F, int TT = kTokens>
-NKV_AVX2 void dot_sweep(int64_t tn, const float* xp, int64_t ldx, const uint8_t* w, int64_t N, int64_t nb,
-                        const float* bias, float* y, int64_t ldy, int64_t r, int64_t re, int64_t b0, int64_t b1,
-                        __m256* acc) {
-    if constexpr (TT > 1) {
-        if (tn < TT) return dot_sweep<F, TT - 1>(tn, xp, ldx, w, N, nb, bias, y, ldy, r, re, b0, b1, acc);
-        dot_rows<F, 1, TT>(xp, ldx, w, N, nb, bias, y, ldy, r, re, b0, b1, acc);
-    } else {
-        // Rows share a block's x loads while its x fits in registers (32-element blocks). A K-quant super-block's
-        // does not: the compiler would hoist and spill it, and one row at a time measured 15-20% faster.
-        constexpr int R = F::kPrep <= 64 ? kRowTile : 1;
-        const int64_t r_main = r + (re - r) / R * R;
-        dot_rows<F, R, 1>(xp, ldx, w, N, nb, bias, y, ldy, r, r_main, b0, b1, nullptr);
-        dot_rows<F, 1, 1>(xp, ldx, w, N, nb, bias, y, ldy, r_main, re, b0, b1, nullptr);
-    }
-}
-
-// y[:, r0:r1] (+ bias) for T tokens of prepared x (xp, prepare_x's layout). One token runs over the rows in one
-// go. More tokens go in passes of up to kTokens (of equal size, so that each has as many independent accumulator
-// chains as it can), kSweepRows rows at a time over chunks of K: a pass's chunk of x then stays in L1 while the
-// rows stream past (8 tokens of 896 floats would not fit), and the rows stay in cache for the next pass.
-template <class F>
-NKV_AVX2 void matmul_range(const float* xp, int64_t T, int64_t K, const uint8_t* w, int64_t N, const float* bias,
-                           float* y, int64_t ldy, int64_t r0, int64_t r1) {
-    const int64_t nb = K / F::kElems, ldx = nb * F::kPrep;
-    if (T == 1) {
-        dot_sweep<F>(1, xp, ldx, w, N, nb, bias, y, ldy, r0, r1, 0, nb, nullptr);
-        return;
-    }
-    const int64_t passes = (T + kTokens - 1) / kTokens;
-    __m256 acc[kSweepRows * kTokens];
-    for (int64_t r = r0; r < r1; r += kSweepRows) {
-        const int64_t re = std::min<int64_t>(r + kSweepRows, r1);
-        for (int64_t p = 0, t0 = 0; p < passes; ++p) {
-            const int64_t tn = (T - t0) / (passes - p);
-            const int64_t chunks = (nb * tn * F::kPrep + kXChunkFloats - 1) / kXChunkFloats;
-            const int64_t kc = (nb + chunks - 1) / chunks;
-            for (int64_t b0 = 0; b0 < nb; b0 += kc)
-                dot_sweep<F>(tn, xp + t0 * ldx, ldx, w, N, nb, bias, y + t0 * ldy, ldy, r, re, b0,
-                             std::min(b0 + kc, nb), acc);
-            t0 += tn;
-        }
-    }
-}
+namespace vnni {
+#define NKV_SIMD NKV_VNNI
+#include "quant_drivers.h"
+#undef NKV_SIMD
+}  // namespace vnni
 
 // ---------------------------------------------------------------- dispatch
 
@@ -298,7 +233,8 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
         N += segs[s].rows;
     }
     if (T <= 0 || N <= 0) return;
-    const bool avx2 = use_avx2();
+    const Isa isa = isa_now();
+    const bool avx2 = isa != Isa::kScalar;
     if (avx2 && T > kCallTokens) {
         // in blocks of tokens, which bounds the prepared x each thread keeps (a long prompt's would be megabytes)
         const int64_t blocks = (T + kCallTokens - 1) / kCallTokens;
@@ -338,8 +274,15 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
         }
         parallel_segments(segs, n_segs, nt, [&](int s, int64_t r0, int64_t r1, int) {
             const Segment& g = segs[s];
-            visit(g.qt, int8, [&](auto f) {
-                matmul_range<decltype(f)>(xp[s], T, K, g.w, g.rows, bias_of(s), y + row0[s], N, r0, r1);
+            visit(g.qt, [&](auto f) {
+                using F = decltype(f);
+                float* out = y + row0[s];
+                if (!int8)
+                    avx2::matmul_range<F>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
+                else if (isa == Isa::kVnni)
+                    vnni::matmul_range<Int8Vnni<F>>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
+                else
+                    avx2::matmul_range<Int8<F>>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
             });
         });
         return;
@@ -380,7 +323,7 @@ void dequantize(const uint8_t* w, int64_t N, int64_t K, QType qt, float* out, in
     const Segment seg{w, qt, N};
     const int64_t bytes = N * row_bytes(qt, K);
     if (N <= 0) return;
-    const bool avx2 = use_avx2();
+    const bool avx2 = isa_now() != Isa::kScalar;
     const int nt = resolve_threads(n_threads, bytes, N);
     parallel_segments(&seg, 1, nt, [&](int, int64_t r0, int64_t r1, int) {
         visit(qt, [&](auto f) {
@@ -393,8 +336,12 @@ void dequantize(const uint8_t* w, int64_t N, int64_t K, QType qt, float* out, in
     });
 }
 
-const char* active_isa() { return use_avx2() ? "avx2" : "scalar"; }
+const char* active_isa() { return kIsaNames[static_cast<int>(isa_now())]; }
 
-void set_force_scalar(bool on) { g_force_scalar.store(on, std::memory_order_relaxed); }
+void limit_isa(const std::string& name) {
+    for (int i = 0; i < 3; ++i)
+        if (name == kIsaNames[i]) return g_isa_limit.store(i, std::memory_order_relaxed);
+    throw std::invalid_argument("quant: unknown SIMD level '" + name + "' (scalar, avx2 or avx512vnni)");
+}
 
 }  // namespace nodekv::quant

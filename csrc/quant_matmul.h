@@ -9,10 +9,12 @@
 //
 // Activations stay fp32 unless the int8 fast path is asked for (Precision): results equal x @ dequant(W)^T up to
 // fp32 rounding, and dequantize equals gguf.quants.dequantize bit for bit. The AVX2/FMA/F16C path is
-// chosen at run time; otherwise a scalar one runs.
+// chosen at run time (with AVX-512 VNNI for the int8 path's integer dots where the CPU has it); otherwise a scalar
+// one runs.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace nodekv::quant {
 
@@ -53,10 +55,12 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
 // out[N, K] = dequant(w), fp32 row-major.
 void dequantize(const uint8_t* w, int64_t N, int64_t K, QType qt, float* out, int n_threads);
 
-// "avx2" or "scalar": the path matmul/dequantize take now.
+// "avx512vnni", "avx2" or "scalar": the path matmul/dequantize take now (avx512vnni differs from avx2 only in the
+// int8 path's integer dots, and gives the same bits).
 const char* active_isa();
 
-// Testing hook: force the scalar path even where AVX2 is available.
-void set_force_scalar(bool on);
+// Testing and benchmarking hook: take no SIMD level above `name` ("scalar", "avx2" or "avx512vnni", the default,
+// which means the best the CPU has); std::invalid_argument for another name.
+void limit_isa(const std::string& name);
 
 }  // namespace nodekv::quant

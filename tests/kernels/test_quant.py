@@ -27,9 +27,9 @@ SHAPES = [(1, 1), (7, 2), (33, 28), (61, 19), (130, 3)]
 @pytest.fixture(params=ISAS)
 def isa(request):
     """Run a test on the SIMD path where the CPU has it, and on the forced scalar path."""
-    _C.quant_force_scalar(request.param == "scalar")
+    _C.quant_limit_isa("scalar" if request.param == "scalar" else "avx512vnni")
     yield request.param
-    _C.quant_force_scalar(False)
+    _C.quant_limit_isa("avx512vnni")
 
 
 def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator, offset: float = 0.0) -> np.ndarray:

@@ -87,6 +87,29 @@ def test_batch_rows_match_single_tokens(isa, qtype):
         assert torch.equal(y[t], quant_linear(x[t:t + 1], w, int8=True)[0])
 
 
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_vnni_gives_the_avx2_bits(qtype):
+    """Where the CPU has AVX-512 VNNI, its integer dots sum the same integers as AVX2's maddubs and the same float
+    steps follow: the same bits for every type, odd shapes, one token and several passes of them."""
+    from nodekv import _C
+
+    _C.quant_limit_isa("avx512vnni")
+    if _C.quant_isa() != "avx512vnni":
+        pytest.skip(f"this CPU takes the {_C.quant_isa()} path (no AVX-512 VNNI)")
+    for n, blocks in SHAPES:
+        w, _ = make_weight(qtype, n, blocks * BLOCK_ELEMS[qtype], seed=n + blocks, offset=0.1)
+        for t in (1, 3, 70):
+            x = torch.randn(t, blocks * BLOCK_ELEMS[qtype], generator=torch.Generator().manual_seed(t)) * 3
+            vnni = quant_linear(x, w, int8=True)
+            _C.quant_limit_isa("avx2")
+            try:
+                assert _C.quant_isa() == "avx2"
+                avx2 = quant_linear(x, w, int8=True)
+            finally:
+                _C.quant_limit_isa("avx512vnni")
+            assert torch.equal(vnni, avx2), (n, blocks, t)
+
+
 def test_scalar_and_simd_agree_closely():
     """The two paths quantise x to the same bits and differ only in the order of fp32 roundings."""
     from nodekv import _C
@@ -96,11 +119,11 @@ def test_scalar_and_simd_agree_closely():
         w, ref = make_weight(qtype, 29, k, seed=11)
         x = torch.randn(5, k, generator=torch.Generator().manual_seed(12))
         simd = quant_linear(x, w, int8=True)
-        _C.quant_force_scalar(True)
+        _C.quant_limit_isa("scalar")
         try:
             scalar = quant_linear(x, w, int8=True)
         finally:
-            _C.quant_force_scalar(False)
+            _C.quant_limit_isa("avx512vnni")
         scale = (x.abs() @ ref.abs().T).max().item()
         assert (simd - scalar).abs().max().item() <= 2 * k * 2.0 ** -24 * scale, qtype
 
