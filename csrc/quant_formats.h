@@ -333,33 +333,28 @@ NKV_AVX2 inline __m256i mul_sum_us8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+// acc += d_w d_x sum(w q) for an XQ32 block x, given the sum as int32 lanes p
+NKV_AVX2 inline void add_scaled(__m256i p, __m256 dw, const XQ32& x, __m256& acc) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(&x.d)), acc);
+}
+
 // acc[t] += d_w d_x(t) sum(w q_t) for the TT tokens' XQ32 blocks x + t ldx, w 32 signed bytes (maddubs wants one
 // side unsigned: |w| against q with w's sign).
 template <int TT>
 NKV_AVX2 inline void signed_dot(__m256i w, __m256 dw, const XQ32* x, int64_t ldx, __m256* acc) {
     const __m256i aw = _mm256_sign_epi8(w, w);
-    for (int t = 0; t < TT; ++t) {
-        const XQ32& xt = x[t * ldx];
-        const __m256i p = mul_sum_us8(aw, _mm256_sign_epi8(load256(xt.q), w));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(&xt.d)), acc[t]);
-    }
+    for (int t = 0; t < TT; ++t)
+        add_scaled(mul_sum_us8(aw, _mm256_sign_epi8(load256(x[t * ldx].q), w)), dw, x[t * ldx], acc[t]);
 }
 
 // The same dots with AVX-512 VNNI (vpdpbusd: a lane's 4 byte products summed into int32 by one instruction, where
 // AVX2 takes maddubs and madd). No int16 pair sum saturates in the AVX2 dots, so both compute the same integers, and
 // the float steps after them are the same: the two paths give the same bits (tested), whichever the CPU has.
-NKV_VNNI inline __m256i mul_sum_us8_vnni(__m256i u, __m256i s) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-}
-
 template <int TT>
 NKV_VNNI inline void signed_dot_vnni(__m256i w, __m256 dw, const XQ32* x, int64_t ldx, __m256* acc) {
-    const __m256i aw = _mm256_sign_epi8(w, w);
-    for (int t = 0; t < TT; ++t) {
-        const XQ32& xt = x[t * ldx];
-        const __m256i p = mul_sum_us8_vnni(aw, _mm256_sign_epi8(load256(xt.q), w));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(&xt.d)), acc[t]);
-    }
+    const __m256i aw = _mm256_sign_epi8(w, w), zero = _mm256_setzero_si256();
+    for (int t = 0; t < TT; ++t)
+        add_scaled(_mm256_dpbusd_epi32(zero, aw, _mm256_sign_epi8(load256(x[t * ldx].q), w)), dw, x[t * ldx], acc[t]);
 }
 
 // 16 nibble bytes as 32 bytes in element order: lane 0 the low nibbles (elements 0..15), lane 1 the high (16..31).
@@ -664,55 +659,61 @@ struct Q4_K {
     // the transpose being paid per token; one kernel for both keeps a batch's rows bit for bit its tokens' alone.
     template <int TT>
     NKV_AVX2 static void dot_i8(const uint8_t* blk, const XQ256T* x, int64_t ldx, __m256* acc) {
-        __m256i w[8];
-        int8_weights(blk, w);
-        uint64_t sc, mn;
-        k_scales_mins(blk + 4, &sc, &mn);
-        const __m256i scales = int16_pairs(sc), mins = int16_pairs(mn);
-        const __m256 d = bcast_half(blk), neg_dmin = _mm256_xor_ps(bcast_half(blk + 2), _mm256_set1_ps(-0.0f));
+        Int8Block b;
+        int8_block(blk, &b);
+        const __m256i scales = int16_pairs(b.sc);
         for (int t = 0; t < TT; ++t) {
             const XQ256T& xt = x[t * ldx];
             __m256i m[8];
-            for (int c = 0; c < 8; ++c) m[c] = _mm256_maddubs_epi16(w[c], load256(xt.q + 32 * c));
+            for (int c = 0; c < 8; ++c) m[c] = _mm256_maddubs_epi16(b.w[c], load256(xt.q + 32 * c));
             // summed as a tree: a chain of adds measured slower
             const __m256i p = _mm256_add_epi16(
                 _mm256_add_epi16(_mm256_add_epi16(m[0], m[1]), _mm256_add_epi16(m[2], m[3])),
                 _mm256_add_epi16(_mm256_add_epi16(m[4], m[5]), _mm256_add_epi16(m[6], m[7])));
-            const __m256i isum = _mm256_madd_epi16(p, scales), msum = _mm256_madd_epi16(mins, load256(xt.sum16));
-            const __m256 dx = _mm256_broadcast_ss(&xt.d);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc[t]);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(neg_dmin, dx), acc[t]);
+            add_sums(_mm256_madd_epi16(p, scales), b, xt, acc[t]);
         }
     }
     // dot_i8 with VNNI: the 8 loads' products summed into sub-block j's int32 lane j directly, then times sc_j (an
     // exact int32 product, the integer the madd with the scales gives above)
     template <int TT>
     NKV_VNNI static void dot_i8_vnni(const uint8_t* blk, const XQ256T* x, int64_t ldx, __m256* acc) {
-        __m256i w[8];
-        int8_weights(blk, w);
-        uint64_t sc, mn;
-        k_scales_mins(blk + 4, &sc, &mn);
-        const __m256i scales = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc))), mins = int16_pairs(mn);
-        const __m256 d = bcast_half(blk), neg_dmin = _mm256_xor_ps(bcast_half(blk + 2), _mm256_set1_ps(-0.0f));
+        Int8Block b;
+        int8_block(blk, &b);
+        const __m256i scales = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(b.sc)));
         for (int t = 0; t < TT; ++t) {
             const XQ256T& xt = x[t * ldx];
             __m256i s = _mm256_setzero_si256();
-            for (int c = 0; c < 8; ++c) s = _mm256_dpbusd_epi32(s, w[c], load256(xt.q + 32 * c));
-            const __m256i isum = _mm256_mullo_epi32(s, scales), msum = _mm256_madd_epi16(mins, load256(xt.sum16));
-            const __m256 dx = _mm256_broadcast_ss(&xt.d);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc[t]);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(neg_dmin, dx), acc[t]);
+            for (int c = 0; c < 8; ++c) s = _mm256_dpbusd_epi32(s, b.w[c], load256(xt.q + 32 * c));
+            add_sums(_mm256_mullo_epi32(s, scales), b, xt, acc[t]);
         }
     }
-    // The block's q as bytes in XQ256T's interleaved order: w[c] holds 4 q of every sub-block (sub-block j's in dword j).
-    NKV_AVX2 static void int8_weights(const uint8_t* blk, __m256i w[8]) {
+    // What both integer dots take from a block: its q as bytes in XQ256T's interleaved order (w[c] holds 4 q of every
+    // sub-block, sub-block j's in dword j), the scales as bytes, the mins as int16_pairs, d and -dmin.
+    struct Int8Block {
+        __m256i w[8], mins;
+        uint64_t sc;
+        __m256 d, neg_dmin;
+    };
+    NKV_AVX2 static void int8_block(const uint8_t* blk, Int8Block* b) {
         const __m256i m4 = _mm256_set1_epi8(0x0f);
         for (int i = 0; i < 4; ++i) {  // sub-block j's q in w[j], then transposed
             const __m256i raw = load256(blk + 16 + 32 * i);
-            w[2 * i] = _mm256_and_si256(raw, m4);
-            w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            b->w[2 * i] = _mm256_and_si256(raw, m4);
+            b->w[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         }
-        transpose_dwords(w);
+        transpose_dwords(b->w);
+        uint64_t mn;
+        k_scales_mins(blk + 4, &b->sc, &mn);
+        b->mins = int16_pairs(mn);
+        b->d = bcast_half(blk);
+        b->neg_dmin = _mm256_xor_ps(bcast_half(blk + 2), _mm256_set1_ps(-0.0f));
+    }
+    // acc += d d_x isum - dmin d_x sum_j m_j sum(q_xj), isum the scaled sub-block sums in int32 lanes
+    NKV_AVX2 static void add_sums(__m256i isum, const Int8Block& b, const XQ256T& xt, __m256& acc) {
+        const __m256i msum = _mm256_madd_epi16(b.mins, load256(xt.sum16));
+        const __m256 dx = _mm256_broadcast_ss(&xt.d);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(b.d, dx), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(b.neg_dmin, dx), acc);
     }
     // The 8 bytes of v (sub-block j's scale or min in byte j) as int16, byte j in lanes 2j and 2j + 1.
     NKV_AVX2 static __m256i int16_pairs(uint64_t v) {
