@@ -93,9 +93,10 @@ class Dice(Method, name="dice", title="DICE"):
         rerank = self.lm.relevance(query, [index.chunks[i] for i, _ in hits]) if c.rerank else [None] * len(hits)
         ranked = sorted(range(len(hits)), key=lambda j: -rerank[j] if c.rerank else j)[:c.top_k]
         chosen = sorted(ranked, key=lambda j: hits[j][0])
-        scores = [{"chunk": hits[j][0], c.recall: round(hits[j][1], 4),
-                   **({"rerank": round(rerank[j], 4)} if c.rerank else {})} for j in chosen]
-        return Retrieved([hits[j][0] for j in chosen], "\n".join(index.chunks[hits[j][0]] for j in chosen), scores)
+        scores = [{"chunk": i, c.recall: round(score, 4), **({"rerank": round(r, 4)} if c.rerank else {})}
+                  for (i, score), r in zip(hits, rerank)]
+        return Retrieved([hits[j][0] for j in chosen], "\n".join(index.chunks[hits[j][0]] for j in chosen),
+                         [scores[j] for j in chosen], scores if c.rerank else [])
 
     def answer(self, index: DiceIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
         if options:

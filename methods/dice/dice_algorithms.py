@@ -52,11 +52,18 @@ class LM(Protocol):
 
 @dataclass
 class Retrieved:
-    """The chunks that feed one step, in document order, with their bi-encoder and re-rank scores."""
+    """The chunks that feed one step, in document order, with their bi-encoder and re-rank scores; with a re-rank,
+    every chunk recall gave it (`recalled`, in recall order), so a trace tells a passage the recall missed from one
+    the re-rank dropped."""
 
     chunks: list[int]
     text: str
     scores: list[dict] = field(default_factory=list)
+    recalled: list[dict] = field(default_factory=list)
+
+    def trace(self) -> dict:
+        """The step trace's record of it."""
+        return {"retrieved": self.scores, **({"recalled": self.recalled} if self.recalled else {})}
 
 
 @dataclass
@@ -95,7 +102,7 @@ def iterative_qa(lm: LM, retrieve: Callable[[str], Retrieved], question: str, bu
         got = retrieve(sub)
         fact = lm.extract(sub, got.text, budget.step_tokens)
         t.write(f"{FACT} {fact}\n")
-        return {"subquestion": sub, "retrieved": got.scores, "fact": fact}
+        return {"subquestion": sub, **got.trace(), "fact": fact}
 
     return _reason(lm.thought(1, question), (SUBQUESTION, FINAL_ANSWER), step, budget, answer_turn)
 
@@ -114,7 +121,7 @@ def constrained_decoding(lm: LM, retrieve: Callable[[str], Retrieved], question:
         got = retrieve(draft)
         edited, ended = t.generate_after(REFERENCE.format(got.text) + THOUGHT, budget.step_tokens, STEP_ENDS)
         edited = edited.strip()
-        entry = {"draft": draft, "retrieved": got.scores}
+        entry = {"draft": draft, **got.trace()}
         if not ended or not edited:  # the edited step broke the format: keep the draft
             entry["unfinished_edit"] = edited
         thought = edited if "unfinished_edit" not in entry else draft

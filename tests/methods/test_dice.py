@@ -221,8 +221,11 @@ def test_retrieval_recalls_by_bi_encoder_reranks_by_the_llm_and_keeps_document_o
     assert lm.asked == [["alpha 0", "beta 1", "gamma 2", "delta 3"]]  # recall: the 4 closest (ties: index order)
     assert got.chunks == [2, 3] and got.text == "gamma 2\ndelta 3"    # re-ranked best 2, in document order
     assert [s["rerank"] for s in got.scores] == [-0.1, -0.2]
+    assert [(s["chunk"], s["rerank"]) for s in got.recalled] == [(0, -2.0), (1, -0.5), (2, -0.1), (3, -0.2)]
+    assert got.trace() == {"retrieved": got.scores, "recalled": got.recalled}
     dice = Dice(engine, embedder=KeywordEmbedder(), lm=lm, chunk_words=2, top_k=2, rerank=False)
-    assert dice.retrieve(index, "gamma beta").chunks == [1, 2] and len(lm.asked) == 1
+    got = dice.retrieve(index, "gamma beta")
+    assert got.chunks == [1, 2] and len(lm.asked) == 1 and got.trace() == {"retrieved": got.scores}
 
 
 def test_hybrid_recall_finds_an_exact_token_the_bi_encoder_cannot_see():
