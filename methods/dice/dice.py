@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ...engine.engine import Engine
 from ..base import Answer, Method
-from .dice_algorithms import ALGORITHMS, LM, Budget, Retrieved
+from .dice_algorithms import ALGORITHMS, LM, Budget, Reasoning, Retrieved
 from .dice_prompts import EXAMPLE_SETS
 from ..options import Option
 from ..prompts import PromptSpec
@@ -60,6 +60,8 @@ class Dice(Method, name="dice", title="DICE"):
                "again with the dataset's answer instruction", choices=("paper", "restate")),
         Option("examples", str, "multihop", "few-shot examples: App. D's multi-hop questions, or chains of variable "
                "assignments (variable tracking)", choices=tuple(EXAMPLE_SETS)),
+        Option("notes", bool, True, "the shared reader reads the facts (Alg. 1) or thoughts (Alg. 2) after the chunks; "
+               "false: the chunks alone (the thoughts are the model's own claims, and can be wrong)"),
         READER_OPTION,
     )
 
@@ -110,15 +112,20 @@ class Dice(Method, name="dice", title="DICE"):
         answer_turn = self.answer_prompt.instruction(question) if c.prompt_style == "restate" else None
         run = ALGORITHMS[c.algorithm](self.lm, lambda q: self.retrieve(index, q), question, budget, answer_turn)
         run.trace[-1]["prefix_flops_saved"] = acc.saved - saved
-        notes = [f"- {step[k]}" for step in run.trace for k in ("fact", "thought") if step.get(k)]
-        context = "\n\n".join([*(index.chunks[i] for i in run.chunks), *(["Notes:\n" + "\n".join(notes)] if notes
-                                                                          else [])])
+        context = self.reader_context(index, run)
         if c.reader == "shared":  # the chunks every step retrieved, in document order, then the facts or thoughts
             answer = self.reader.read(context, question, (), run.chunks, run.trace)
             answer.flops = acc.total - before
             return answer
         return Answer(run.answer, run.chunks, run.trace, acc.total - before, acc.prefill_tokens - prefill,
                       acc.decode_tokens - decode, context=context)
+
+    def reader_context(self, index: DiceIndex, run: Reasoning) -> str:
+        """What the shared reader reads: every chunk the steps retrieved, in document order, then (with `notes`) the
+        facts or thoughts, one per line."""
+        notes = [f"- {step[k]}" for step in run.trace for k in ("fact", "thought") if step.get(k)]
+        notes = ["Notes:\n" + "\n".join(notes)] if notes and self.config.notes else []
+        return "\n\n".join([*(index.chunks[i] for i in run.chunks), *notes])
 
     def trace_lines(self, index: DiceIndex, trace: list[dict]) -> list[str]:
         lines = []

@@ -10,7 +10,8 @@ import torch
 
 from nodekv.engine.flops import FlopAccount, forward_flops
 from nodekv.methods.dice.dice import Dice, word_chunks
-from nodekv.methods.dice.dice_algorithms import STOP_REASONS, Budget, Retrieved, constrained_decoding, iterative_qa
+from nodekv.methods.dice.dice_algorithms import (STOP_REASONS, Budget, Reasoning, Retrieved, constrained_decoding,
+                                                iterative_qa)
 from nodekv.methods.dice.dice_prompts import THOUGHTS, planning_turn
 
 BUDGET = Budget(max_iterations=5, step_tokens=16, answer_tokens=8, step_room=100)
@@ -226,6 +227,17 @@ def test_retrieval_recalls_by_bi_encoder_reranks_by_the_llm_and_keeps_document_o
     dice = Dice(engine, embedder=KeywordEmbedder(), lm=lm, chunk_words=2, top_k=2, rerank=False)
     got = dice.retrieve(index, "gamma beta")
     assert got.chunks == [1, 2] and len(lm.asked) == 1 and got.trace() == {"retrieved": got.scores}
+
+
+@pytest.mark.parametrize("notes", [True, False])
+def test_the_reader_reads_the_retrieved_chunks_in_document_order_then_the_notes(notes):
+    engine = SimpleNamespace(flops=FlopAccount())
+    dice = Dice(engine, embedder=KeywordEmbedder(), lm=ScriptedLM([]), chunk_words=2, notes=notes)
+    index = dice.index(" ".join(f"{k} {i}" for i, k in enumerate(KEYWORDS)))
+    run = Reasoning("x", "terminated", [1, 3], [{"draft": "d", "thought": "beta is 1"}, {"broken": "repeated"},
+                                                {"subquestion": "s", "fact": "delta is 3"}, {"stop": "terminated"}])
+    want = "beta 1\n\ndelta 3" + ("\n\nNotes:\n- beta is 1\n- delta is 3" if notes else "")
+    assert dice.reader_context(index, run) == want
 
 
 def test_hybrid_recall_finds_an_exact_token_the_bi_encoder_cannot_see():
