@@ -40,7 +40,8 @@ class DiceIndex:
 
 class Dice(Method, name="dice", title="DICE"):
     """DICE: the LLM plans sub-questions (Alg. 1) or reasoning steps (Alg. 2), each answered from retrieved chunks;
-    the shared reader answers from every retrieved chunk and the facts or thoughts (`reader=paper`: T's answer).
+    the shared reader answers from every retrieved chunk and (`notes`) the facts or thoughts (`reader=paper`: T's
+    answer).
 
     index(document) cuts and embeds the chunks; answer(index, question) runs the chosen algorithm. `embedder`
     replaces the packaged all-MiniLM-L6-v2; `lm` replaces the engine-backed LLM calls (tests script it)."""
@@ -113,7 +114,7 @@ class Dice(Method, name="dice", title="DICE"):
         run = ALGORITHMS[c.algorithm](self.lm, lambda q: self.retrieve(index, q), question, budget, answer_turn)
         run.trace[-1]["prefix_flops_saved"] = acc.saved - saved
         context = self.reader_context(index, run)
-        if c.reader == "shared":  # the chunks every step retrieved, in document order, then the facts or thoughts
+        if c.reader == "shared":
             answer = self.reader.read(context, question, (), run.chunks, run.trace)
             answer.flops = acc.total - before
             return answer
