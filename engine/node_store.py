@@ -21,6 +21,7 @@ import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..paths import atomic_path
@@ -83,12 +84,12 @@ def _encode(t: torch.Tensor, dtype: str) -> tuple[bytes, bytes]:
 
 
 def _decode(values: memoryview, scales: memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}[dtype]
-    # copied out of the read-only map (frombuffer wants a writable buffer); the node is small beside the store
-    t = torch.frombuffer(bytearray(values), dtype=torch_dtype).view(shape).float()
+    # numpy reads the (read-only) bytes in place and `astype` writes the fp32 copy: no staging copy of the bytes,
+    # whose freed buffer the allocator would keep resident after the read
+    t = np.frombuffer(values, dtype=np.dtype(dtype)).astype(np.float32).reshape(shape)
     if dtype == "int8":
-        t = t * torch.frombuffer(bytearray(scales), dtype=torch.float32).view(*shape[:-1], 1)
-    return t
+        t *= np.frombuffer(scales, dtype=np.float32).reshape(*shape[:-1], 1)
+    return torch.from_numpy(t)
 
 
 def as_stored(node: StoredNode, dtype: str) -> StoredNode:
@@ -183,4 +184,12 @@ class NodeStore:
         pieces = [blob[a:b] for a, b in zip(bounds, bounds[1:])]
         shape = tuple(e["shape"])  # pieces: K's values and scales, then V's (no scales but int8's)
         k, v = (_decode(pieces[i], pieces[i + 1], self.dtype, shape) for i in (0, 2))
+        self._unmap(start, len(blob))
         return StoredNode(tuple(e["tokens"]), k, v)
+
+    def _unmap(self, start: int, length: int) -> None:
+        """Drop the mapped pages of bytes already decoded from this process's resident set (they stay in the page
+        cache, and a later read maps them again), so a node read costs its fp32 copy and not its file bytes too."""
+        if hasattr(mmap, "MADV_DONTNEED"):  # Linux and the BSDs; elsewhere the pages stay mapped
+            a = start - start % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, a, start + length - a)

@@ -4,6 +4,8 @@ first, it and a question give a prefill's logits; placing charges no FLOPs, refu
 and leaves the session unchanged on error; a session ending in a stored node has no logits to generate from."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,6 +145,32 @@ def test_a_store_file_round_trip_keeps_the_kv_within_its_dtype(pair, tmp_path, d
     for name, node in nodes.items():  # K and V, plus int8's fp32 scale per vector
         vectors = 2 * c.n_layers * len(node) * c.n_kv_heads
         assert store.nbytes(name) == vectors * (c.head_dim * per_token + (4 if dtype == "int8" else 0))
+
+
+def mapped_resident_kib(path) -> int:
+    """The resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms offset dev inode [path]
+                inside = line.rstrip("\n").endswith(str(path))
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_reading_a_node_leaves_none_of_its_file_pages_resident(tmp_path):
+    from nodekv.engine.node_store import NodeStore, write_node_store
+
+    node = StoredNode(tuple(range(64)), torch.randn(4, 64, 2, 64), torch.randn(4, 64, 2, 64))  # 256 KiB in fp32
+    write_node_store(tmp_path / "kv", {"a": node, "b": node}, MODEL, "float32")
+    store = NodeStore(tmp_path / "kv", MODEL)
+    got = store.get("a")
+    assert torch.equal(got.k, node.k) and torch.equal(got.v, node.v)
+    assert mapped_resident_kib((tmp_path / "kv").resolve()) <= 8  # the header's page, and one page it shares at most
+    assert torch.equal(store.get("a").v, node.v)  # read again: mapped back in from the file
 
 
 def test_a_truncated_corrupt_or_foreign_store_is_refused_by_name(pair, tmp_path):
