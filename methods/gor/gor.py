@@ -13,19 +13,23 @@ answers it (a fit is 150 epochs over a dozen graphs: one per fold, not one per d
 `supervision=summary` (Table 3's "w/ sup") those other documents' questions and reference summaries replace the
 simulated queries. Without a fit (`nodekv ask`), the document's own GAT answers; the trace says which model did.
 answer(index, query): the query by MiniLM; the top `k` nodes by inner product with the learned node embeddings
-(`train=none`: the MiniLM vectors); the dataset's prompt over them in that order; greedy.
+(`train=none`: the MiniLM vectors); the dataset's prompt over them in that order; greedy. With `kv_reuse` (beyond the
+paper) every node's KV is stored at indexing and the retrieved nodes are placed instead of prefilled.
 
 The paper's Contriever (768-d), DGL and DeBERTa BERTScore are replaced by all-MiniLM-L6-v2 (384-d, also the GAT's
 hidden size), plain PyTorch and MiniLM's own token embeddings.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
 
 from ...engine.engine import Engine
+from ...engine.node_store import as_stored
 from ..base import Answer, Method
+from ..reader import KV_REUSE_OPTIONS, Repair
 from .gor_graph import RecordGraph, build_records, engine_responder, engine_sampler, simulate_queries
 from .gor_store import GorIndex, load, save
 from .gor_train import GraphData, TrainConfig, bertscore_ranking, idf_weights, train_gat
@@ -75,6 +79,7 @@ class Gor(Method, name="gor", title="GoR"):
         Option("epochs", int, 150, "training epochs", low=1),
         Option("batch", int, 32, "graphs per training step", low=1),
         Option("lr", float, 1e-3, "Adam's learning rate, decayed to 0", low=0.0),
+        *KV_REUSE_OPTIONS,
     )
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, embedder=None,
@@ -94,7 +99,8 @@ class Gor(Method, name="gor", title="GoR"):
         return {"alpha": (alpha, "Table 6"), "dropout": (dropout, "Table 6")}
 
     def index_key(self) -> dict:
-        return {k: getattr(self.config, k) for k in GRAPH_OPTIONS}
+        key = {k: getattr(self.config, k) for k in GRAPH_OPTIONS}
+        return key if self.config.kv_reuse == "off" else {**key, "kv_dtype": self.config.kv_dtype}
 
     @property
     def embedder(self):
@@ -129,7 +135,13 @@ class Gor(Method, name="gor", title="GoR"):
         ranking = bertscore_ranking(tokens, [tokens[s] for s in graph.sources], idf)
         index = GorIndex(graph, self._encode(texts), self._encode(graph.queries), ranking,
                          config={k: getattr(c, k) for k in GRAPH_OPTIONS})
-        return self._trained(index)
+        index = self._trained(index)
+        return index if c.kv_reuse == "off" else self.store_kv(index)
+
+    def store_kv(self, index: GorIndex) -> GorIndex:
+        """Each node's KV (chunks and responses) as the reader places it."""
+        return replace(index, stored=[as_stored(self.engine.store_node(self.reader.passage_ids(t)),
+                                                self.config.kv_dtype) for t in index.graph.texts])
 
     def _trained(self, index: GorIndex) -> GorIndex:
         """`index` with a GAT trained on its own graph under the current training options (kept if it has one)."""
@@ -185,13 +197,18 @@ class Gor(Method, name="gor", title="GoR"):
         shown = sorted(top) if self.config.order == "document" else top  # chunk ids run in document order
         trace = [{"model": model, "nodes": [{"node": j, "kind": "chunk" if j < chunks else "response",
                                             "score": round(float(scores[j]), 4)} for j in top]}]
-        return self.reader.read("\n\n".join(texts[j] for j in shown), question, (), shown, trace)
+        context = "\n\n".join(texts[j] for j in shown)
+        if index.stored is None:
+            return self.reader.read(context, question, (), shown, trace)
+        return self.reader.read_stored([index.stored[j] for j in shown], question, (), shown, trace,
+                                       Repair.of(self.config), context)
 
     def save_index(self, index: GorIndex, path) -> None:
-        save(index, path, self.engine)
+        save(index, path, self.engine, self.config.kv_dtype)
 
     def load_index(self, path) -> GorIndex:
-        return load(path, self.engine)
+        """The saved index; its node store is opened (nodes read when used) only with `kv_reuse`."""
+        return load(path, self.engine, kv=self.config.kv_reuse != "off")
 
     def describe(self, index: GorIndex) -> list[str]:
         g = index.graph

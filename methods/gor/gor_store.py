@@ -7,15 +7,17 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as to_bytes
 
 from ...engine.engine import Engine
+from ...engine.node_store import NodeStore, StoredNode
 from .gor_graph import RecordGraph
 from .gor_train import GAT, TrainConfig
-from ..index_file import IndexFileError, read_index_file, write_index_file
+from ..index_file import IndexFileError, read_index_file, read_kv_beside, write_index_file, write_kv_beside
 from ...paths import write_atomic
 
 FORMAT, VERSION = "nodekv-gor-index", 1
@@ -28,7 +30,8 @@ class GorIndex:
 
     features [N, d]: MiniLM embeddings of graph.texts (chunks, then responses); queries [Q, d]: of the simulated
     queries; ranking [Q, N]: each query's nodes by BERTScore F1 against its source chunk, best first (Eq. 4);
-    gat / trained_with: a GAT trained on this graph alone and its TrainConfig (None for an untrained index)."""
+    gat / trained_with: a GAT trained on this graph alone and its TrainConfig (None for an untrained index);
+    stored: with kv_reuse, node j's KV as the reader places it (None without)."""
 
     graph: RecordGraph
     features: torch.Tensor
@@ -37,6 +40,7 @@ class GorIndex:
     gat: GAT | None = None
     trained_with: TrainConfig | None = None
     config: dict = field(default_factory=dict)
+    stored: Sequence[StoredNode] | NodeStore | None = None
 
 
 def tensors_path(path: str | Path) -> Path:
@@ -44,7 +48,11 @@ def tensors_path(path: str | Path) -> Path:
     return path.with_name(path.name + ".safetensors")
 
 
-def save(index: GorIndex, path: str | Path, engine: Engine) -> None:
+def save(index: GorIndex, path: str | Path, engine: Engine, kv_dtype: str = "float16") -> None:
+    """Write the index file and its tensor file, and its nodes' KV beside them (FILE.kv, `kv_dtype`) where the index
+    holds them."""
+    if index.stored is not None:
+        write_kv_beside(path, dict(enumerate(index.stored)), engine, kv_dtype)
     tensors = {"features": index.features, "queries": index.queries, "ranking": index.ranking}
     if index.gat is not None:
         tensors.update({f"gat.{k}": v for k, v in index.gat.state_dict().items()})
@@ -54,13 +62,15 @@ def save(index: GorIndex, path: str | Path, engine: Engine) -> None:
     body = {"config": index.config, "tensors_sha256": hashlib.sha256(data).hexdigest(),
             "graph": {"chunks": g.chunks, "queries": g.queries, "sources": g.sources, "responses": g.responses,
                       "edges": g.edges, "draws": g.draws},
-            "trained_with": None if index.trained_with is None else vars(index.trained_with)}
+            "trained_with": None if index.trained_with is None else vars(index.trained_with),
+            "stored_kv": index.stored is not None}
     write_index_file(path, FORMAT, VERSION, engine, body)
 
 
-def load(path: str | Path, engine: Engine) -> GorIndex:
+def load(path: str | Path, engine: Engine, kv: bool = False) -> GorIndex:
     """Read an index, refusing a corrupt or foreign file, one built with another model, and a safetensors file
-    that is missing or is not the one written with it."""
+    that is missing or is not the one written with it; kv: open its node store too (`read_kv_beside`), refusing one
+    that is missing or bad."""
     data = read_index_file(path, FORMAT, VERSION, engine, "GoR index")
     sidecar = tensors_path(path)
     if not sidecar.exists():
@@ -77,4 +87,6 @@ def load(path: str | Path, engine: Engine) -> GorIndex:
         gat = GAT(tensors["features"].shape[1], trained.hidden, trained.heads, trained.dropout)
         gat.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("gat.")})
         gat.eval()
-    return GorIndex(graph, tensors["features"], tensors["queries"], tensors["ranking"], gat, trained, data["config"])
+    stored = read_kv_beside(path, engine, data.get("stored_kv", False)) if kv else None
+    return GorIndex(graph, tensors["features"], tensors["queries"], tensors["ranking"], gat, trained, data["config"],
+                    stored)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nodekv.methods.gor.gor import Gor
+from nodekv.methods.gor.gor import GRAPH_OPTIONS, Gor
 from nodekv.methods.gor.gor_store import IndexFileError, tensors_path
 from nodekv.methods.gor.gor_train import (GAT, GraphData, TrainConfig, _batch_loss, info_nce, pairwise_rank_loss,
                                       train_gat)
@@ -257,3 +257,46 @@ def test_eval_on_ray_builds_the_graphs_on_the_workers_and_answers_as_a_local_run
     assert graphs["ray"] == graphs["local"] and len(graphs["local"]) == 6
     assert cli_main([*argv, "--out", str(tmp_path / "ray"), "--ray"]) == 0  # the rerun finds nothing left to do
     assert len(_rows(tmp_path / "ray")) == 3
+
+
+def test_kv_reuse_stores_every_node_once_and_places_the_k_retrieved(hf_tiny, tmp_path):
+    """With kv_reuse the index stores the KV of every node (chunks, then responses) as the reader places it; an
+    answer places the k retrieved nodes, in the order the kv-free answer reads them; the index round-trips through
+    its files with its node store; kv_reuse=off keeps the index key of the saved kv-free graphs, and a store written
+    without KV is refused by name with kv_reuse on."""
+    from char_engine import char_engine
+    from nodekv.engine.node_store import NodeStoreError
+    from nodekv.methods.prompts import PromptSpec
+
+    eng = char_engine(hf_tiny[1])
+    spec = PromptSpec("{context}|{question}", 4)
+
+    def gor(**options):
+        return _gor(eng, prompt=spec, train="none", k=2, **options)
+
+    off, blend = gor(), gor(kv_reuse="blend", repair=0.5, kv_dtype="float32")
+    assert off.index_key() == {k: getattr(off.config, k) for k in GRAPH_OPTIONS}
+    assert blend.index_key() == {**off.index_key(), "kv_dtype": "float32"}
+    index = blend.index(DOC[:60])
+    texts = index.graph.texts
+    assert len(index.stored) == len(texts)
+    for text, node in zip(texts, index.stored):
+        assert list(node.tokens) == blend.reader.passage_ids(text)
+    question = "which ccc?"
+    want, got = off.answer(index, question), blend.answer(index, question)
+    assert got.nodes == want.nodes and len(got.nodes) == 2
+    last = got.trace[-1]
+    assert [n["node"] for n in last["nodes"]] == got.nodes and last["repaired"] == round(0.5 * last["placed"])
+    assert last["placed"] == sum(len(blend.reader.passage_ids(texts[j])) for j in got.nodes)
+
+    blend.save_index(index, tmp_path / "doc.gor")
+    back = blend.load_index(tmp_path / "doc.gor")
+    assert len(back.stored.ids) == len(texts)
+    for j, node in enumerate(index.stored):
+        assert torch.equal(back.stored[j].k, node.k) and torch.equal(back.stored[j].v, node.v)
+    again = blend.answer(back, question)
+    assert (again.text, again.nodes, again.flops) == (got.text, got.nodes, got.flops)
+    assert off.load_index(tmp_path / "doc.gor").stored is None
+    off.save_index(off.index(DOC[:60]), tmp_path / "off.gor")
+    with pytest.raises(NodeStoreError, match="indexed with kv_reuse=off"):
+        blend.load_index(tmp_path / "off.gor")
