@@ -101,15 +101,41 @@ class Engine:
         """Prefill `ids` once, from an empty cache (FLOPs charged as any forward's, in the open scope: an index's
         build), and keep their keys, un-rotated, and values (on the CPU, whatever the device: stores are written to
         files and mapped back) for `place_stored` at any position."""
-        ids = list(ids)
+        return self.store_nodes([ids])[0]
+
+    def store_nodes(self, nodes: Sequence[Sequence[int]], window: int | None = None) -> list[StoredNode]:
+        """As `store_node` for each of `nodes`, but prefilled one after another as one sequence: node i's KV then
+        holds the context of nodes 0..i-1 (given in a document's order, what came before it there), where a node
+        stored alone holds none. A sequence longer than `window` (default: the model's) is cut at node boundaries
+        into windows, each prefilled from an empty cache; a node longer than the window is refused before any
+        work."""
+        nodes, window = [list(n) for n in nodes], window or self.config.max_seq_len
+        if any(len(n) > window for n in nodes):
+            raise ValueError(f"a node of {max(map(len, nodes))} tokens does not fit a window of {window}")
+        stored, group = [], []
+        for n in nodes:
+            if group and sum(map(len, group)) + len(n) > window:
+                stored += self._store_window(group)
+                group = []
+            group.append(n)
+        return stored + (self._store_window(group) if group else [])
+
+    @torch.inference_mode()
+    def _store_window(self, nodes: list[list[int]]) -> list[StoredNode]:
+        ids = [t for n in nodes for t in n]
         cache = self.new_cache()
         try:
             self.run(ids, cache, logits=None)
-            n, pages = len(ids), torch.tensor(cache.pages, device=self.device)
+            pages = torch.tensor(cache.pages, device=self.device)
             # [layers, pages, kv_heads, page_size, hd] -> positions in order: [layers, n, kv_heads, hd]
-            k, v = (t[:, pages].permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :n] for t in (self.pool.k, self.pool.v))
-            k = unrotate(k, *self.model.rope(slice(0, n))).to(v.dtype)
-            return StoredNode(tuple(ids), k.cpu(), v.to("cpu", copy=True))
+            k, v = (t[:, pages].permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :len(ids)] for t in (self.pool.k, self.pool.v))
+            stored, a = [], 0
+            for n in nodes:
+                b = a + len(n)
+                key = unrotate(k[:, a:b], *self.model.rope(slice(a, b))).to(v.dtype)
+                stored.append(StoredNode(tuple(n), key.cpu(), v[:, a:b].to("cpu", copy=True)))
+                a = b
+            return stored
         finally:
             cache.release()
 

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Sequence
 
 from ..engine.engine import Engine
-from ..engine.node_store import NodeStore, StoredNode, as_stored
+from ..engine.node_store import NodeStore, StoredNode
 from .base import Answer, Method
 from .index_file import read_index_file, read_kv_beside, write_index_file, write_kv_beside
 from .options import Option
 from .prompts import PromptSpec
-from .reader import KV_REUSE_OPTIONS, Repair
+from .reader import KV_REUSE_OPTIONS, Repair, kv_index_key, store_kv_nodes
 from .retrieval import BM25Index, DenseIndex, text_chunk_spans
 
 
@@ -83,12 +83,11 @@ class TopK(Method):
         return index if self.config.kv_reuse == "off" else self.store_kv(index)
 
     def store_kv(self, index: ChunkIndex) -> ChunkIndex:
-        return replace(index, stored=[as_stored(self.engine.store_node(self.reader.passage_ids(c)),
-                                                self.config.kv_dtype) for c in index.chunks])
+        return replace(index, stored=store_kv_nodes(self.engine, [self.reader.passage_ids(c) for c in index.chunks],
+                                                    self.config))
 
     def index_key(self) -> dict:
-        stores_kv = self.config.kv_reuse != "off"
-        return {"chunk_tokens": self.config.chunk_tokens, "kv_dtype": self.config.kv_dtype if stores_kv else None}
+        return {"chunk_tokens": self.config.chunk_tokens, "kv_dtype": None, **kv_index_key(self.config)}
 
     def save_index(self, index: ChunkIndex, path: str | Path) -> None:
         if index.stored is not None:

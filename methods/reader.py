@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Hashable, Sequence
 
 from ..engine.engine import Engine
-from ..engine.node_store import STORE_DTYPES, StoredNode
+from ..engine.node_store import STORE_DTYPES, StoredNode, as_stored
 from ..engine.session import NodeSpan, Session
 from .options import Option
 from .prompts import PromptSpec
@@ -44,7 +44,26 @@ KV_REUSE_OPTIONS = (
     Option("repair_by", str, "deviation", "with kv_reuse=blend: deviation, the tokens whose keys deviate most "
            "(CacheBlend); boundary, each node's first tokens (EPIC)", choices=("deviation", "boundary")),
     Option("kv_dtype", str, "float16", "with kv_reuse: how the nodes' KV is stored (int8: a scale per vector)",
-           choices=STORE_DTYPES))
+           choices=STORE_DTYPES),
+    Option("kv_context", str, "none", "with kv_reuse: none: each node prefilled alone, from an empty cache; document: "
+           "the nodes prefilled one after another in index order (a document's chunks in its order), so each holds "
+           "what came before it", choices=("none", "document")))
+
+
+def kv_index_key(config) -> dict:
+    """What a method config with KV_REUSE_OPTIONS adds to its index key: the stored KV's dtype and, when not the
+    default, its context (nothing with kv_reuse=off)."""
+    if config.kv_reuse == "off":
+        return {}
+    return {"kv_dtype": config.kv_dtype, **({"kv_context": config.kv_context} if config.kv_context != "none" else {})}
+
+
+def store_kv_nodes(engine: Engine, nodes: Sequence[Sequence[int]], config) -> list[StoredNode]:
+    """The KV of `nodes` (token ids, in index order) as a method with KV_REUSE_OPTIONS stores it: each alone or one
+    after another (`kv_context`), in the numbers the store file gives back (`kv_dtype`)."""
+    stored = (engine.store_nodes(nodes) if config.kv_context == "document"
+              else [engine.store_node(ids) for ids in nodes])
+    return [as_stored(node, config.kv_dtype) for node in stored]
 
 
 @dataclass(frozen=True)

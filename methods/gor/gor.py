@@ -27,9 +27,8 @@ from typing import Any, Sequence
 import torch
 
 from ...engine.engine import Engine
-from ...engine.node_store import as_stored
 from ..base import Answer, Method
-from ..reader import KV_REUSE_OPTIONS, Repair
+from ..reader import KV_REUSE_OPTIONS, Repair, kv_index_key, store_kv_nodes
 from .gor_graph import RecordGraph, build_records, engine_responder, engine_sampler, simulate_queries
 from .gor_store import GorIndex, load, save
 from .gor_train import GraphData, TrainConfig, bertscore_ranking, idf_weights, train_gat
@@ -99,8 +98,7 @@ class Gor(Method, name="gor", title="GoR"):
         return {"alpha": (alpha, "Table 6"), "dropout": (dropout, "Table 6")}
 
     def index_key(self) -> dict:
-        key = {k: getattr(self.config, k) for k in GRAPH_OPTIONS}
-        return key if self.config.kv_reuse == "off" else {**key, "kv_dtype": self.config.kv_dtype}
+        return {**{k: getattr(self.config, k) for k in GRAPH_OPTIONS}, **kv_index_key(self.config)}
 
     @property
     def embedder(self):
@@ -139,9 +137,9 @@ class Gor(Method, name="gor", title="GoR"):
         return index if c.kv_reuse == "off" else self.store_kv(index)
 
     def store_kv(self, index: GorIndex) -> GorIndex:
-        """Each node's KV (chunks and responses) as the reader places it."""
-        return replace(index, stored=[as_stored(self.engine.store_node(self.reader.passage_ids(t)),
-                                                self.config.kv_dtype) for t in index.graph.texts])
+        """Each node's KV (chunks in document order, then responses) as the reader places it."""
+        nodes = [self.reader.passage_ids(t) for t in index.graph.texts]
+        return replace(index, stored=store_kv_nodes(self.engine, nodes, self.config))
 
     def _trained(self, index: GorIndex) -> GorIndex:
         """`index` with a GAT trained on its own graph under the current training options (kept if it has one)."""

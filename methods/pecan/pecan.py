@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Iterator
 
 from ...engine.engine import Engine
-from ...engine.node_store import as_stored
 from ...paths import write_atomic
 from ..base import Answer, Method, chat_pieces
 from ..options import Option
@@ -27,7 +26,7 @@ from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Z_SCALES, next_node, positional_relevance
 from .pecan_store import PecanIndex, load, save, to_graphml, to_html
 from ..prompts import PromptSpec
-from ..reader import KV_REUSE_OPTIONS, READER_OPTION, Reader, Repair
+from ..reader import KV_REUSE_OPTIONS, READER_OPTION, Reader, Repair, kv_index_key, store_kv_nodes
 
 FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
               "Do not provide any explanation.\n\nQuestion:\n{}\n\nInformation:\n{}")
@@ -108,7 +107,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
 
     def index_key(self) -> dict:
         key = {"build_version": BUILD_VERSION, **{k: v for k, v in asdict(self.config).items() if k in INDEX_OPTIONS}}
-        return key if self.config.kv_reuse == "off" else {**key, "kv_dtype": self.config.kv_dtype}
+        return {**key, **kv_index_key(self.config)}
 
     # ---------------------------------------------------------------- construction
     def index(self, document: str) -> PecanIndex:
@@ -119,10 +118,10 @@ class Pecan(Method, name="pecan", title="PECAN"):
 
     def store_kv(self, index: PecanIndex) -> PecanIndex:
         """Each node's KV as the search appends it (`_node_ids`)."""
-        kv = {k: getattr(self.config, k) for k in ("kv_reuse", "kv_dtype")}
-        return replace(index, config={**index.config, **kv},
-                       stored={n: as_stored(self.engine.store_node(self._node_ids(index.graph, n)),
-                                            self.config.kv_dtype) for n in index.graph.nodes})
+        kv = {k: getattr(self.config, k) for k in ("kv_reuse", "kv_dtype", "kv_context")}
+        nodes = list(index.graph.nodes)  # in id order: the chunks in document order, then each level's points
+        stored = store_kv_nodes(self.engine, [self._node_ids(index.graph, n) for n in nodes], self.config)
+        return replace(index, config={**index.config, **kv}, stored=dict(zip(nodes, stored)))
 
     # ---------------------------------------------------------------- search
     def answer(self, index: PecanIndex, question: str, options: tuple[str, ...] = ()) -> Answer:

@@ -66,6 +66,38 @@ def test_a_placed_node_has_hf_keys_and_values_at_its_position(pair, at):
         assert torch.equal(cached_kv(s, at, at + 21)[0], k)
 
 
+@pytest.mark.parametrize("at", [0, 19])
+def test_nodes_stored_together_and_placed_in_order_have_the_hf_keys_and_values_of_their_sequence(pair, at):
+    """store_nodes prefills the nodes as one sequence: placed in the same order at any offset, the three nodes hold
+    HF's K and V of the whole sequence there (each node seeing the nodes before it), where a node stored alone
+    does not."""
+    hf, engine = pair
+    parts = [ids(13, 21), ids(9, 22), ids(17, 23)]
+    nodes = engine.store_nodes(parts)
+    assert [list(n.tokens) for n in nodes] == parts
+    with engine.session() as s:
+        if at:
+            s.append(ids(at, 24))
+        for node in nodes:
+            s.append_stored(node)
+        k, v = cached_kv(s, at, at + 39)
+    want_k, want_v = hf_kv(hf, [t for p in parts for t in p], at)
+    assert rel(k, want_k) <= 1e-5 and rel(v, want_v) <= 1e-5
+    alone = engine.store_node(parts[1])
+    assert rel(alone.v, nodes[1].v) > 1e-2  # context changed the values: the test above can fail
+
+
+def test_nodes_stored_together_are_cut_into_windows_at_node_boundaries(pair):
+    _, engine = pair
+    parts = [ids(13, 31), ids(9, 32), ids(17, 33)]
+    nodes = engine.store_nodes(parts, window=25)  # 13 + 9 fit; the third starts a window of its own
+    together, alone = engine.store_nodes(parts[:2]), engine.store_node(parts[2])
+    for got, want in zip(nodes, [*together, alone]):
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    with pytest.raises(ValueError, match="a node of 17 tokens does not fit a window of 16"):
+        engine.store_nodes(parts, window=16)
+
+
 def test_a_node_placed_first_then_a_question_gives_the_prefill_logits(pair):
     _, engine = pair
     doc, question = ids(30, 3), ids(6, 4)

@@ -262,3 +262,23 @@ def test_top_k_index_saved_with_its_kv_answers_as_the_one_built(hf_tiny, tmp_pat
     plain.save_index(plain.index("the mill was built in 1821."), tmp_path / "off.bm25")
     with pytest.raises(NodeStoreError, match="indexed with kv_reuse=off"):
         method.load_index(tmp_path / "off.bm25")
+
+
+def test_kv_context_document_stores_each_chunk_after_the_ones_before_it(hf_tiny):
+    """kv_context=document stores the chunks as one sequence in document order (Engine.store_nodes, checked against
+    HF in tests/engine/test_node_store.py) and keys its index apart; the default keeps the keys of stores saved
+    before the option existed."""
+    _, path = hf_tiny
+    eng = char_engine(path)
+    spec, doc = PromptSpec("{context}|{question}", 4), "the mill was built in 1821. it burned down in 1900. a school."
+    opts = dict(k=2, chunk_tokens=12, kv_reuse="reuse", kv_dtype="float32")
+    method = BM25TopK(eng, spec, **opts, kv_context="document")
+    index = method.index(doc)
+    want = eng.store_nodes([method.reader.passage_ids(c) for c in index.chunks])
+    assert len(index.chunks) > 2 and len(index.stored) == len(want)
+    for got, node in zip(index.stored, want):
+        assert torch.equal(got.k, node.k) and torch.equal(got.v, node.v)
+    assert not torch.equal(index.stored[1].v, eng.store_node(method.reader.passage_ids(index.chunks[1])).v)
+    assert method.index_key() == {"chunk_tokens": 12, "kv_dtype": "float32", "kv_context": "document"}
+    assert BM25TopK(eng, spec, **opts).index_key() == {"chunk_tokens": 12, "kv_dtype": "float32"}
+    assert BM25TopK(eng, spec, k=2, chunk_tokens=12).index_key() == {"chunk_tokens": 12, "kv_dtype": None}
