@@ -87,6 +87,7 @@ class TopK(Method):
                                                     self.config))
 
     def index_key(self) -> dict:
+        # kv_dtype None without stored KV: the key the saved kv-free indexes were written under
         return {"chunk_tokens": self.config.chunk_tokens, "kv_dtype": None, **kv_index_key(self.config)}
 
     def save_index(self, index: ChunkIndex, path: str | Path) -> None:
