@@ -4,8 +4,8 @@ index(document): chunks of 256 LLM tokens overlapping by 32 (the paper's TokenTe
 engine's tokenizer); `queries` simulated queries (D.1, temperature 0.5, seeded, at most `attempts` draws); the graph
 of records (Eq. 3: `graph_k` nodes retrieved per round over the chunks and earlier responses, a greedy D.2 response
 linked to each); MiniLM vectors of every node and query; each query's nodes ranked by BERTScore F1 against its
-source chunk (Eq. 4, idf over the graph's texts, precomputed as App. A.4 does); and a GAT trained on this graph
-(Eq. 8), saved with the index.
+source chunk (Eq. 4, idf over the graph's texts, precomputed as App. A.4 does). A GAT trained on this graph alone
+(Eq. 8) answers when no fit has run; it is trained when first needed, in seconds, and not saved.
 fit(examples): the paper trains one GAT over many documents' graphs, in mini-batches whose other graphs give
 in-batch negatives. `nodekv eval` deals the run's documents into 5 folds and calls fit with the other folds'
 documents before answering a fold's questions, so no document's own graph or reference trains the model that
@@ -133,7 +133,6 @@ class Gor(Method, name="gor", title="GoR"):
         ranking = bertscore_ranking(tokens, [tokens[s] for s in graph.sources], idf)
         index = GorIndex(graph, self._encode(texts), self._encode(graph.queries), ranking,
                          config={k: getattr(c, k) for k in GRAPH_OPTIONS})
-        index = self._trained(index)
         return index if c.kv_reuse == "off" else self.store_kv(index)
 
     def store_kv(self, index: GorIndex) -> GorIndex:
@@ -212,7 +211,7 @@ class Gor(Method, name="gor", title="GoR"):
         g = index.graph
         return [f"{len(g.chunks)} chunks, {len(g.queries)} simulated queries ({g.draws} draws), "
                 f"{len(g.responses)} responses, {len(g.edges)} edges",
-                f"GAT: {'trained on this graph' if index.gat is not None else 'none'}"]
+                f"GAT: {'trained on this graph' if index.gat is not None else 'trained on this graph when asked'}"]
 
     def _encode(self, texts: list[str]) -> torch.Tensor:
         if not texts:

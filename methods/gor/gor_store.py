@@ -1,7 +1,8 @@
-"""GoR's index (the graph of records, its MiniLM node and query vectors, the BERTScore rankings and a GAT trained on
-the graph) and its files: an index file (JSON, methods/index_file.py) for the graph and the configs, and a
-safetensors file beside it for every tensor and the GAT's weights; the JSON holds the SHA-256 of the safetensors
-file, so a pair that does not belong together is refused. No pickle anywhere."""
+"""GoR's index (the graph of records, its MiniLM node and query vectors and the BERTScore rankings) and its files: an
+index file (JSON, methods/index_file.py) for the graph and the configs, and a safetensors file beside it for every
+tensor; the JSON holds the SHA-256 of the safetensors file, so a pair that does not belong together is refused. No
+pickle anywhere. A GAT trained on the graph alone is kept in memory only (files written before 2026-11-26 also hold
+one; it is not read)."""
 from __future__ import annotations
 
 import hashlib
@@ -30,7 +31,8 @@ class GorIndex:
 
     features [N, d]: MiniLM embeddings of graph.texts (chunks, then responses); queries [Q, d]: of the simulated
     queries; ranking [Q, N]: each query's nodes by BERTScore F1 against its source chunk, best first (Eq. 4);
-    gat / trained_with: a GAT trained on this graph alone and its TrainConfig (None for an untrained index);
+    gat / trained_with: a GAT trained on this graph alone and its TrainConfig, kept in memory only (None until an
+    answer without a fit needs it; retrained in seconds, so a saved index holds the graph and not ~11 MB of weights);
     stored: with kv_reuse, node j's KV as the reader places it (None without)."""
 
     graph: RecordGraph
@@ -54,15 +56,12 @@ def save(index: GorIndex, path: str | Path, engine: Engine, kv_dtype: str = "flo
     if index.stored is not None:
         write_kv_beside(path, dict(enumerate(index.stored)), engine, kv_dtype)
     tensors = {"features": index.features, "queries": index.queries, "ranking": index.ranking}
-    if index.gat is not None:
-        tensors.update({f"gat.{k}": v for k, v in index.gat.state_dict().items()})
     data = to_bytes({k: v.contiguous() for k, v in tensors.items()})
     write_atomic(tensors_path(path), data)  # as any file here is written (safetensors' own writer makes it owner-only)
     g = index.graph
     body = {"config": index.config, "tensors_sha256": hashlib.sha256(data).hexdigest(),
             "graph": {"chunks": g.chunks, "queries": g.queries, "sources": g.sources, "responses": g.responses,
                       "edges": g.edges, "draws": g.draws},
-            "trained_with": None if index.trained_with is None else vars(index.trained_with),
             "stored_kv": index.stored is not None}
     write_index_file(path, FORMAT, VERSION, engine, body)
 
@@ -81,12 +80,6 @@ def load(path: str | Path, engine: Engine, kv: bool = False) -> GorIndex:
     g = data["graph"]
     graph = RecordGraph(g["chunks"], g["queries"], g["sources"], g["responses"], [tuple(e) for e in g["edges"]],
                         g["draws"])
-    trained = None if data["trained_with"] is None else TrainConfig(**data["trained_with"])
-    gat = None
-    if trained is not None:
-        gat = GAT(tensors["features"].shape[1], trained.hidden, trained.heads, trained.dropout)
-        gat.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("gat.")})
-        gat.eval()
     stored = read_kv_beside(path, engine, data.get("stored_kv", False)) if kv else None
-    return GorIndex(graph, tensors["features"], tensors["queries"], tensors["ranking"], gat, trained, data["config"],
-                    stored)
+    return GorIndex(graph, tensors["features"], tensors["queries"], tensors["ranking"], config=data["config"],
+                    stored=stored)

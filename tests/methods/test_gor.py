@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from nodekv.methods.gor.gor import GRAPH_OPTIONS, Gor
 from nodekv.methods.gor.gor_store import IndexFileError, tensors_path
@@ -129,17 +130,16 @@ def test_the_index_ranks_each_querys_source_chunk_first_and_round_trips_through_
     assert len(g.queries) == 4 and len(g.responses) == 4 and len(g.edges) == 8
     assert index.ranking.shape == (4, len(g.texts)) and index.features.shape == (len(g.texts), 10)
     assert [int(r[0]) for r in index.ranking] == g.sources  # a chunk's BERTScore against itself is 1
-    assert index.gat is not None and gor.node_vectors(index)[1] == "this document's graph"
+    assert index.gat is None and gor.node_vectors(index)[1] == "this document's graph" and index.gat is not None
 
     path = tmp_path / "doc.gor"
     gor.save_index(index, path)
     back = gor.load_index(path)
-    assert back.graph == g and back.trained_with == index.trained_with and back.config == index.config
+    assert back.graph == g and back.config == index.config and back.gat is None  # the GAT is not saved
+    assert set(load_file(str(tensors_path(path)))) == {"features", "queries", "ranking"}
     for name in ("features", "queries", "ranking"):
         assert torch.equal(getattr(back, name), getattr(index, name))
-    saved, loaded = index.gat.state_dict(), back.gat.state_dict()
-    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
-    torch.testing.assert_close(gor.node_vectors(back)[0], gor.node_vectors(index)[0])
+    torch.testing.assert_close(gor.node_vectors(back)[0], gor.node_vectors(index)[0])  # retrained alike (seeded)
 
     sidecar = tensors_path(path)
     data = sidecar.read_bytes()
