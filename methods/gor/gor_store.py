@@ -32,7 +32,8 @@ class GorIndex:
     features [N, d]: MiniLM embeddings of graph.texts (chunks, then responses); queries [Q, d]: of the simulated
     queries; ranking [Q, N]: each query's nodes by BERTScore F1 against its source chunk, best first (Eq. 4);
     gat / trained_with: a GAT trained on this graph alone and its TrainConfig, kept in memory only (None until an
-    answer without a fit needs it; retrained in seconds, so a saved index holds the graph and not ~11 MB of weights);
+    answer without a fit needs it; retrained in well under a minute, so a saved index holds the graph and not ~11 MB
+    of weights);
     stored: with kv_reuse, node j's KV as the reader places it (None without)."""
 
     graph: RecordGraph
