@@ -28,9 +28,11 @@ from ..kernels import backend_ops, reference
 from ..kernels.quant import QuantLinearWeight, QuantStack, QuantWeight, quant_linear
 from .config import ModelConfig
 from .cpu import native_bf16_matmul
-from .errors import ModelLoadError
+from .errors import ModelLoadError, PoolExhaustedError
 from .cache_batch import CacheBatch
+from .decode_graphs import DecodeGraphs
 from .kv_cache import PagedKVCache
+from .page_pool import PagePool
 
 # Up to this many tokens per forward the quantised kernel beats the dense GEMM (qwen2.5-0.5b's matmuls at 2 threads:
 # 308 against 443 ms at 32 tokens; dense catches up between 64 and 128), and it computes each row bit-identically
@@ -228,11 +230,11 @@ class Llama:
             inv_freq = inv_freq / weights.get("rope_freqs", (config.head_dim // 2,))
         self.inv_freq = inv_freq.to(self.device)
         self._cos = self._sin = torch.empty(0, device=self.device)
-        # Decode steps (one token per sequence) as one C++ call through all layers (`_decode_step`) where that
-        # applies; False runs them op by op like longer steps (the fused step gives the same numbers: a switch for
-        # tests and benchmarks).
+        # Decode steps (one token per sequence) as one C++ call through all layers on the CPU, or one CUDA graph
+        # replay on a GPU (`_decode_step`) where that applies; False runs them op by op like longer steps (a switch
+        # for tests and benchmarks; the C++ step gives the same numbers, a graph's attention splits keys its own way).
         self.fused_decode = True
-        self._decoder: object = None  # cpu_ops.Decoder, built on the first decode step; False: not applicable
+        self._decoder: object = None  # cpu_ops.Decoder or DecodeGraphs, built on the first decode step; False: neither
 
     def _layer(self, w: _WeightReader, p: str) -> Layer:
         c = self.config
@@ -383,12 +385,17 @@ class Llama:
         them, a step of 8 Qwen2.5-0.5B sequences ~6 ms). Applies to the cpu backend (fp32) with GGUF-quantised
         projections in every layer, over `PagedKVCache`s of one pool, up to QUANT_MAX_TOKENS sequences (beyond, the
         op-by-op path's matmuls go dense, with other rounding); returns _UNFUSED where it does not, for the op-by-op
-        path to run (and raise its errors)."""
-        dec = self._decoder
-        if dec is None:
-            dec = self._decoder = self._build_decoder()
+        path to run (and raise its errors). On CUDA with the Triton backend the step replays a CUDA graph instead
+        (`DecodeGraphs`, over the pool of the first decode step's caches), where that serves the batch."""
         caches = batch.caches
         pool = getattr(caches[0], "pool", None)
+        dec = self._decoder
+        if dec is None and pool is not None:
+            dec = self._decoder = self._build_decoder(pool)
+        if isinstance(dec, DecodeGraphs):
+            if not dec.serves(batch) or int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+                return _UNFUSED
+            return dec.step(tokens, batch, logits is not None)
         if dec is False or len(caches) > QUANT_MAX_TOKENS or any(
                 type(c) is not PagedKVCache or c.ops is not self.ops or c.pool is not pool for c in caches):
             return _UNFUSED
@@ -406,10 +413,16 @@ class Llama:
             return None
         return out if out is not None else self.lm_head(h)
 
-    def _build_decoder(self):
-        """The fused decode step's C++ decoder, or False where it does not apply."""
-        from ..kernels import cpu_ops
+    def _build_decoder(self, pool: PagePool):
+        """The fused decode step: on CUDA with the Triton backend, CUDA graphs of steps over `pool` (`DecodeGraphs`);
+        on the CPU the C++ decoder; False where neither applies (or no page of `pool` is free for the graphs)."""
+        from ..kernels import cpu_ops, triton_ops
 
+        if self.device.type == "cuda" and self.ops is triton_ops:
+            try:
+                return DecodeGraphs(self, pool)
+            except PoolExhaustedError:
+                return False
         if self.ops is not cpu_ops or self.dtype != torch.float32:
             return False
         if any(lin.quant is None for l in self.layers for lin in (l.wqkv, l.wo, l.w13, l.w2)):

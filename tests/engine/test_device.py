@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_hf_model
+from conftest import needs_triton_interpreter, tiny_hf_model
+from nodekv.engine.cache_batch import CacheBatch
 from nodekv.engine.config import PRESETS, ModelConfig
+from nodekv.engine.decode_graphs import DecodeGraphs
 from nodekv.engine.engine import load_engine, resolve_device
 from nodekv.engine.kv_cache import PagedKVCache
 from nodekv.engine.loader import hf_state_tensors
@@ -139,3 +141,72 @@ def test_cuda_engine_keeps_its_tensors_on_the_gpu_and_answers_on_the_cpu():
     assert cache.pool.k.is_cuda
     model.forward(torch.arange(10), cache)
     assert cache.block_table.is_cuda
+
+
+def _graph_model(device: str, dtype: torch.dtype = torch.float32) -> Llama:
+    from nodekv.bench import gpu_engine
+
+    hf = gpu_engine.hf_model(gpu_engine.TINY, torch.float32, torch.device("cpu"), "eager")
+    return Llama(gpu_engine.TINY, hf_state_tensors(hf.state_dict()), dtype, backend="triton", device=device)
+
+
+def _decode_rounds(model: Llama, pool: PagePool, graphs: DecodeGraphs | None):
+    """Decode steps of batches that grow and shrink (padding rows come and go, tables cross page boundaries) over
+    sessions of different lengths, by `graphs` or, with None, op by op; every step's logits, and the final caches'
+    keys."""
+    caches = [PagedKVCache(pool, model.ops) for _ in range(5)]
+    for i, c in enumerate(caches):
+        model.forward((torch.arange(3 + 7 * i) + 11 * i + 1) % 97, c, logits=None)  # no token 0: padding's
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for members in ([0, 1, 2, 3], [3], [0, 1, 2, 3, 4], [4, 1, 0], [4, 1], [2]):
+        batch = CacheBatch([caches[m] for m in members], [1] * len(members))
+        tokens = torch.randint(0, 512, (len(members),), generator=g)
+        if graphs is None:
+            model.fused_decode = False
+            out.append(model.forward_batch(tokens, batch).cpu())
+        else:
+            assert graphs.serves(batch)
+            out.append(graphs.step(tokens, batch, True).cpu())
+    keys = [c.read(1, torch.arange(c.length))[0].cpu() for c in caches]
+    return out, keys
+
+
+@needs_triton_interpreter
+def test_a_decode_graphs_static_step_is_the_op_by_op_step():
+    """What a CUDA graph records, run eagerly on the CPU (capture=False): batches of 4, 1, 5, 3, 2 and 1 sessions in
+    buckets of 4, 1, 8, 4, 2 and 1 rows give the op-by-op step's logits and cached keys (fp32, up to the key splits'
+    summation order): the row a session left is padding again, the padding rows write only the graphs' own page,
+    and that page stays reserved."""
+    model = _graph_model("cpu")
+    pools = [PagePool(model.config, torch.float32, 40, 4) for _ in range(2)]
+    graphs = DecodeGraphs(model, pools[1], capture=False)
+    assert pools[1].n_free == 39 and graphs.max_len == min(model.config.max_seq_len, 160)
+    sink = pools[1].k[:, graphs.sink].clone()
+    want, want_keys = _decode_rounds(model, pools[0], None)
+    got, got_keys = _decode_rounds(model, pools[1], graphs)
+    for a, b in zip(want + want_keys, got + got_keys):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(pools[1].k[:, graphs.sink], sink)  # the padding rows wrote there
+    assert sorted(b.size for b in graphs._buckets.values()) == [1, 2, 4, 8]
+
+
+@needs_cuda
+def test_cuda_graph_decode_steps_replay_the_static_step():
+    """On CUDA, decode steps replayed from the recorded graphs (bf16) give the logits and keys of the same static
+    step run eagerly (the same kernels on the same inputs; bf16's tolerance, should cuBLAS pick other kernels inside
+    a capture), and a model's own decode steps take them."""
+    model = _graph_model("cuda", torch.bfloat16)
+    pools = [PagePool(model.config, torch.bfloat16, 40, 4, "cuda") for _ in range(2)]
+    eager = DecodeGraphs(model, pools[0], capture=False)
+    recorded = DecodeGraphs(model, pools[1])
+    want, want_keys = _decode_rounds(model, pools[0], eager)
+    got, got_keys = _decode_rounds(model, pools[1], recorded)
+    for a, b in zip(want + want_keys, got + got_keys):
+        torch.testing.assert_close(b, a, rtol=1.6e-2, atol=1e-2)
+    assert all(b.graph is not None for b in recorded._buckets.values())
+    model.fused_decode = True
+    cache = PagedKVCache(pools[1], model.ops)
+    model.forward(torch.arange(9), cache, logits=None)
+    model.forward(torch.tensor([5]), cache)
+    assert isinstance(model._decoder, DecodeGraphs) and model._decoder.pool is pools[1]

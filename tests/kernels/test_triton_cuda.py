@@ -76,6 +76,30 @@ def test_paged_attention_and_node_mass_on_cuda(shape, dtype, mass_pass):
                                atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", ["all", "last"])
+def test_a_bf16_prefill_without_mass_attends_through_sdpa(rows, monkeypatch):
+    """`triton_ops.paged_attention` of a prefill from an empty cache without node mass: SDPA's output (the Triton
+    kernel is not called) within the bound of torch, its keys and values stored in the pages; with mass, the kernel."""
+    from nodekv.kernels import triton_attention, triton_ops
+
+    T, H, Hkv, hd, P = 700, 12, 2, 128, 16
+    n = T if rows == "all" else 1
+    rounded = _as_cpu_dtype(make_case(n, T, T, H, Hkv, hd, P, 5), torch.bfloat16)
+    gpu, ref_gpu = _on(rounded, torch.bfloat16), _on(rounded, torch.bfloat16)
+    kernel, calls = triton_attention.paged_attention, []
+    monkeypatch.setattr(triton_attention, "paged_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    out = triton_ops.paged_attention(gpu.q, gpu.k_pages, gpu.v_pages, gpu.layer, gpu.block_table, T, gpu.k_new,
+                                     gpu.v_new)
+    ref = reference.paged_attention(ref_gpu.q, ref_gpu.k_pages, ref_gpu.v_pages, ref_gpu.layer, ref_gpu.block_table,
+                                    T, ref_gpu.k_new, ref_gpu.v_new)
+    assert calls == [] and out.shape == (n, H * hd)
+    _within(out, brute_force(rounded)[0], ref, "out")
+    assert torch.equal(gpu.k_pages, ref_gpu.k_pages) and torch.equal(gpu.v_pages, ref_gpu.v_pages)
+    triton_ops.paged_attention(gpu.q, gpu.k_pages, gpu.v_pages, gpu.layer, gpu.block_table, T, gpu.k_new, gpu.v_new,
+                               gpu.node_bounds, torch.zeros(n, 5, device="cuda"))
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_attention_of_a_batch_on_cuda(dtype):
     """A decode step of 32 sequences of different lengths in one launch (split-KV for the long ones): each
