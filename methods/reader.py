@@ -191,16 +191,17 @@ class Reader:
         """A passage of the context on its own: the blank line that separates passages, then its text."""
         return self.engine.tokenizer.encode("\n\n" + passage.strip())
 
-    def read_stored(self, passages: Sequence[StoredNode], question: str, options: Sequence[str] = (),
+    def read_stored(self, passages: Sequence[StoredNode | Sequence[int]], question: str, options: Sequence[str] = (),
                     nodes: Sequence[Hashable] = (), trace: list[dict] | None = None, repair: Repair = Repair(),
                     context: str | None = None) -> Answer:
         """`read` over passages stored once (`Engine.store_node` of `passage_ids`), placed between the prompt's
-        `pieces` without a forward over their tokens. repair: which placed tokens are recomputed with their context
-        (fraction 0: pure reuse; 1: a prefill's numbers). `context` (the passages' text) is kept for the diagnostics.
-        The query is charged what runs: the head, choosing and recomputing the repaired tokens, the tail and the
-        answer."""
+        `pieces` without a forward over their tokens; a passage given as token ids (a separator, text that changes
+        per question) is prefilled where it stands. `nodes` name the stored passages, in order. repair: which placed
+        tokens are recomputed with their context (fraction 0: pure reuse; 1: a prefill's numbers). `context` (the
+        passages' text) is kept for the diagnostics. The query is charged what runs: the head, the prefilled
+        passages, choosing and recomputing the repaired tokens, the tail and the answer."""
         head, tail = self.pieces(question, options)
-        n = len(head) + sum(len(p) for p in passages) + len(tail)
+        n = len(head) + sum(len(p.tokens if isinstance(p, StoredNode) else p) for p in passages) + len(tail)
         window = min(self.engine.config.max_seq_len, self.window or self.engine.config.max_seq_len)
         if n + self.spec.max_new_tokens > window:
             raise ValueError(f"{n} prompt tokens and the answer's {self.spec.max_new_tokens} do not fit the window of "
@@ -211,7 +212,12 @@ class Reader:
         with eng.flops.scope("query"), eng.session() as s:
             if head:
                 s.append(head, node_id="head")
-            spans = [s.append_stored(p) for p in passages]
+            spans = []
+            for p in passages:
+                if isinstance(p, StoredNode):
+                    spans.append(s.append_stored(p))
+                else:
+                    s.append(list(p))
             worst = repair.positions(s, spans)
             if worst:
                 s.repair(worst)

@@ -8,7 +8,9 @@ import math
 from typing import Sequence
 
 from ..engine.engine import Engine
+from ..engine.node_store import StoredNode
 from .base import chat_pieces
+from .reader import Repair
 
 QUESTION = ("Is this passage relevant to the question? Answer \"Yes\" or \"No\" in one word.\n\n"
             "Question: {}\n\nPassage: {}")
@@ -23,7 +25,10 @@ class RelevanceProbe:
         self._head, self._between, self._tail = (
             tok.encode(p, parse_special=True) for p in chat_pieces(engine, [{"role": "user", "content": QUESTION}]))
 
-    def __call__(self, question: str, passages: Sequence[str]) -> list[float]:
+    def __call__(self, question: str, passages: Sequence[str], stored: Sequence[StoredNode] | None = None,
+                 repair: Repair = Repair()) -> list[float]:
+        """stored: each passage's KV (`Engine.store_node` of its plain ids), placed in its fork instead of prefilled
+        (`repair`: the placed tokens recomputed with the question before them)."""
         if not passages:
             return []
         encode = self.engine.tokenizer.encode
@@ -31,7 +36,14 @@ class RelevanceProbe:
             s.append(encode(question) + self._between, node_id="question")
             forks = [s.fork() for _ in passages]
             try:
-                self.engine.append_batch(forks, [encode(p) + self._tail for p in passages])
+                if stored is None:
+                    self.engine.append_batch(forks, [encode(p) + self._tail for p in passages])
+                else:
+                    for f, node in zip(forks, stored):
+                        worst = repair.positions(f, [f.append_stored(node)])
+                        if worst:
+                            f.repair(worst)
+                    self.engine.append_batch(forks, [self._tail] * len(forks))
                 probs = [f.probe(["Yes", "No"])["Yes"] for f in forks]
             finally:
                 for f in forks:

@@ -9,15 +9,16 @@ the engine replaces the paper's cross-encoder) and the best `top_k` feed the ste
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...engine.engine import Engine
+from ...engine.node_store import StoredNode
 from ..base import Answer, Method
 from .dice_algorithms import ALGORITHMS, LM, Budget, Reasoning, Retrieved
 from .dice_prompts import EXAMPLE_SETS
 from ..options import Option
 from ..prompts import PromptSpec
-from ..reader import READER_OPTION
+from ..reader import KV_REUSE_OPTIONS, READER_OPTION, Repair, store_kv_nodes
 from ..retrieval import DenseIndex, HybridIndex
 
 
@@ -32,16 +33,18 @@ def word_chunks(document: str, words: int) -> list[str]:
 
 @dataclass
 class DiceIndex:
-    """The document's chunks and their bi-encoder index."""
+    """The document's chunks and their bi-encoder index; with `kv_reuse`, each chunk's KV (its plain token ids)."""
 
     chunks: list[str]
     search: DenseIndex | HybridIndex
+    stored: list[StoredNode] | None = None
 
 
 class Dice(Method, name="dice", title="DICE"):
     """DICE: the LLM plans sub-questions (Alg. 1) or reasoning steps (Alg. 2), each answered from retrieved chunks;
     the shared reader answers from every retrieved chunk and (`notes`) the facts or thoughts (`reader=paper`: T's
-    answer).
+    answer). With `kv_reuse` (beyond the paper) each chunk's KV is stored at indexing and placed where the re-rank,
+    the fact extraction and the shared reader read the chunk; Alg. 2's reference, written into T, stays text.
 
     index(document) cuts and embeds the chunks; answer(index, question) runs the chosen algorithm. `embedder`
     replaces the packaged all-MiniLM-L6-v2; `lm` replaces the engine-backed LLM calls (tests script it)."""
@@ -64,6 +67,7 @@ class Dice(Method, name="dice", title="DICE"):
         Option("notes", bool, True, "the shared reader reads the facts (Alg. 1) or thoughts (Alg. 2) after the chunks; "
                "false: the chunks alone (the thoughts are the model's own claims, and can be wrong)"),
         READER_OPTION,
+        *KV_REUSE_OPTIONS,
     )
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, embedder=None,
@@ -76,7 +80,7 @@ class Dice(Method, name="dice", title="DICE"):
         if self._lm is None:
             from .dice_lm import EngineLM
 
-            self._lm = EngineLM(self.engine, self.config.examples)
+            self._lm = EngineLM(self.engine, self.config.examples, Repair.of(self.config))
         return self._lm
 
     def index(self, document: str) -> DiceIndex:
@@ -86,20 +90,29 @@ class Dice(Method, name="dice", title="DICE"):
             raise ValueError("the document is empty: nothing to index")
         chunks = word_chunks(document, self.config.chunk_words)
         search = DenseIndex if self.config.recall == "dense" else HybridIndex
-        return DiceIndex(chunks, search(chunks, self._embedder or Embedder.shared()))
+        index = DiceIndex(chunks, search(chunks, self._embedder or Embedder.shared()))
+        return index if self.config.kv_reuse == "off" else self.store_kv(index)
+
+    def store_kv(self, index: DiceIndex) -> DiceIndex:
+        encode = self.engine.tokenizer.encode
+        return replace(index, stored=store_kv_nodes(self.engine, [encode(c) for c in index.chunks], self.config))
+
 
     def retrieve(self, index: DiceIndex, query: str) -> Retrieved:
         """The `top_k` chunks for `query`: dense or hybrid recall, LLM re-rank (ties: the bi-encoder's order), then
         document order."""
         c = self.config
         hits = index.search.search(query, c.recall_k if c.rerank else c.top_k)
-        rerank = self.lm.relevance(query, [index.chunks[i] for i, _ in hits]) if c.rerank else [None] * len(hits)
+        stored = None if index.stored is None else [index.stored[i] for i, _ in hits]
+        rerank = self.lm.relevance(query, [index.chunks[i] for i, _ in hits], stored) if c.rerank else \
+            [None] * len(hits)
         ranked = sorted(range(len(hits)), key=lambda j: -rerank[j] if c.rerank else j)[:c.top_k]
         chosen = sorted(ranked, key=lambda j: hits[j][0])
         scores = [{"chunk": i, c.recall: round(score, 4), **({"rerank": round(r, 4)} if c.rerank else {})}
                   for (i, score), r in zip(hits, rerank)]
         return Retrieved([hits[j][0] for j in chosen], "\n".join(index.chunks[hits[j][0]] for j in chosen),
-                         [scores[j] for j in chosen], scores if c.rerank else [])
+                         [scores[j] for j in chosen], scores if c.rerank else [],
+                         [] if index.stored is None else [index.stored[hits[j][0]] for j in chosen])
 
     def answer(self, index: DiceIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
         if options:
@@ -115,7 +128,11 @@ class Dice(Method, name="dice", title="DICE"):
         run.trace[-1]["prefix_flops_saved"] = acc.saved - saved
         context = self.reader_context(index, run)
         if c.reader == "shared":
-            answer = self.reader.read(context, question, (), run.chunks, run.trace)
+            if index.stored is None:
+                answer = self.reader.read(context, question, (), run.chunks, run.trace)
+            else:
+                answer = self.reader.read_stored(self.reader_passages(index, run), question, (), run.chunks,
+                                                 run.trace, Repair.of(c), context)
             answer.flops = acc.total - before
             return answer
         return Answer(run.answer, run.chunks, run.trace, acc.total - before, acc.prefill_tokens - prefill,
@@ -124,9 +141,22 @@ class Dice(Method, name="dice", title="DICE"):
     def reader_context(self, index: DiceIndex, run: Reasoning) -> str:
         """What the shared reader reads: every chunk the steps retrieved, in document order, then (with `notes`) the
         facts or thoughts, one per line."""
+        return "\n\n".join([*(index.chunks[i] for i in run.chunks), *self._notes(run)])
+
+    def reader_passages(self, index: DiceIndex, run: Reasoning) -> list:
+        """`reader_context` for `Reader.read_stored`: each chunk's stored KV, and as token ids the blank lines
+        between them and the notes (which change with the question)."""
+        encode = self.engine.tokenizer.encode
+        passages = []
+        for j, i in enumerate(run.chunks):
+            passages += [encode("\n\n")] if j else []
+            passages.append(index.stored[i])
+        return passages + [encode("\n\n" + notes) for notes in self._notes(run)]
+
+    def _notes(self, run: Reasoning) -> list[str]:
+        """With `notes`, the facts or thoughts as one passage (none without, or when there are none)."""
         notes = [f"- {step[k]}" for step in run.trace for k in ("fact", "thought") if step.get(k)]
-        notes = ["Notes:\n" + "\n".join(notes)] if notes and self.config.notes else []
-        return "\n\n".join([*(index.chunks[i] for i in run.chunks), *notes])
+        return ["Notes:\n" + "\n".join(notes)] if notes and self.config.notes else []
 
     def trace_lines(self, index: DiceIndex, trace: list[dict]) -> list[str]:
         lines = []

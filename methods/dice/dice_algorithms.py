@@ -46,20 +46,21 @@ class LM(Protocol):
     """What the algorithms ask of the LLM (`dice_lm.EngineLM` on the engine; a scripted fake in tests)."""
 
     def thought(self, algorithm: int, question: str, opening: str = "") -> ThoughtLike: ...
-    def relevance(self, question: str, passages: Sequence[str]) -> list[float]: ...
-    def extract(self, question: str, reference: str, max_tokens: int) -> str: ...
+    def relevance(self, question: str, passages: Sequence[str], stored: Sequence | None = None) -> list[float]: ...
+    def extract(self, question: str, reference: str, max_tokens: int, stored: Sequence = ()) -> str: ...
 
 
 @dataclass
 class Retrieved:
     """The chunks that feed one step, in document order, with their bi-encoder and re-rank scores; with a re-rank,
     every chunk recall gave it (`recalled`, in recall order), so a trace tells a passage the recall missed from one
-    the re-rank dropped."""
+    the re-rank dropped. With `kv_reuse`, `stored` holds the chunks' KV (empty without)."""
 
     chunks: list[int]
     text: str
     scores: list[dict] = field(default_factory=list)
     recalled: list[dict] = field(default_factory=list)
+    stored: list = field(default_factory=list)
 
     def trace(self) -> dict:
         """The step trace's record of it."""
@@ -100,7 +101,7 @@ def iterative_qa(lm: LM, retrieve: Callable[[str], Retrieved], question: str, bu
             return {"subquestion": sub, "broken": broken}
         seen.add(normalize_answer(sub))
         got = retrieve(sub)
-        fact = lm.extract(sub, got.text, budget.step_tokens)
+        fact = lm.extract(sub, got.text, budget.step_tokens, got.stored)
         t.write(f"{FACT} {fact}\n")
         return {"subquestion": sub, **got.trace(), "fact": fact}
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 from typing import Hashable, Sequence
 
 from ...engine.engine import Engine
+from ...engine.node_store import StoredNode
 from ...engine.session import Session
 from ..base import chat_pieces
 from .dice_prompts import EXTRACT_FACT, planning_turn
+from ..reader import Repair
 from ..relevance import RelevanceProbe
 
 
@@ -68,10 +70,11 @@ class Thought:
 
 
 class EngineLM:
-    """The LLM of both DICE algorithms, on `engine`."""
+    """The LLM of both DICE algorithms, on `engine`. Passages given with their stored KV (`kv_reuse`) are placed, not
+    prefilled, with `repair`'s share of their tokens recomputed in place."""
 
-    def __init__(self, engine: Engine, examples: str = "multihop"):
-        self.engine = engine
+    def __init__(self, engine: Engine, examples: str = "multihop", repair: Repair = Repair()):
+        self.engine, self.repair = engine, repair
         tok = engine.tokenizer
         user = lambda text: chat_pieces(engine, [{"role": "user", "content": text}])  # noqa: E731
         self._planning = {a: [tok.encode(p, parse_special=True) for p in user(planning_turn(a, examples))]
@@ -93,15 +96,29 @@ class EngineLM:
             raise
         return Thought(s, self._next_turn)
 
-    def relevance(self, question: str, passages: Sequence[str]) -> list[float]:
-        """log p("Yes") of each passage's relevance to `question` (`relevance.RelevanceProbe`)."""
-        return self._relevance(question, passages)
+    def relevance(self, question: str, passages: Sequence[str], stored: Sequence[StoredNode] | None = None
+                  ) -> list[float]:
+        """log p("Yes") of each passage's relevance to `question` (`relevance.RelevanceProbe`); `stored`: the
+        passages' KV."""
+        return self._relevance(question, passages, stored, self.repair)
 
-    def extract(self, question: str, reference: str, max_tokens: int) -> str:
-        """P_e's reply: the fact in `reference` that answers `question`, up to the first line break."""
+    def extract(self, question: str, reference: str, max_tokens: int, stored: Sequence[StoredNode] = ()) -> str:
+        """P_e's reply: the fact in `reference` that answers `question`, up to the first line break. `stored`: the
+        KV of the passages `reference` joins with line breaks, placed with those line breaks between them."""
         head, between, tail = self._extract
         with self.engine.prefixes.fork(head, node_id="dice-extract") as s:
-            s.append(self._encode(reference) + between + self._encode(question) + tail)
+            if stored:
+                spans = []
+                for j, node in enumerate(stored):
+                    if j:
+                        s.append(self._encode("\n"))
+                    spans.append(s.append_stored(node))
+                worst = self.repair.positions(s, spans)
+                if worst:
+                    s.repair(worst)
+                s.append(between + self._encode(question) + tail)
+            else:
+                s.append(self._encode(reference) + between + self._encode(question) + tail)
             return s.generate(max_tokens, stop="\n").text.strip()
 
     def _encode(self, text: str) -> list[int]:

@@ -69,10 +69,10 @@ class ScriptedLM:
         self.thoughts.append(ScriptedThought(self.script, opening, self.room))
         return self.thoughts[-1]
 
-    def relevance(self, question, passages):
+    def relevance(self, question, passages, stored=None):
         return [0.0] * len(passages)
 
-    def extract(self, question, reference, max_tokens):
+    def extract(self, question, reference, max_tokens, stored=()):
         self.extracted.append((question, reference))
         return self.facts[question]
 
@@ -206,7 +206,7 @@ class RelevanceLM(ScriptedLM):
         super().__init__([])
         self.scores, self.asked = scores, []
 
-    def relevance(self, question, passages):
+    def relevance(self, question, passages, stored=None):
         self.asked.append(list(passages))
         return [self.scores[p.split()[0]] for p in passages]
 
@@ -300,6 +300,29 @@ def test_the_second_question_is_not_charged_for_the_shared_prefixes(algorithm):
     assert (second.text, second.trace[:-1]) == (first.text, first.trace[:-1])
     assert second.trace[-1]["prefix_flops_saved"] > first.trace[-1]["prefix_flops_saved"]
     assert second.trace[-1]["stop"] in STOP_REASONS
+
+
+@pytest.mark.model
+def test_stored_chunks_fully_repaired_give_the_prefilled_run():
+    """kv_reuse: the chunks' KV stored at indexing, placed in the re-rank, the fact extraction and the reader, and
+    with every placed token recomputed (blend, repair=1) the run of kv_reuse=off: the same re-rank scores, facts
+    and answer; pure reuse (no recompute) charges the query less. One chunk a step, so that the extraction's
+    reference is one chunk and its ids the same as prefilled."""
+    import nodekv
+
+    eng = nodekv.load_engine("smollm2-135m")
+    question = "Where was Marie Curie's husband born?"
+    runs = {}
+    for kv in ({"kv_reuse": "off"}, {"kv_reuse": "blend", "repair": 1.0}, {"kv_reuse": "reuse"}):
+        dice = Dice(eng, algorithm=1, max_iterations=2, recall_k=3, top_k=1, step_tokens=24, **kv)
+        index = dice.index(DOC)
+        assert (index.stored is None) == (kv["kv_reuse"] == "off")
+        runs[kv["kv_reuse"]] = dice.answer(index, question)
+    off, blend, reuse = runs["off"], runs["blend"], runs["reuse"]
+    assert blend.text == off.text and blend.trace[:-2] == off.trace[:-1]  # the reader's placement record is extra
+    placed = blend.trace[-1]
+    assert placed["placed"] == placed["repaired"] > 0 and all(n["reused"] == 0 for n in placed["nodes"])
+    assert reuse.trace[-1]["repaired"] == 0 and reuse.flops < off.flops
 
 
 @pytest.mark.model
