@@ -97,7 +97,6 @@ class Dice(Method, name="dice", title="DICE"):
         encode = self.engine.tokenizer.encode
         return replace(index, stored=store_kv_nodes(self.engine, [encode(c) for c in index.chunks], self.config))
 
-
     def retrieve(self, index: DiceIndex, query: str) -> Retrieved:
         """The `top_k` chunks for `query`: dense or hybrid recall, LLM re-rank (ties: the bi-encoder's order), then
         document order."""
