@@ -13,16 +13,20 @@ sequence of one token whose key and value go to a page of the pool reserved for 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import Callable
 
 import torch
 
 from .cache_batch import CacheBatch
+from .config import ModelConfig
 from .kv_cache import PagedKVCache
 from .page_pool import PagePool
 
-if TYPE_CHECKING:
-    from .model import Llama
+# the model's layers over new rows (`Llama._forward_rows`): (tokens, (cos, sin), cache, rows, want_logits) -> logits
+ForwardRows = Callable[..., torch.Tensor]
+# the model's RoPE tables at positions (`Llama.rope`): slice -> (cos, sin)
+Rope = Callable[[slice], tuple[torch.Tensor, torch.Tensor]]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes with a graph each; a batch runs in the smallest that holds it
 
@@ -62,24 +66,27 @@ class _Bucket:
 class DecodeGraphs:
     """Decode steps of batches over one page pool, each batch size's step recorded once as a CUDA graph.
 
-    `serves(batch)` says whether a step applies (one token a sequence, every cache on this pool, no node mass, at
-    most BUCKETS[-1] sequences, every sequence within `max_len` after it); `step` runs it. capture=False runs the
-    same static-buffer step eagerly (no CUDA needed: the tests check it against the op-by-op forward on the CPU).
-    Building one reserves a page of the pool for the padding rows, for the graphs' lifetime."""
+    The model comes as what a step needs of it: its config, its ops (the backend, whose `decode_attention` the step
+    uses), its RoPE tables (`rope`) and its layers over new rows (`forward_rows`). `serves(batch)` says whether a
+    step applies (one token a sequence, every cache on this pool, no node mass, at most BUCKETS[-1] sequences, every
+    sequence within `max_len` after it); `step` runs it. capture=False runs the same static-buffer step eagerly (no
+    CUDA needed: the tests check it against the op-by-op forward on the CPU). Building one reserves a page of the
+    pool for the padding rows, for the graphs' lifetime."""
 
-    def __init__(self, model: "Llama", pool: PagePool, capture: bool = True):
-        self.model, self.pool, self.capture = model, pool, capture
-        self.max_len = min(model.config.max_seq_len, pool.n_pages * pool.page_size)
+    def __init__(self, config: ModelConfig, ops: ModuleType, rope: Rope, forward_rows: ForwardRows, pool: PagePool,
+                 capture: bool = True):
+        self.ops, self.forward_rows, self.pool, self.capture = ops, forward_rows, pool, capture
+        self.max_len = min(config.max_seq_len, pool.n_pages * pool.page_size)
         self.max_pages = -(-self.max_len // pool.page_size)
         (self.sink,) = pool.alloc(1)
         # every position's RoPE rows, kept here: a graph reads these tensors' memory whatever the model builds later
-        self.cos, self.sin = model.rope(slice(0, self.max_len))
+        self.cos, self.sin = rope(slice(0, self.max_len))
         self._buckets: dict[int, _Bucket] = {}
 
     def serves(self, batch: CacheBatch) -> bool:
         caches = batch.caches
         return (len(caches) <= BUCKETS[-1] and all(n == 1 for n in batch.counts) and not batch.collecting
-                and all(type(c) is PagedKVCache and c.pool is self.pool and c.ops is self.model.ops
+                and all(type(c) is PagedKVCache and c.pool is self.pool and c.ops is self.ops
                         and c.length < self.max_len for c in caches))
 
     @torch.inference_mode()
@@ -123,9 +130,9 @@ class DecodeGraphs:
 
     def _run(self, bucket: _Bucket) -> torch.Tensor:
         """The step over the bucket's buffers: logits [size, vocab]."""
-        cache = _StaticBatch(self.pool, self.model.ops, bucket.tables, bucket.ends, self.max_len)
+        cache = _StaticBatch(self.pool, self.ops, bucket.tables, bucket.ends, self.max_len)
         rope = self.cos[bucket.positions], self.sin[bucket.positions]
-        return self.model._forward_rows(bucket.tokens, rope, cache, None, True)
+        return self.forward_rows(bucket.tokens, rope, cache, None, True)
 
     def _record(self, bucket: _Bucket) -> None:
         """Record the bucket's graph. A warm-up run on a side stream first compiles the Triton kernels and sets up

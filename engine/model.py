@@ -420,7 +420,7 @@ class Llama:
 
         if self.device.type == "cuda" and self.ops is triton_ops:
             try:
-                return DecodeGraphs(self, pool)
+                return DecodeGraphs(self.config, self.ops, self.rope, self._forward_rows, pool)
             except PoolExhaustedError:
                 return False
         if self.ops is not cpu_ops or self.dtype != torch.float32:

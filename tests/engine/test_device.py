@@ -150,6 +150,10 @@ def _graph_model(device: str, dtype: torch.dtype = torch.float32) -> Llama:
     return Llama(gpu_engine.TINY, hf_state_tensors(hf.state_dict()), dtype, backend="triton", device=device)
 
 
+def _graphs(model: Llama, pool: PagePool, capture: bool = True) -> DecodeGraphs:
+    return DecodeGraphs(model.config, model.ops, model.rope, model._forward_rows, pool, capture)
+
+
 def _decode_rounds(model: Llama, pool: PagePool, graphs: DecodeGraphs | None):
     """Decode steps of batches that grow and shrink (padding rows come and go, tables cross page boundaries) over
     sessions of different lengths, by `graphs` or, with None, op by op; every step's logits, and the final caches'
@@ -180,7 +184,7 @@ def test_a_decode_graphs_static_step_is_the_op_by_op_step():
     and that page stays reserved."""
     model = _graph_model("cpu")
     pools = [PagePool(model.config, torch.float32, 40, 4) for _ in range(2)]
-    graphs = DecodeGraphs(model, pools[1], capture=False)
+    graphs = _graphs(model, pools[1], capture=False)
     assert pools[1].n_free == 39 and graphs.max_len == min(model.config.max_seq_len, 160)
     sink = pools[1].k[:, graphs.sink].clone()
     want, want_keys = _decode_rounds(model, pools[0], None)
@@ -198,8 +202,8 @@ def test_cuda_graph_decode_steps_replay_the_static_step():
     a capture), and a model's own decode steps take them."""
     model = _graph_model("cuda", torch.bfloat16)
     pools = [PagePool(model.config, torch.bfloat16, 40, 4, "cuda") for _ in range(2)]
-    eager = DecodeGraphs(model, pools[0], capture=False)
-    recorded = DecodeGraphs(model, pools[1])
+    eager = _graphs(model, pools[0], capture=False)
+    recorded = _graphs(model, pools[1])
     want, want_keys = _decode_rounds(model, pools[0], eager)
     got, got_keys = _decode_rounds(model, pools[1], recorded)
     for a, b in zip(want + want_keys, got + got_keys):
