@@ -35,7 +35,7 @@ from .gor_store import GorIndex, load, save
 from .gor_train import GraphData, TrainConfig, bertscore_ranking, idf_weights, train_gat
 from ..options import Option
 from ..prompts import PromptSpec
-from ..retrieval import chunk_tokens
+from ..retrieval import BM25Index, chunk_tokens, fuse_with_bm25
 
 # Table 6's α and dropout; GovReport and Multi-News are not in it: the nearest kind stands in (AcademicEval's long
 # single documents, WCEP's multi-document news).
@@ -66,6 +66,9 @@ class Gor(Method, name="gor", title="GoR"):
         Option("order", str, "document", "the retrieved nodes in the prompt: document (chunks in document order, "
                "then responses in the order they were made, as the baselines show their chunks) or score",
                choices=("document", "score")),
+        Option("rank", str, "gat", "gat: nodes by their GAT vectors' similarity to the query (the paper); fused "
+               "(beyond the paper): that ranking fused by reciprocal rank with BM25's over the node texts",
+               choices=("gat", "fused")),
         Option("seed", int, 0, "seed of the chunk draws, the sampling and the GAT's training"),
         Option("train", str, "gat", "gat: learned node embeddings; none: the MiniLM vectors (Table 3's w/o train)",
                choices=("gat", "none")),
@@ -190,6 +193,8 @@ class Gor(Method, name="gor", title="GoR"):
             raise ValueError("GoR answers open queries; multiple-choice options are not supported")
         vectors, model = self.node_vectors(index)
         scores = vectors @ self._encode([question])[0]
+        if self.config.rank == "fused":
+            scores = torch.from_numpy(fuse_with_bm25(scores.numpy(), BM25Index(index.graph.texts).scores(question)))
         top = torch.argsort(-scores, stable=True)[:self.config.k].tolist()
         texts, chunks = index.graph.texts, len(index.graph.chunks)
         shown = sorted(top) if self.config.order == "document" else top  # chunk ids run in document order

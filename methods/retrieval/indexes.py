@@ -116,6 +116,13 @@ def rank_fusion(rankings: Sequence[np.ndarray], n: int) -> np.ndarray:
     return fused.astype(np.float32)
 
 
+def fuse_with_bm25(scores: np.ndarray, lexical: np.ndarray) -> np.ndarray:
+    """The ranking by `scores` (dense similarities, or any score, higher first) fused by reciprocal rank with BM25's
+    (`lexical`, BM25Index.scores), which ranks only the chunks that share a term with the query. float32 [n]."""
+    by_terms = np.argsort(-lexical, kind="stable")
+    return rank_fusion([np.argsort(-scores, kind="stable"), by_terms[lexical[by_terms] > 0]], len(scores))
+
+
 class HybridIndex:
     """Dense and BM25 rankings fused by reciprocal rank (`rank_fusion`). BM25 ranks only the chunks that share a
     term with the query, so a query of rare exact tokens (a name, a number: what the bi-encoder blurs) lifts the
@@ -131,9 +138,7 @@ class HybridIndex:
 
     def scores(self, query: str) -> np.ndarray:
         """The fused score of every chunk for `query`, float32 [len(chunks)]."""
-        dense, lexical = self.dense.scores(query), self.bm25.scores(query)
-        by_terms = np.argsort(-lexical, kind="stable")
-        return rank_fusion([np.argsort(-dense, kind="stable"), by_terms[lexical[by_terms] > 0]], len(self.chunks))
+        return fuse_with_bm25(self.dense.scores(query), self.bm25.scores(query))
 
     def search(self, query: str, k: int) -> list[tuple[int, float]]:
         return _top_k(self.scores(query), k)

@@ -199,6 +199,28 @@ def test_the_prompt_shows_the_k_best_nodes_in_document_or_score_order(monkeypatc
     assert [n["node"] for n in trace[0]["nodes"]] == best  # the trace keeps the retrieval order
 
 
+def test_rank_fused_takes_the_reciprocal_rank_fusion_with_bm25(monkeypatch):
+    """rank=fused: the k nodes with the largest 1/(60 + rank) summed over the vector ranking and BM25's (only nodes
+    that share a term with the question), computed here by hand from the two rankings."""
+    from nodekv.methods.reader import Reader
+    from nodekv.methods.retrieval import BM25Index
+
+    monkeypatch.setattr(Reader, "read", lambda self, context, question, options=(), nodes=(), trace=None: trace)
+    gor = _gor(_engine(), train="none", k=4, rank="fused")
+    index = gor.index(DOC)
+    question = "which aaa10 and ggg36?"  # exact words for BM25, letters for the vectors
+    scores = (LetterEmbedder().encode(index.graph.texts) @ LetterEmbedder().encode([question])[0]).tolist()
+    lexical = BM25Index(index.graph.texts).scores(question).tolist()
+    fused = [0.0] * len(scores)
+    for ranking in (sorted(range(len(scores)), key=lambda j: (-scores[j], j)),
+                    [j for j in sorted(range(len(lexical)), key=lambda j: (-lexical[j], j)) if lexical[j] > 0]):
+        for rank, j in enumerate(ranking, 1):
+            fused[j] += 1 / (60 + rank)
+    want = sorted(range(len(fused)), key=lambda j: (-fused[j], j))[:4]
+    assert any(v > 0 for v in lexical) and want != sorted(range(len(scores)), key=lambda j: -scores[j])[:4]
+    assert [n["node"] for n in gor.answer(index, question)[0]["nodes"]] == want
+
+
 def test_documents_are_dealt_into_folds_in_order_of_first_appearance():
     from nodekv.evaluation.runner import document_folds, document_hash
 
