@@ -4,7 +4,11 @@ second pass (mass_pass="two"), and torch's SDPA over the same keys laid out cont
 timed side by side with CUDA events (median of repeats after warm-up). The target for the one pass is at most
 1.25x the time without mass. Needs CUDA.
 
-    python -m nodekv.bench.triton_gpu [--dtype bfloat16] [--repeats 50]
+--tiles sweeps the kernel's tiles instead (`paged_attention(tiles=(BLOCK_M, BLOCK_N, num_warps, num_stages))`)
+over the prefill cases, without mass and with one-pass mass, and prints the default tiles' times beside the best
+found; a tile that does not compile or run on the device is listed as failed.
+
+    python -m nodekv.bench.triton_gpu [--dtype bfloat16] [--repeats 50] [--tiles]
 """
 from __future__ import annotations
 
@@ -22,6 +26,47 @@ CASES = [  # (label, n queries, end, H, Hkv, hd, nodes)
 ]
 PAGE = 16
 TARGET = 1.25  # the most that one-pass node mass may cost, as a multiple of attention without mass
+TILE_CASES = [("qwen2.5-1.5b prefill 2K", 2048, 2048, 12, 2, 128, 32), CASES[-1]]
+TILES = [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+
+
+def problem(n: int, end: int, H: int, Hkv: int, hd: int, N: int, dtype: torch.dtype, dev: str):
+    """One layer's paged keys and values (pages in random order), n queries, N equal nodes and a mass buffer."""
+    pages = -(-end // PAGE)
+    k_pages = torch.randn(1, 2 * pages, Hkv, PAGE, hd, device=dev, dtype=dtype)
+    v_pages = torch.randn_like(k_pages)
+    table = torch.randperm(2 * pages, device=dev)[:pages].int()
+    q = torch.randn(n, H, hd, device=dev, dtype=dtype)
+    bounds = torch.linspace(0, end, N + 1, device=dev).round().int()
+    return q, k_pages, v_pages, table, bounds, torch.zeros(n, N, device=dev)
+
+
+def sweep(dtype: torch.dtype, repeats: int, time_it, dev: str = "cuda", cases=TILE_CASES, grid=TILES) -> None:
+    """The tile sweep (--tiles): per case, the default tiles and the five fastest of `grid`, without and with
+    one-pass mass."""
+    from nodekv.kernels.triton_attention import paged_attention
+
+    print("| case | tiles (BLOCK_M, BLOCK_N, warps, stages) | no mass, us | one-pass mass, us | mass / no mass |")
+    print("|---|---|---|---|---|")
+    for label, n, end, H, Hkv, hd, N in cases:
+        q, k_pages, v_pages, table, bounds, mass = problem(n, end, H, Hkv, hd, N, dtype, dev)
+
+        def run(tiles, with_mass):
+            args = (bounds, mass) if with_mass else (None, None)
+            return time_it(lambda: paged_attention(q, k_pages, v_pages, 0, table, end, None, None, *args,
+                                                   mass_pass="one" if with_mass else None, tiles=tiles), repeats)
+
+        rows, failed = [], []
+        for tiles in [None, *grid]:
+            try:
+                rows.append((tiles, run(tiles, False), run(tiles, True)))
+            except Exception as e:  # out of shared memory or registers on this device
+                failed.append(f"{tiles}: {type(e).__name__}")
+        default, tuned = rows[0], sorted(rows[1:], key=lambda r: r[1] + r[2])[:5]
+        for tiles, plain, one in [default, *tuned]:
+            print(f"| {label} | {tiles or 'default'} | {plain * 1e6:.1f} | {one * 1e6:.1f} | {one / plain:.2f}x |")
+        if failed:
+            print(f"| {label} | failed: {'; '.join(failed)} | | | |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,21 +76,19 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--tiles", action="store_true", help="sweep the kernel's tiles over the prefill cases")
     args = p.parse_args(argv)
     dtype, dev = getattr(torch, args.dtype), "cuda"
     time_it = timer(torch.device(dev), warmup=5)  # seconds, the median of CUDA-event timings
     print(f"{torch.cuda.get_device_name()} {args.dtype}; times in microseconds (median of {args.repeats})")
+    if args.tiles:
+        return sweep(dtype, args.repeats, time_it)
     print(f"| case | paged, no mass | mass, one pass | mass, two passes | one pass / no mass (target <= {TARGET}) "
           "| two passes / no mass | SDPA contiguous |")
     print("|---|---|---|---|---|---|---|")
     for label, n, end, H, Hkv, hd, N in CASES:
-        pages = -(-end // PAGE)
-        k_pages = torch.randn(1, 2 * pages, Hkv, PAGE, hd, device=dev, dtype=dtype)
-        v_pages = torch.randn_like(k_pages)
-        table = torch.randperm(2 * pages, device=dev)[:pages].int()
-        q = torch.randn(n, H, hd, device=dev, dtype=dtype)
-        bounds = torch.linspace(0, end, N + 1, device=dev).round().int()
-        mass = torch.zeros(n, N, device=dev)
+        q, k_pages, v_pages, table, bounds, mass = problem(n, end, H, Hkv, hd, N, dtype, dev)
+        pages = table.shape[0]
         k = k_pages[0, table.long()].permute(1, 0, 2, 3).reshape(Hkv, pages * PAGE, hd)[:, :end]
         v = v_pages[0, table.long()].permute(1, 0, 2, 3).reshape(Hkv, pages * PAGE, hd)[:, :end]
         k, v = k.repeat_interleave(H // Hkv, 0)[None], v.repeat_interleave(H // Hkv, 0)[None]

@@ -378,7 +378,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                     block_table: torch.Tensor, end: int, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, node_bounds: torch.Tensor | None = None,
                     mass: torch.Tensor | None = None, *, num_splits: int | None = None,
-                    mass_pass: str | None = None) -> torch.Tensor:
+                    mass_pass: str | None = None, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal GQA attention of q [n, H, hd] (any strides, last dim contiguous) over the paged keys [0, end);
     returns a contiguous [n, H * hd] in q's dtype.
 
@@ -388,7 +388,9 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     num_splits (keyword, optional) forces the number of key splits; by default it is chosen from the grid size and
     the GPU's SM count (always 1 off CUDA). mass_pass (keyword, optional) forces how mass is computed: "one" inside
     the attention pass (at most ONE_PASS_MAX_NODES nodes), "two" in a second pass over the keys; by default "one"
-    when N <= ONE_PASS_MAX_NODES, else "two". Any other value is a ValueError."""
+    when N <= ONE_PASS_MAX_NODES, else "two". Any other value is a ValueError. tiles (keyword, optional):
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) for the attention and mass passes (blocks powers of two >= 16, warps
+    a power of two; what `bench triton_gpu --tiles` sweeps); by default `_blocks` and Triton's launch defaults."""
     n, H, hd = q.shape
     Hkv = k_pages.shape[2]
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
@@ -418,6 +420,13 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     q = _last_contig(q)
     G = H // Hkv
     block_m, block_n, block_d = _blocks(n * G, hd)
+    launch = {}
+    if tiles is not None:
+        if len(tiles) != 4 or any(t < 1 or t & (t - 1) for t in tiles[:3]) or min(tiles[:2]) < 16 or tiles[3] < 1:
+            raise ValueError(f"paged_attention: tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): blocks >= 16 "
+                             f"and warps powers of two, stages >= 1; got {tiles!r}")
+        block_m, block_n = tiles[:2]
+        launch = {"num_warps": tiles[2], "num_stages": tiles[3]}
     grid_m = triton.cdiv(n * G, block_m)
     splits = num_splits or _num_splits(grid_m * Hkv, end, block_n, q.device)
     split_len = triton.cdiv(triton.cdiv(end, splits), block_n) * block_n
@@ -452,7 +461,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         0, q.stride(0), q.stride(1), *kp_strides, *vp_strides,
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
         *m_strides, STORE_LSE=two_pass or splits > 1, MASS=one_pass, MASS_SPLITS=splits > 1, N_PAD=n_pad,
-        PER_SEQ=False, **common)
+        PER_SEQ=False, **common, **launch)
     if splits > 1:
         _attn_combine[(n, H)](
             o_buf, l_buf, out, lse, m_buf, acc if one_pass else out, splits, N,
@@ -467,7 +476,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         _attn_mass[(grid_m, Hkv, splits)](
             q, k_pages, block_table, lse, node_of_key, acc, layer, n, end, split_len, qk_scale,
             q.stride(0), q.stride(1), *kp_strides, lse.stride(0), lse.stride(1), acc.stride(0), acc.stride(1),
-            **common)
+            **common, **launch)
     if mass is not None and acc is not mass:
         mass += acc.to(mass.device)
     return out.view(n, H * hd)

@@ -83,6 +83,40 @@ MASS_CASES = {  # name: (n queries, T new tokens, end, H, Hkv, hd, page size, no
 }
 
 
+@needs_triton_interpreter
+@pytest.mark.parametrize("tiles", [(16, 16, 1, 1), (32, 128, 8, 3), (128, 32, 4, 2)])
+@pytest.mark.parametrize("mass_pass", ["one", "two"])
+def test_triton_tiles_chosen_by_hand_give_the_same_attention_and_mass(tiles, mass_pass, monkeypatch):
+    """`tiles` (what bench triton_gpu --tiles sweeps on a GPU) changes the blocking, not the result: output and
+    node mass against brute force, with a prefill whose 14 query rows and 150 keys cut across every tile size; the
+    kernel is launched with them; malformed tiles are refused."""
+    from nodekv.kernels import triton_attention
+
+    launched, kernel = [], triton_attention._attn_fwd
+
+    class Recording:  # _attn_fwd[grid](...), recording the launch's block sizes and options
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["BLOCK_M"], kw["BLOCK_N"], kw.get("num_warps"), kw.get("num_stages")))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_attn_fwd", Recording())
+    case = _mass_case(7, 7, 150, 4, 2, 16, 8, 5)
+    mass = torch.zeros(7, 5)
+    out = triton_attention.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table,
+                                           case.end, case.k_new, case.v_new, case.node_bounds, mass,
+                                           mass_pass=mass_pass, tiles=tiles)
+    want_out, want_mass = brute_force(case)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass.double(), want_mass, atol=1e-5, rtol=1e-5)
+    assert launched == [tiles]
+    for bad in [(8, 64, 4, 2), (64, 48, 4, 2), (64, 64, 3, 2), (64, 64, 4, 0), (64, 64, 4)]:
+        with pytest.raises(ValueError, match="tiles must be"):
+            triton_attention.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table,
+                                             case.end, tiles=bad)
+
+
 def _mass_case(n, T, end, H, Hkv, hd, P, nodes):
     if isinstance(nodes, int):
         return make_case(n, T, end, H, Hkv, hd, P, nodes)
