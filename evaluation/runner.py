@@ -11,14 +11,15 @@ are dealt into 5 folds and the method is fit on the other folds' documents befor
 document trains the model that answers it (`fit_s` in its lines); with --ray the documents are indexed on the
 workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
-file is the same as an uninterrupted run's.
+file is the same as an uninterrupted run's. A run file is resumed only under the model, precision, options and method
+config that wrote it (`check_resumable`): a changed default or a calibration written since is refused, not mixed in.
 """
 from __future__ import annotations
 
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -115,6 +116,33 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
     return k, {"matched_to": str(reference), "target_query_flops": target, "predicted_query_flops": predicted[k]}
 
 
+RESUMED_AS_WRITTEN = ("model", "precision", "options", "config")  # what a resumed run file must keep
+
+
+def check_resumable(path: Path, meta: dict, resuming: bool) -> None:
+    """Refuse (ValueError, before any work) to append to a run file that was written under another model file,
+    precision, option set or method config: a calibration file written since (PECAN's t_p) or a method default
+    changed since would otherwise mix two settings in one file under one label. Keys an older meta file lacks are
+    not checked; the model is compared by file name, so a run moves between machines."""
+    meta_path = path.with_suffix(".meta.json")
+    if not resuming or not meta_path.is_file():
+        return
+    old, new = json.loads(meta_path.read_text()), json.loads(json.dumps(meta))  # tuples as lists, as written
+    if "model" in old:
+        old["model"], new["model"] = Path(old["model"]).name, Path(new["model"]).name
+    changed = [key for key in RESUMED_AS_WRITTEN if key in old and old[key] != new[key]]
+    if changed:
+        detail = "; ".join(_difference(old[key], new[key]) if isinstance(new[key], dict) else
+                           f"{key} {old[key]} now {new[key]}" for key in changed)
+        raise ValueError(f"{path} was written under other settings ({detail}): resume it with the code and "
+                         "options that wrote it, or give this run another --label")
+
+
+def _difference(old: dict, new: dict) -> str:
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return ", ".join(f"{k}={old.get(k, '(unset)')} now {new.get(k, '(unset)')}" for k in keys)
+
+
 def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:
     """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path. With `ray`, the
     records run as Ray tasks (`ray_tasks`), the lines the same."""
@@ -134,10 +162,11 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_done(cfg.path)}
     meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path),
-            "precision": engine.model.precision, "options": options,
+            "precision": engine.model.precision, "options": options, "config": asdict(method.config),
             "option_sources": sources, **matched, "generation": {k: getattr(method.prompt, k) for k in
                                                                   ("max_new_tokens", "stop", "repetition_penalty")},
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
+    check_resumable(cfg.path, meta, bool(done))
     write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
     for rid, why in loaded.problems:
         print(f"skipped record {rid}: {why}", file=sys.stderr)

@@ -100,3 +100,32 @@ def test_top_x_matches_a_reference_runs_flops(tmp_path):
     assert k == 3 and abs(info["predicted_query_flops"] / info["target_query_flops"] - 1) < 0.02
     with pytest.raises(ValueError, match="bm25 or dense"):
         match_k(eng, RunConfig("full", "hotpotqa", data_dir=str(data), match=str(ref)), ref)
+
+
+def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
+    """A run file whose meta names other options or another config (a changed default) is refused before any work
+    and left as it was; a meta written before the config was kept is checked on what it has."""
+    data = tmp_path / "data"
+    _write_data(data)
+    assert _eval(data, tmp_path, "--label", "run", "--limit", "1") == 0
+    path, meta_path = tmp_path / "run-hotpotqa.jsonl", tmp_path / "run-hotpotqa.meta.json"
+    written, meta = path.read_text(), json.loads(meta_path.read_text())
+    assert meta["config"]["k"] == 2 and meta["config"]["kv_reuse"] == "off"
+
+    capsys.readouterr()
+    assert _eval(data, tmp_path, "--label", "run", "--k", "3") == 2  # other options under the same label
+    err = capsys.readouterr().err
+    assert "run-hotpotqa.jsonl was written under other settings" in err and "k=2 now 3" in err
+    assert path.read_text() == written and json.loads(meta_path.read_text()) == meta
+
+    meta["config"]["chunk_tokens"] = 200  # as if the default had been 200 when the file was written
+    meta_path.write_text(json.dumps(meta))
+    assert _eval(data, tmp_path, "--label", "run") == 2
+    assert "chunk_tokens=200 now 300" in capsys.readouterr().err
+    assert path.read_text() == written
+
+    del meta["config"], meta["precision"]  # an older meta: checked on model and options only
+    meta["model"] = "/elsewhere/" + meta["model"].rsplit("/", 1)[-1]  # the same file on another machine
+    meta_path.write_text(json.dumps(meta))
+    assert _eval(data, tmp_path, "--label", "run") == 0
+    assert len(path.read_text().splitlines()) == 3
