@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error(str(e))
 
     import nodekv
-    from nodekv.engine.node_store import STORE_DTYPES, write_node_store
+    from nodekv.engine.node_store import STORE_DTYPES, NodeStore, write_node_store
     from nodekv.evaluation.datasets import load_dataset
     from nodekv.evaluation.index_store import IndexStore
     from nodekv.evaluation.metrics import score
@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
                 rows[name]["ttft"].append(answer.prompt_s)
                 rows[name]["flops"].append(answer.flops)
                 rows[name]["f1"].append(score(record, answer.text).get("f1", 0.0))
-            stored = index.stored if isinstance(index.stored, dict) else dict(enumerate(index.stored))
+            stored = index.stored  # as built: a list (chunks) or a dict (PECAN's nodes); as loaded: a NodeStore
+            stored = ({i: stored[i] for i in stored.ids} if isinstance(stored, NodeStore) else
+                      stored if isinstance(stored, dict) else dict(enumerate(stored)))
             for dtype in STORE_DTYPES:
                 path = Path(tmp) / f"{dtype}.kv"
                 write_node_store(path, stored, model_id(engine), dtype)
