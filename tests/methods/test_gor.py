@@ -298,7 +298,7 @@ def test_kv_reuse_stores_every_node_once_and_places_the_k_retrieved(hf_tiny, tmp
 
     off, blend = gor(), gor(kv_reuse="blend", repair=0.5, kv_dtype="float32")
     assert off.index_key() == {k: getattr(off.config, k) for k in GRAPH_OPTIONS}
-    assert blend.index_key() == {**off.index_key(), "kv_dtype": "float32"}
+    assert blend.index_key() == {**off.index_key(), "kv_dtype": "float32", "kv_context": "document"}
     index = blend.index(DOC[:60])
     texts = index.graph.texts
     assert len(index.stored) == len(texts)

@@ -221,7 +221,8 @@ def test_boundary_repair_recomputes_each_passages_first_tokens_without_a_deviati
 def test_bm25_with_kv_reuse_stores_every_chunk_once_and_places_the_chosen(hf_tiny):
     _, path = hf_tiny
     eng = char_engine(path)
-    method = BM25TopK(eng, PromptSpec("{context}|{question}", 4), k=2, chunk_tokens=12, kv_reuse="blend", repair=0.5)
+    method = BM25TopK(eng, PromptSpec("{context}|{question}", 4), k=2, chunk_tokens=12, kv_reuse="blend", repair=0.5,
+                      repair_by="deviation")  # the fraction of all placed tokens (boundary rounds per node)
     index = method.index("the mill was built in 1821. it burned down in 1900. a school stands there now.")
     assert len(index.stored) == len(index.chunks) and all(len(n) > 0 for n in index.stored)
     answer = method.answer(index, "when did the mill burn?")
@@ -266,7 +267,7 @@ def test_top_k_index_saved_with_its_kv_answers_as_the_one_built(hf_tiny, tmp_pat
 
 def test_kv_context_document_stores_each_chunk_after_the_ones_before_it(hf_tiny):
     """kv_context=document stores the chunks as one sequence in document order (Engine.store_nodes, checked against
-    HF in tests/engine/test_node_store.py) and keys its index apart; the default keeps the keys of stores saved
+    HF in tests/engine/test_node_store.py) and keys its index apart; kv_context=none keeps the keys of stores saved
     before the option existed."""
     _, path = hf_tiny
     eng = char_engine(path)
@@ -280,5 +281,6 @@ def test_kv_context_document_stores_each_chunk_after_the_ones_before_it(hf_tiny)
         assert torch.equal(got.k, node.k) and torch.equal(got.v, node.v)
     assert not torch.equal(index.stored[1].v, eng.store_node(method.reader.passage_ids(index.chunks[1])).v)
     assert method.index_key() == {"chunk_tokens": 12, "kv_dtype": "float32", "kv_context": "document"}
-    assert BM25TopK(eng, spec, **opts).index_key() == {"chunk_tokens": 12, "kv_dtype": "float32"}
+    assert BM25TopK(eng, spec, **opts).index_key() == method.index_key()  # document context is the default
+    assert BM25TopK(eng, spec, **opts, kv_context="none").index_key() == {"chunk_tokens": 12, "kv_dtype": "float32"}
     assert BM25TopK(eng, spec, k=2, chunk_tokens=12).index_key() == {"chunk_tokens": 12, "kv_dtype": None}
