@@ -13,7 +13,7 @@ sizes are the bytes of the node store file (`write_node_store`) of each record's
 
     python -m nodekv.bench.stored_nodes [--method bm25] [--model qwen2.5-1.5b] [--dataset hotpotqa] [--records 5]
                                         [--repair 0.05,0.15,0.3] [--repair-by deviation,boundary] [--k 5]
-                                        [--kv-context none] [--indexes DIR] [--threads 2]
+                                        [--kv-context document] [--indexes DIR] [--threads 2]
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repair", type=_fractions, default=[0.05, 0.15, 0.3], help="blend's repaired fractions")
     p.add_argument("--repair-by", type=lambda t: t.split(","), default=["deviation", "boundary"],
                    help="blend's rules for which tokens to repair")
-    p.add_argument("--kv-context", default="none", help="how the nodes are stored: none (each alone) or document")
+    p.add_argument("--kv-context", default=None,
+                   help="how the nodes are stored: none (each alone) or document (default: the method's default)")
     p.add_argument("--indexes", type=Path, default=None,
                    help="an index store directory (an evaluation's runs/indexes): indexes found there are loaded, "
                         "others built and saved there")
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     if "kv_reuse" not in known:
         p.error(f"method {args.method} has no kv_reuse option: it reads no stored nodes")
     base = {name: value for name, (value, _) in method_class.dataset_defaults(args.dataset).items()}
-    base.update({"k": args.k} if "k" in known else {}, kv_context=args.kv_context)
+    base.update({"k": args.k} if "k" in known else {}, **({"kv_context": args.kv_context} if args.kv_context else {}))
     settings = {"off": {"kv_reuse": "off"}, "reuse": {"kv_reuse": "reuse"},
                 **{f"blend {r:g} by {by}": {"kv_reuse": "blend", "repair": r, "repair_by": by}
                    for by in args.repair_by for r in args.repair}}
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"record {i + 1}/{len(records)} done", flush=True)
 
     off_ttft, off_flops = statistics.mean(rows["off"]["ttft"]), statistics.mean(rows["off"]["flops"])
-    print(f"\n## {method_class.title} with stored nodes (kv_context={args.kv_context}), {args.model}, {args.dataset} "
-          f"records 0-{len(records) - 1}, {args.threads} threads\n")
+    print(f"\n## {method_class.title} with stored nodes (kv_context={methods['reuse'].config.kv_context}), {args.model}, "
+          f"{args.dataset} records 0-{len(records) - 1}, {args.threads} threads\n")
     print("| kv_reuse | s to first token | faster than off | query TFLOPs | fewer than off | F1 |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
