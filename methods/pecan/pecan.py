@@ -11,6 +11,7 @@ With `kv_reuse` (beyond the paper) each node's KV is stored at indexing and plac
 search and in the reader (engine/node_store.py). A placed node's tokens never attended to the query, so r comes from
 the tokens `blend` repairs (collected as they are recomputed); under pure `reuse` r is 0 and the search is by
 embedding similarity alone (the paper's "w/o attention" ablation), though the probes still read the placed KV.
+`kv_levels=chunks` places only the chunks and prefills the summary points.
 """
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ class Pecan(Method, name="pecan", title="PECAN"):
                "cosine similarity; paper: Eq. (1) as it is", choices=Z_SCALES),
         READER_OPTION,
         *KV_REUSE_OPTIONS,
+        Option("kv_levels", str, "all", "with kv_reuse: all: every node placed; chunks: only the level-1 chunks "
+               "placed, the summary points prefilled (short, and a point stored after the whole document carries "
+               "all of it into the Yes/No probe)", choices=("all", "chunks")),
     )
     can_save = True
     exports = {".graphml": "the graph as GraphML", ".html": "the graph drawn in an HTML page"}
@@ -153,8 +157,9 @@ class Pecan(Method, name="pecan", title="PECAN"):
         reader = self.reader if eng is self.engine else Reader(eng, self.answer_prompt)
         if index.stored is None:
             return reader.read(read, question, options, visited, trace)
-        return reader.read_stored([index.stored[n] for n in visited], question, options, visited, trace,
-                                  Repair.of(self.config), read)
+        passages = [self._node_ids(index.graph, n) if p is None else p
+                    for n, p in ((n, self._stored(index, n)) for n in visited)]
+        return reader.read_stored(passages, question, options, visited, trace, Repair.of(self.config), read)
 
     def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
                probe: bool = True) -> Iterator[dict]:
@@ -192,12 +197,9 @@ class Pecan(Method, name="pecan", title="PECAN"):
                     yield {"stop": "graph exhausted" if picked is None else "budget"}
                     return
                 node, why = picked.node, {"z": picked.z, "sim": picked.similarity, "by_sim": picked.by_similarity}
-            if index.stored is None:
-                stored, ids = None, self._node_ids(graph, node)
-                n_tokens = len(ids)
-            else:
-                stored = index.stored[node]
-                n_tokens = len(stored)
+            stored = self._stored(index, node)
+            ids = self._node_ids(graph, node) if stored is None else None
+            n_tokens = len(ids if stored is None else stored)
             if len(s) + n_tokens > room:
                 yield {"stop": "context full"}
                 return
@@ -215,6 +217,13 @@ class Pecan(Method, name="pecan", title="PECAN"):
             if probe and not pending:  # probes start once the whole top level is in
                 step["p_yes"] = s.probe(["Yes", "No"], tokens=probe_ids)["Yes"]
             yield step
+
+    def _stored(self, index: PecanIndex, node: int):
+        """The node's stored KV where it is to be placed (kv_reuse on, and a chunk unless kv_levels=all); else None,
+        and it is prefilled."""
+        if index.stored is None or (self.config.kv_levels == "chunks" and index.graph.nodes[node].level > 1):
+            return None
+        return index.stored[node]
 
     def _node_ids(self, graph, node: int) -> list[int]:
         """A node's tokens as the search appends it: "* text" and a newline."""

@@ -334,3 +334,28 @@ def test_pure_reuse_searches_by_similarity_and_runs_no_forward_over_the_nodes(bu
     method.save_index(index, tmp_path / "plain.pecan")
     with pytest.raises(NodeStoreError, match="indexed with kv_reuse=off"):
         reuse.load_index(tmp_path / "plain.pecan")
+
+
+def test_kv_levels_chunks_prefills_the_points_and_places_only_the_chunks(built, stored):
+    """kv_levels=chunks places only level-1 chunks: every summary point is prefilled (no reuse in its step, its r from
+    its own attention), so up to the first placed chunk the search is the prefilled one, p(Yes) included; a chunk
+    placed with kv_reuse=reuse runs no forward over its tokens."""
+    from nodekv.methods.pecan.pecan import Pecan
+
+    eng, method, index = built
+    options, index_kv = stored
+    question = "Who kept the lamps burning?"
+    got = Pecan(eng, **{**options, "kv_reuse": "reuse", "kv_levels": "chunks", "t_p": 1.0}).answer(index_kv, question)
+    want = Pecan(eng, **{**options, "kv_reuse": "off", "t_p": 1.0}).answer(index, question)
+    levels = {n: index.graph.nodes[n].level for n in index.graph.nodes}
+    steps = [step for step in got.trace if "node" in step]
+    assert {levels[s["node"]] > 1 for s in steps} == {True, False}  # the search reached both kinds
+    for step in steps:
+        assert ("reused" in step) == (levels[step["node"]] == 1)
+    assert all(step["reused"] > 0 and step["recomputed"] == 0 for step in steps if "reused" in step)
+    first = next(i for i, step in enumerate(steps) if "reused" in step)
+    wanted = [step for step in want.trace if "node" in step][:first]
+    assert [s["node"] for s in steps[:first]] == [s["node"] for s in wanted]
+    for g, w in zip(steps[:first], wanted):
+        assert g["r"] == pytest.approx(w["r"], rel=1e-5, abs=1e-8)
+        assert g.get("p_yes", 0.0) == pytest.approx(w.get("p_yes", 0.0), abs=1e-5)
