@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ...engine.engine import Engine
+from ...engine.node_store import StoredNode
 from ...paths import write_atomic
 from ..base import Answer, Method, chat_pieces
 from ..options import Option
@@ -157,8 +158,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
         reader = self.reader if eng is self.engine else Reader(eng, self.answer_prompt)
         if index.stored is None:
             return reader.read(read, question, options, visited, trace)
-        passages = [self._node_ids(index.graph, n) if p is None else p
-                    for n, p in ((n, self._stored(index, n)) for n in visited)]
+        stored = [self._stored(index, n) for n in visited]
+        passages = [self._node_ids(index.graph, n) if p is None else p for n, p in zip(visited, stored)]
         return reader.read_stored(passages, question, options, visited, trace, Repair.of(self.config), read)
 
     def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
@@ -218,9 +219,9 @@ class Pecan(Method, name="pecan", title="PECAN"):
                 step["p_yes"] = s.probe(["Yes", "No"], tokens=probe_ids)["Yes"]
             yield step
 
-    def _stored(self, index: PecanIndex, node: int):
-        """The node's stored KV where it is to be placed (kv_reuse on, and a chunk unless kv_levels=all); else None,
-        and it is prefilled."""
+    def _stored(self, index: PecanIndex, node: int) -> StoredNode | None:
+        """The node's stored KV if it is to be placed: the index holds KV, and the node is a chunk or kv_levels=all.
+        None: it is prefilled."""
         if index.stored is None or (self.config.kv_levels == "chunks" and index.graph.nodes[node].level > 1):
             return None
         return index.stored[node]
