@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..engine.config import preset
 from ..engine.engine import Engine
 from ..engine.flops import FlopAccount
 from ..methods.base import Method
@@ -45,6 +46,8 @@ class IndexStore:
 
     def __init__(self, root: Path, key: str, engine: Engine):
         self.root, self.key, self.engine = root, key, engine
+        # the costs it records are also projected (`BuiltIndex.flops_8b`), whoever builds through it
+        engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
 
     @classmethod
     def for_method(cls, root: Path, engine: Engine, method: Method) -> "IndexStore":

@@ -42,14 +42,12 @@ class _Worker:
     """One engine and one method instance, kept for every task this worker process runs."""
 
     def __init__(self, spec: WorkerSpec, threads: int):
-        from ..engine.config import preset
         from ..engine.engine import load_engine
-        from .index_store import PROJECT_TO, IndexStore
+        from .index_store import IndexStore
         from ..methods.prompts import prompt_for
         from ..methods.registry import get
 
         self.engine = load_engine(spec.model, dtype=spec.dtype, threads=threads, precision=spec.precision)
-        self.engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
         self.method = get(spec.method)(self.engine, prompt=prompt_for(spec.dataset), **spec.options)
         self.store = IndexStore.for_method(Path(spec.store_root), self.engine, self.method)
         self.indexes: dict = {}

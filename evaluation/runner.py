@@ -24,7 +24,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..engine.config import preset
 from ..engine.engine import DTYPES, Engine
 from ..methods.base import Method
 from ..methods.baselines import TopK
@@ -33,7 +32,7 @@ from ..methods.registry import get, names
 from ..paths import write_atomic
 from .datasets import load_dataset
 from .eval_line import evaluate_record
-from .index_store import PROJECT_TO, BuiltIndex, IndexStore, document_hash
+from .index_store import BuiltIndex, IndexStore, document_hash
 from .pecan_calibration import with_calibration
 from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray, index_on_ray
 
@@ -158,7 +157,6 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     for k, source in sources.items():
         print(f"{cfg.label} {cfg.dataset}: {k}={options[k]} ({source})", file=sys.stderr)
     method = method_class(engine, prompt=prompt_for(cfg.dataset), **options)
-    engine.flops.project_to.setdefault(PROJECT_TO, preset(PROJECT_TO))
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["id"] for r in read_done(cfg.path)}
     meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path),
