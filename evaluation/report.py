@@ -229,6 +229,12 @@ def amortization(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def point_styles(n: int) -> list[tuple[str, str]]:
+    """`n` (colour, marker) pairs, no two alike for n <= 70: 10 colours against 7 markers, coprime periods (equal
+    periods repeat a pair every 10 runs, and a panel holds more than 10)."""
+    return [(f"C{i % 10}", "osD^v<>"[i % 7]) for i in range(n)]
+
+
 def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
     """Each dataset's `primary_metric` against projected query TFLOPs, one panel per dataset, `columns` a row."""
     try:
@@ -259,9 +265,9 @@ def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
             runs.sort(key=lambda r: r["query_tflops_8b"])
             ks = ", ".join(TOP_K_RUN.fullmatch(r["method"]).group(2) for r in runs)
             ax.plot([r["query_tflops_8b"] for r in runs], [r.get(key, 0) for r in runs], "-", lw=1, alpha=0.6,
-                    label=f"{retriever} Top-k, k = {ks}")
-        for k, r in enumerate(sorted(rows, key=lambda r: r["method"])):
-            ax.scatter(r["query_tflops_8b"], r.get(key, 0), marker="osD^v<>ph*"[k % 10], s=40,
+                    color="0.5", label=f"{retriever} Top-k, k = {ks}")
+        for (color, marker), r in zip(point_styles(len(rows)), sorted(rows, key=lambda r: r["method"])):
+            ax.scatter(r["query_tflops_8b"], r.get(key, 0), color=color, marker=marker, s=40,
                        label=f"{r['method']} (n={r['n']})")
         ax.set(title=dataset, xlabel="query TFLOPs (llama-3.1-8b projection)", ylabel=key.upper())
         ax.set_xscale("log")

@@ -95,3 +95,9 @@ def test_paired_rows_count_common_records_by_hand(tmp_path):
     assert "| qmsum | bm25 |" not in text.split("## Paired")[1]  # no run is set against itself
     with pytest.raises(ValueError, match="no answered run of dense"):
         report([tmp_path], tmp_path / "out", against=["dense"])
+
+
+def test_no_two_points_of_a_panel_share_colour_and_marker():
+    from nodekv.evaluation.report import point_styles
+
+    assert len(set(point_styles(70))) == 70  # a panel of HotpotQA rows held 14 runs; 10 and 10 repeated at the 11th
