@@ -47,7 +47,7 @@ def main() -> None:
         if not (old_path.exists() and new_path.exists()):
             continue
         old, new = answered(old_path), answered(new_path)
-        ids = [i for i in old if i in new]
+        ids = sorted(set(old) & set(new))  # the report's order, so the bootstrap draws alike
         key = METRIC[ds]
         a, b = [100 * new[i]["metrics"][key] for i in ids], [100 * old[i]["metrics"][key] for i in ids]
         diff, lo, hi = bootstrap_difference(a, b)

@@ -1,0 +1,84 @@
+"""Each method row against the issue's two targets, from the run files in runs/:
+(a) at least its matched best Top-X: of the BM25 and dense rows matched to the method's query FLOPs, the one that
+scores higher; full context where none is listed because the method costs more than reading everything (a Top-X
+matched to it would read every chunk). On QuALITY full context's cost is per question over a prefix shared by the
+story's questions, while a Top-X reads its chunks fresh for each, so JERR has matched rows although it costs more
+than that shared read;
+(b) within 10 points of full context at no more than 60% of full context's query FLOPs (8B projection).
+Scores and paired differences are on the records both runs answered, with 95% bootstrap intervals; a row whose
+method or baseline run is missing is printed as still to run.
+
+    python analysis/targets.py       # from results/issue31; prints a markdown table
+"""
+import json
+from pathlib import Path
+
+from nodekv.evaluation.report import bootstrap_difference
+
+RUNS = Path(__file__).resolve().parent.parent / "runs"
+METRIC = {"hotpotqa": "f1", "2wikimqa": "f1", "musique": "f1", "quality": "accuracy", "multi_news": "rougeL"}
+MULTI_HOP = ("hotpotqa", "2wikimqa", "musique")
+# (method row, its run stem, the sets it is judged on, its matched Top-X run stems by set)
+ROWS = [("PECAN", "pecan", MULTI_HOP,
+         {"hotpotqa": ["bm25-top5", "dense-topx-pecan"], "2wikimqa": ["bm25-topx-pecan", "dense-topx-pecan"]}),
+        ("DICE Alg. 1", "dice-algorithm=1", MULTI_HOP, {}),
+        ("DICE Alg. 2", "dice", MULTI_HOP, {}),
+        ("DICE Alg. 2, notes=false rerank=false", "dice-notes=False-rerank=False", MULTI_HOP,
+         {"hotpotqa": ["bm25-top5", "dense-topx-pecan"]}),
+        ("JERR", "jerr", ("quality",), {"quality": ["bm25-topx-jerr", "dense-topx-jerr"]}),
+        ("GoR", "gor", ("multi_news",), {"multi_news": ["bm25-topx-gor", "dense-topx-gor"]}),
+        ("GoR, rank=fused", "gor-rank=fused", ("multi_news",), {"multi_news": ["bm25-topx-gor", "dense-topx-gor"]})]
+
+
+def load(stem: str, dataset: str) -> dict[str, dict] | None:
+    path = RUNS / f"{stem}-{dataset}.jsonl"
+    if not path.exists():
+        return None
+    lines = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {r["id"]: r for r in lines if "metrics" in r}
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def against(method: dict, other: dict, key: str) -> tuple[int, float, float, float]:
+    ids = sorted(set(method) & set(other))  # the report's order, so its intervals are these
+    return (len(ids), *bootstrap_difference([100 * method[i]["metrics"][key] for i in ids],
+                                            [100 * other[i]["metrics"][key] for i in ids]))
+
+
+def main() -> None:
+    print("| method | set | n | score | full context | vs full (95%) | query FLOPs / full | matched best Top-X "
+          "| vs it (95%) | (a) >= Top-X | (b) within 10 at <= 60% |")
+    print("|---|---|---:|---:|---:|---|---:|---|---|---|---|")
+    for name, stem, sets, matched in ROWS:
+        for ds in sets:
+            key, run, full = METRIC[ds], load(stem, ds), load("full", ds)
+            if run is None or full is None or len(run) < len(full):
+                done = 0 if run is None else len(run)
+                print(f"| {name} | {ds} | {done} of {len(full or {}) or '?'} | still to run | | | | | | | |")
+                continue
+            cost = mean(r["query_flops_8b"] for r in run.values()) / mean(r["query_flops_8b"] for r in full.values())
+            n, d_full, lo, hi = against(run, full, key)
+            if cost >= 1 and ds not in matched:
+                best, best_name = full, "full context (the method costs more)"
+            else:
+                tops = [(t, load(t, ds)) for t in matched.get(ds, [])]
+                tops = [(t, r) for t, r in tops if r is not None and all(i in r for i in run)]
+                if len(tops) < len(matched.get(ds, [None])):
+                    print(f"| {name} | {ds} | {n} | {100 * mean(r['metrics'][key] for r in run.values()):.1f} | "
+                          f"{100 * mean(full[i]['metrics'][key] for i in run):.1f} | {d_full:+.1f} ({lo:+.1f} .. {hi:+.1f}) | {cost:.2f} | still to run | | | |")
+                    continue
+                best_name, best = max(tops, key=lambda t: mean(t[1][i]["metrics"][key] for i in run))
+            _, d_top, tlo, thi = against(run, best, key)
+            score = 100 * mean(r["metrics"][key] for r in run.values())
+            base = 100 * mean(full[i]["metrics"][key] for i in run)
+            print(f"| {name} | {ds} | {n} | {score:.1f} | {base:.1f} | {d_full:+.1f} ({lo:+.1f} .. {hi:+.1f}) | "
+                  f"{cost:.2f} | {best_name} | {d_top:+.1f} ({tlo:+.1f} .. {thi:+.1f}) | "
+                  f"{'yes' if d_top >= 0 else 'no'} | {'yes' if d_full >= -10 and cost <= 0.6 else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()
