@@ -25,7 +25,7 @@ from .index_store import IndexStore
 from ..methods.pecan.pecan import INDEX_OPTIONS, Pecan
 from ..methods.pecan.pecan_store import PecanIndex
 from ..methods.prompts import prompt_for
-from ..paths import write_atomic
+from ..paths import read_json_lines, write_atomic
 
 OBJECTIVES = ("nodes", "f1", "f1-per-tflop")
 
@@ -147,13 +147,32 @@ def choose(rows: list[dict], objective: str, target_nodes: float | None = None) 
     return min(rows, key=lambda r: (-r["f1"] / r["query_tflops"], -r["f1"], r["t_p"]))
 
 
+def _swept(log: Path, settings: dict) -> dict[str, list[Point]]:
+    """The sweeps a calibration that was stopped already wrote to `log` (a header line with the model file and PECAN
+    config, then one line per dev record), by record id; a new log gets the header. Refused (ValueError, before any
+    work) when they were made under another model or config: mixing them would choose t_p for neither."""
+    settings = json.loads(json.dumps(settings))  # tuples as lists, as written
+    lines = read_json_lines(log)
+    if not lines:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(log, json.dumps(settings) + "\n")
+        return {}
+    if lines[0] != settings:
+        changed = sorted(k for k in set(lines[0]) | set(settings) if lines[0].get(k) != settings.get(k))
+        raise ValueError(f"{log} holds sweeps made under another {' and '.join(changed)}: calibrate into another "
+                         "--out, or delete it to sweep again")
+    return {line["id"]: [Point(**p) for p in line["points"]] for line in lines[1:]}
+
+
 def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str = "f1-per-tflop",
               target_nodes: float | None = None, out: str | Path = "runs", data_dir: str | None = None,
               options: dict | None = None, progress: bool = True) -> dict:
     """Sweep the dev records `dev` = (first, count) of `dataset` (by default after the 30 an evaluation uses),
     choose t_p for `objective`, and write <out>/pecan-calibration-<dataset>-<prompt style>.json with the choice, the
     options it holds for, the dev record ids and the whole table; `nodekv eval` in <out> then uses it by default.
-    Indexes are shared with `nodekv eval` (<out>/indexes)."""
+    Indexes are shared with `nodekv eval` (<out>/indexes). Each record's sweep is logged as it ends (beside the
+    calibration file, `.sweeps.jsonl`), so a stopped calibration resumes where it stopped and another objective
+    over the same records costs no model work."""
     check_objective(objective, target_nodes)
     first, count = dev
     if first < 0 or count < 1:
@@ -163,13 +182,20 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
         raise ValueError(f"{dataset} has no records from index {first} on to calibrate with")
     options = dict(options or {})
     method = Pecan(engine, prompt=prompt_for(dataset), **options)
+    path = calibration_path(out, dataset, method.config.prompt_style)
+    log = path.with_suffix(".sweeps.jsonl")
+    swept = _swept(log, {"model": Path(str(engine.path)).name, "config": asdict(method.config)})
     store = IndexStore.for_method(Path(out) / "indexes", engine, method)
     sweeps = []
-    for record in tqdm(records, unit="rec", desc=f"calibrate {dataset}", disable=not progress):
-        index = store.build_or_load(method, record.document).index
-        points = sweep(method, index, record)
-        if points:
-            sweeps.append(points)
+    with log.open("a") as written:
+        for record in tqdm(records, unit="rec", desc=f"calibrate {dataset}", disable=not progress):
+            points = swept.get(record.id)
+            if points is None:
+                points = sweep(method, store.build_or_load(method, record.document).index, record)
+                written.write(json.dumps({"id": record.id, "points": [asdict(p) for p in points]}) + "\n")
+                written.flush()
+            if points:
+                sweeps.append(points)
     if not sweeps:
         raise ValueError("no dev record reached a probe (each top level used the whole node budget)")
     rows = table(sweeps, method.config.t_n)
@@ -179,8 +205,6 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
               "dev_ids": [r.id for r in records],
               "model": str(engine.path), "table": rows,
               "sweeps": [[asdict(p) for p in points] for points in sweeps]}
-    path = calibration_path(out, dataset, method.config.prompt_style)
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(result, indent=1))
     result["path"] = str(path)
     return result

@@ -11,8 +11,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, quantiles
 
-from ..paths import atomic_path, write_atomic
-from .runner import read_done
+from ..paths import atomic_path, read_json_lines, write_atomic
 
 
 TOP_K_RUN = re.compile(r"(bm25|dense)-top(\d+)")  # a fixed-k retrieval run's label (`RunConfig.label`)
@@ -30,7 +29,7 @@ def _meta(path: Path) -> tuple[str, str, dict]:
 
 def summarize(path: Path) -> dict:
     """Means over a run file's answered records, with counts of failed and skipped ones."""
-    rows = read_done(path)
+    rows = read_json_lines(path)
     ok = [r for r in rows if "error" not in r]
     method, dataset, meta = _meta(path)
     docs: dict[str, tuple[int, int]] = {}
@@ -298,7 +297,7 @@ def paired(files: list[Path], against: list[str]) -> str:
     scores: dict[tuple[str, str], dict[str, float]] = {}  # (dataset, method) -> {record id: metric}
     for f in files:
         method, dataset, _ = _meta(f)
-        ok = [r for r in read_done(f) if "error" not in r]
+        ok = [r for r in read_json_lines(f) if "error" not in r]
         if ok:
             key = primary_metric({k: 0 for r in ok for k in r["metrics"]})
             scores[dataset, method] = {r["id"]: 100 * r["metrics"].get(key, 0.0) for r in ok}

@@ -29,7 +29,7 @@ from ..methods.base import Method
 from ..methods.baselines import TopK
 from ..methods.prompts import prompt_for
 from ..methods.registry import get, names
-from ..paths import write_atomic
+from ..paths import read_json_lines, write_atomic
 from .datasets import load_dataset
 from .eval_line import evaluate_record
 from .index_store import BuiltIndex, IndexStore, document_hash
@@ -64,24 +64,6 @@ class RunConfig:
         return Path(self.out) / f"{self.label}-{self.dataset}.jsonl"
 
 
-def read_done(path: Path) -> list[dict]:
-    """The complete lines of a run file; a torn last line (killed mid-write) is cut off the file."""
-    if not path.exists():
-        return []
-    lines, good = path.read_bytes().split(b"\n"), []
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            good.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    text = "".join(json.dumps(r) + "\n" for r in good)
-    if text.encode() != path.read_bytes():
-        write_atomic(path, text)  # a kill while cutting must not lose the lines kept
-    return good
-
-
 def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sample: int = 10) -> tuple[int, dict]:
     """Top-X: the k whose predicted mean query FLOPs on cfg's records come closest to the mean of a reference run
     (as Table 1 matches BM25/dense to PECAN). A prediction is one exact prefill of the k-chunk prompt plus as many
@@ -95,7 +77,7 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
         raise ValueError(f"--match picks k for {top_k}, not {cfg.method!r}")
     if not reference.is_file():
         raise ValueError(f"reference run {reference} does not exist")
-    ref = [r for r in read_done(reference) if "error" not in r]
+    ref = [r for r in read_json_lines(reference) if "error" not in r]
     if not ref:
         raise ValueError(f"reference run {reference} has no answered records to match")
     target = sum(r["query_flops"] for r in ref) / len(ref)
@@ -158,7 +140,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
         print(f"{cfg.label} {cfg.dataset}: {k}={options[k]} ({source})", file=sys.stderr)
     method = method_class(engine, prompt=prompt_for(cfg.dataset), **options)
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["id"] for r in read_done(cfg.path)}
+    done = {r["id"] for r in read_json_lines(cfg.path)}
     meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path),
             "precision": engine.model.precision, "options": options, "config": asdict(method.config),
             "option_sources": sources, **matched, "generation": {k: getattr(method.prompt, k) for k in

@@ -1,9 +1,11 @@
 """Where nodekv finds what lives beside its code rather than in it: the source checkout (examples, results) and the
 evaluation data. Defaults resolve from the checkout, or from the current folder outside one; nothing is ever
 written inside the installed package. Also how nodekv reads and writes files: documents checked before any model
-work, every file written atomically (`atomic_path`, `write_atomic`)."""
+work, every file written atomically (`atomic_path`, `write_atomic`), JSON-lines logs read back after a kill
+(`read_json_lines`)."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from contextlib import contextmanager
@@ -138,3 +140,23 @@ def check_output_folder(path: str | os.PathLike) -> Path:
     else:
         _check_folder(path.parent, f"cannot make the output folder {path}: ")
     return path
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict]:
+    """The complete lines of a JSON-lines file appended to as work finishes (a run file, a calibration's sweeps);
+    a torn last line (killed mid-write) is cut off the file. A missing file has none."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines, good = path.read_bytes().split(b"\n"), []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            good.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    text = "".join(json.dumps(r) + "\n" for r in good)
+    if text.encode() != path.read_bytes():
+        write_atomic(path, text)  # a kill while cutting must not lose the lines kept
+    return good

@@ -37,6 +37,45 @@ def test_table_and_choices_by_hand():
         choose(list(rows.values()), "speed")
 
 
+def test_a_stopped_calibration_resumes_from_its_logged_sweeps_and_refuses_another_model(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import nodekv.evaluation.pecan_calibration as cal
+    from nodekv.evaluation.records import LoadResult, Record
+
+    records = [Record(f"r{i}", "hotpotqa", f"document {i}", "q?", ("a",)) for i in range(3)]
+    monkeypatch.setattr(cal, "load_dataset", lambda *args: LoadResult(records))
+    store = SimpleNamespace(build_or_load=lambda method, document: SimpleNamespace(index=document))
+    monkeypatch.setattr(cal.IndexStore, "for_method", classmethod(lambda cls, *args: store))
+    swept, kill_at = [], ["r2"]
+
+    def scripted_sweep(method, index, record):
+        if record.id in kill_at:
+            raise KeyboardInterrupt  # the session ends mid-calibration
+        swept.append(record.id)
+        return {"r0": A, "r1": B, "r2": A}[record.id]
+
+    monkeypatch.setattr(cal, "sweep", scripted_sweep)
+    engine = SimpleNamespace(path="/models/model-a.gguf")
+    run = dict(dataset="hotpotqa", dev=(0, 3), objective="f1", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        cal.calibrate(engine, out=tmp_path / "stopped", **run)
+    log = tmp_path / "stopped" / "pecan-calibration-hotpotqa-paper.sweeps.jsonl"
+    with log.open("a") as f:
+        f.write('{"id": "r2", "poi')  # killed mid-line
+    kill_at.clear()
+    resumed = cal.calibrate(engine, out=tmp_path / "stopped", **run)
+    assert swept == ["r0", "r1", "r2"]  # r0 and r1 were read back, not swept again
+    fresh = cal.calibrate(engine, out=tmp_path / "fresh", **run)
+    assert {**resumed, "path": ""} == {**fresh, "path": ""}
+    swept.clear()
+    with pytest.raises(ValueError, match="another model"):
+        cal.calibrate(SimpleNamespace(path="/models/model-b.gguf"), out=tmp_path / "stopped", **run)
+    with pytest.raises(ValueError, match="another config"):
+        cal.calibrate(engine, out=tmp_path / "stopped", options={"t_p": 0.3}, **run)
+    assert swept == []
+
+
 @pytest.mark.model
 def test_sweep_points_are_what_a_search_with_that_threshold_does():
     import nodekv
