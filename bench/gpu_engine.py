@@ -14,6 +14,7 @@ compared against HF on the very same tensors. Prints the device, torch, Triton a
   before the timings, so that its clocks are up.
 
     nodekv bench gpu_engine [--preset qwen2.5-1.5b] [--prompts 2048,8192] [--decode 64] [--batch 32] [--nodes 32]
+        [--mass-sums one|dot]
     nodekv bench gpu_engine --preset tiny --device cpu --dtype float32   # the same code on the CPU: a smoke run
 """
 from __future__ import annotations
@@ -218,13 +219,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nodes", type=int, default=32, help="node segments of the mass measurements")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-check", dest="check", action="store_false", help="speed only (e.g. an 8B on one GPU)")
+    p.add_argument("--mass-sums", choices=["one", "dot"], default=None,
+                   help="how the Triton kernel's one pass sums node mass (default: its ONE_PASS_SUMS)")
     a = p.parse_args(argv)
+    if a.mass_sums is not None:
+        from nodekv.kernels import triton_attention
+
+        triton_attention.ONE_PASS_SUMS = a.mass_sums
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     config = config_of(a.preset)
     prompts = [int(x) for x in a.prompts.split(",")]
     time_it = timer(device)
     g = torch.Generator().manual_seed(0)
-    print(f"{a.preset} shapes, random weights, {a.dtype}; {versions(device)}")
+    print(f"{a.preset} shapes, random weights, {a.dtype}, node mass summed by "
+          f"{a.mass_sums or 'the default'}; {versions(device)}")
 
     hf32 = hf_model(config, torch.float32, device, "eager")
     tensors = hf_state_tensors(hf32.state_dict())
