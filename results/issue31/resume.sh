@@ -69,15 +69,15 @@ b)
     fix="--method dice --option notes=false --option rerank=false"
     $E $fix --dataset musique --limit 40
     $E $fix --dataset 2wikimqa --limit 40
-    $E --method dice --dataset 2wikimqa --limit 40
-    $E --method dice --dataset musique --limit 40
-    $E --method dice --option algorithm=1 --dataset 2wikimqa --limit 40
-    $E --method dice --option algorithm=1 --dataset musique --limit 40
-    for ds in hotpotqa musique 2wikimqa; do  # Top-X matched to DICE's fix where it reads less than full context
+    for ds in musique hotpotqa 2wikimqa; do  # Top-X matched to DICE's fix where it reads less than full context
         fixed="$R/runs/dice-notes=False-rerank=False-$ds.jsonl"
         cheaper_than_full "$fixed" $ds || continue
         for m in bm25 dense; do $E --method $m --match "$fixed" --label $m-topx-dice-fix --dataset $ds --limit 40; done
     done
+    $E --method dice --dataset 2wikimqa --limit 40
+    $E --method dice --dataset musique --limit 40
+    $E --method dice --option algorithm=1 --dataset 2wikimqa --limit 40
+    $E --method dice --option algorithm=1 --dataset musique --limit 40
     calibrated_pecan hotpotqa
     calibrated_pecan musique
     calibrated_pecan 2wikimqa

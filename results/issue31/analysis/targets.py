@@ -18,16 +18,26 @@ from nodekv.evaluation.report import bootstrap_difference
 RUNS = Path(__file__).resolve().parent.parent / "runs"
 METRIC = {"hotpotqa": "f1", "2wikimqa": "f1", "musique": "f1", "quality": "accuracy", "multi_news": "rougeL"}
 MULTI_HOP = ("hotpotqa", "2wikimqa", "musique")
-# (method row, its run stem, the sets it is judged on, its matched Top-X run stems by set)
+# (method row, its run stem, the sets it is judged on, its matched Top-X run stems by set; until DICE's fix has its
+# own on HotpotQA, the rows matched to PECAN stand in: 19.0-19.4 TFLOPs against its 17.8)
 ROWS = [("PECAN", "pecan", MULTI_HOP,
          {"hotpotqa": ["bm25-top5", "dense-topx-pecan"], "2wikimqa": ["bm25-topx-pecan", "dense-topx-pecan"]}),
         ("DICE Alg. 1", "dice-algorithm=1", MULTI_HOP, {}),
         ("DICE Alg. 2", "dice", MULTI_HOP, {}),
         ("DICE Alg. 2, notes=false rerank=false", "dice-notes=False-rerank=False", MULTI_HOP,
-         {"hotpotqa": ["bm25-top5", "dense-topx-pecan"]}),
+         {ds: ["bm25-topx-dice-fix", "dense-topx-dice-fix"] for ds in MULTI_HOP}),
         ("JERR", "jerr", ("quality",), {"quality": ["bm25-topx-jerr", "dense-topx-jerr"]}),
         ("GoR", "gor", ("multi_news",), {"multi_news": ["bm25-topx-gor", "dense-topx-gor"]}),
         ("GoR, rank=fused", "gor-rank=fused", ("multi_news",), {"multi_news": ["bm25-topx-gor", "dense-topx-gor"]})]
+
+
+STAND_IN = {("bm25-topx-dice-fix", "hotpotqa"): "bm25-top5", ("dense-topx-dice-fix", "hotpotqa"): "dense-topx-pecan"}
+
+
+def resolve(stem: str, dataset: str) -> str:
+    """The run stem, or its stand-in while the run is missing."""
+    missing = not (RUNS / f"{stem}-{dataset}.jsonl").exists()
+    return STAND_IN.get((stem, dataset), stem) if missing else stem
 
 
 def load(stem: str, dataset: str) -> dict[str, dict] | None:
@@ -65,7 +75,7 @@ def main() -> None:
             if cost >= 1 and ds not in matched:
                 best, best_name = full, "full context (the method costs more)"
             else:
-                tops = [(t, load(t, ds)) for t in matched.get(ds, [])]
+                tops = [(t, load(t, ds)) for t in (resolve(t, ds) for t in matched.get(ds, []))]
                 tops = [(t, r) for t, r in tops if r is not None and all(i in r for i in run)]
                 if len(tops) < len(matched.get(ds, [None])):
                     print(f"| {name} | {ds} | {n} | {100 * mean(r['metrics'][key] for r in run.values()):.1f} | "
