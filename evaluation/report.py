@@ -241,6 +241,7 @@ def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter
     except ImportError:
         return False
     by_dataset = defaultdict(list)
@@ -269,7 +270,10 @@ def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
             ax.scatter(r["query_tflops_8b"], r.get(key, 0), color=color, marker=marker, s=40,
                        label=f"{r['method']} (n={r['n']})")
         ax.set(title=dataset, xlabel="query TFLOPs (llama-3.1-8b projection)", ylabel=key.upper())
-        ax.set_xscale("log")
+        xs = [r["query_tflops_8b"] for r in rows]
+        if min(xs) > 0 and max(xs) > 10 * min(xs):  # within one decade a log axis has no labelled tick
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # else every minor tick is labelled, over each other
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
     fig.tight_layout()
     with atomic_path(path) as tmp:
