@@ -444,8 +444,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         if mass.shape != (n, N) or mass.dtype != torch.float32:
             raise ValueError(f"paged_attention: mass must be float32 [{n}, {N}], got {mass.dtype} "
                              f"{tuple(mass.shape)}")
-    mass_pass = _mass_pass(mass_pass, N) if mass is not None else None
-    one_pass, two_pass = mass_pass in ("one", "dot"), mass_pass == "two"
+    mass_pass = _mass_pass(mass_pass, N)  # checked even without mass: a bad value is an error either way
+    one_pass, two_pass = mass is not None and mass_pass != "two", mass is not None and mass_pass == "two"
     out = torch.empty(n, H, hd, dtype=q.dtype, device=q.device)
     if n == 0:
         return out.view(0, H * hd)
@@ -492,9 +492,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         layer, n, end, split_len, N, splits, qk_scale,
         0, q.stride(0), q.stride(1), *kp_strides, *vp_strides,
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
-        *m_strides, STORE_LSE=two_pass or splits > 1, MASS=one_pass, MASS_BY_DOT=mass_pass == "dot",
-        MASS_SPLITS=splits > 1, N_PAD=n_pad,
-        PER_SEQ=False, **common, **launch)
+        *m_strides, STORE_LSE=two_pass or splits > 1, MASS=one_pass, MASS_BY_DOT=one_pass and mass_pass == "dot",
+        MASS_SPLITS=splits > 1, N_PAD=n_pad, PER_SEQ=False, **common, **launch)
     if splits > 1:
         _attn_combine[(n, H)](
             o_buf, l_buf, out, lse, m_buf, acc if one_pass else out, splits, N,
