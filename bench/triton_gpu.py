@@ -1,8 +1,8 @@
 """What node mass costs inside the Triton paged-attention kernel on a GPU: one layer's attention of n queries over
 `end` paged keys, without mass, with mass over N nodes summed in the attention pass (mass_pass="one": masked sums;
-"dot": one-hot products) and in a second pass (mass_pass="two"), and torch's SDPA over the same keys laid out contiguously (no paging, no mass),
-timed side by side with CUDA events (median of repeats after warm-up). The target for the one pass is at most
-1.25x the time without mass. Needs CUDA.
+"dot": one-hot products) and in a second pass (mass_pass="two"), and torch's SDPA over the same keys laid out
+contiguously (no paging, no mass), timed side by side with CUDA events (median of repeats after warm-up). The
+target for the one pass is at most 1.25x the time without mass. Needs CUDA.
 
 --tiles sweeps the kernel's tiles instead (`paged_attention(tiles=(BLOCK_M, BLOCK_N, num_warps, num_stages))`)
 over the prefill cases, without mass and with one-pass mass, and prints the default tiles' times beside the best
@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
         one, dot, two = with_mass("one"), with_mass("dot"), with_mass("two")
         sdpa = time_it(lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=1 / math.sqrt(hd)),
                      args.repeats)
-        verdict = lambda t: "ok" if t / plain <= TARGET else "over"  # noqa: E731
+        def verdict(t: float) -> str:
+            return "ok" if t / plain <= TARGET else "over"
+
         print(f"| {label} | {plain * 1e6:.1f} | {one * 1e6:.1f} | {dot * 1e6:.1f} | {two * 1e6:.1f} | "
               f"{one / plain:.2f}x {verdict(one)} | {dot / plain:.2f}x {verdict(dot)} | {two / plain:.2f}x | "
               f"{sdpa * 1e6:.1f} |")

@@ -420,9 +420,9 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     the GPU's SM count (always 1 off CUDA). mass_pass (keyword, optional) forces how mass is computed: "one" inside
     the attention pass by masked sums, "dot" inside it by one-hot products (both at most ONE_PASS_MAX_NODES nodes),
     "two" in a second pass over the keys; by default ONE_PASS_SUMS when N <= ONE_PASS_MAX_NODES, else "two". Any
-    other value is a ValueError. tiles (keyword, optional):
-    (BLOCK_M, BLOCK_N, num_warps, num_stages) for the attention and mass passes (blocks powers of two >= 16, warps
-    a power of two; what `bench triton_gpu --tiles` sweeps); by default `_blocks` and Triton's launch defaults."""
+    other value is a ValueError. tiles (keyword, optional): (BLOCK_M, BLOCK_N, num_warps, num_stages) for the
+    attention and mass passes (blocks powers of two >= 16, warps a power of two; what `bench triton_gpu --tiles`
+    sweeps); by default `_blocks` and Triton's launch defaults."""
     n, H, hd = q.shape
     Hkv = k_pages.shape[2]
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
