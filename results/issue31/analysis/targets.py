@@ -88,7 +88,8 @@ def main() -> None:
                 tops = [(t, r) for t, r in tops if r is not None and all(i in r for i in run)]
                 if len(tops) < len(matched.get(ds, [None])):
                     print(f"| {name} | {ds} | {n} | {100 * mean(r['metrics'][key] for r in run.values()):.1f} | "
-                          f"{100 * mean(full[i]['metrics'][key] for i in run):.1f} | {d_full:+.1f} ({lo:+.1f} .. {hi:+.1f}) | {cost:.2f} | still to run | | | |")
+                          f"{100 * mean(full[i]['metrics'][key] for i in run):.1f} | "
+                          f"{d_full:+.1f} ({lo:+.1f} .. {hi:+.1f}) | {cost:.2f} | still to run | | | |")
                     continue
                 best_name, best = max(tops, key=lambda t: mean(t[1][i]["metrics"][key] for i in run))
             _, d_top, tlo, thi = against(run, best, key)
