@@ -35,9 +35,9 @@ STAND_IN = {("bm25-topx-dice-fix", "hotpotqa"): "bm25-top5", ("dense-topx-dice-f
 
 
 def resolve(stem: str, dataset: str) -> str:
-    """The run stem, or its stand-in while the run is missing."""
-    missing = not (RUNS / f"{stem}-{dataset}.jsonl").exists()
-    return STAND_IN.get((stem, dataset), stem) if missing else stem
+    """The run stem, or its stand-in while the run is missing or not yet over 40 records."""
+    done = load(stem, dataset)
+    return STAND_IN.get((stem, dataset), stem) if done is None or len(done) < 40 else stem
 
 
 def load(stem: str, dataset: str) -> dict[str, dict] | None:
