@@ -6,7 +6,8 @@ share, while a Top-X reads its chunks fresh for each question, so the afresh rea
 question's (~98 TFLOPs), and JERR (28) has matched rows;
 (b) within 10 points of full context at no more than 60% of full context's query FLOPs (8B projection).
 Scores and paired differences are on the records both runs answered, with 95% bootstrap intervals; a row whose
-method or baseline run is missing is printed as still to run.
+method run or every matched run is unfinished is printed as still to run, and a matched run still running is named
+beside the best finished one.
 
     python analysis/targets.py       # from results/issue31; prints a markdown table
 """
@@ -84,14 +85,18 @@ def main() -> None:
             if mean(r["query_flops_8b"] for r in run.values()) >= fresh_read(full):
                 best, best_name = full, "full context (the method costs more)"
             else:
-                tops = [(t, load(t, ds)) for t in (resolve(t, ds) for t in matched.get(ds, []))]
-                tops = [(t, r) for t, r in tops if r is not None and all(i in r for i in run)]
-                if len(tops) < len(matched.get(ds, [None])):
+                stems = [resolve(t, ds) for t in matched.get(ds, [])]
+                runs = {t: load(t, ds) for t in stems}
+                tops = [(t, r) for t, r in runs.items() if r is not None and all(i in r for i in run)]
+                if not tops:
                     print(f"| {name} | {ds} | {n} | {100 * mean(r['metrics'][key] for r in run.values()):.1f} | "
                           f"{100 * mean(full[i]['metrics'][key] for i in run):.1f} | "
                           f"{d_full:+.1f} ({lo:+.1f} .. {hi:+.1f}) | {cost:.2f} | still to run | | | |")
                     continue
                 best_name, best = max(tops, key=lambda t: mean(t[1][i]["metrics"][key] for i in run))
+                unfinished = [t for t in stems if t not in dict(tops)]
+                if unfinished:  # the best so far: a matched row still running may score higher
+                    best_name += f" ({', '.join(unfinished)} running)"
             _, d_top, tlo, thi = against(run, best, key)
             score = 100 * mean(r["metrics"][key] for r in run.values())
             base = 100 * mean(full[i]["metrics"][key] for i in run)
