@@ -10,7 +10,7 @@
 #   NODEKV=../wt-eval/.venv/bin/nodekv nohup bash results/issue31/resume.sh a > lane-a.log 2>&1 &
 #   NODEKV=../wt-eval/.venv/bin/nodekv nohup bash results/issue31/resume.sh b > lane-b.log 2>&1 &
 #
-# Lane a: QuALITY and Multi-News (~22 CPU-hours, 12 of them GoR's 20 indexes); lane b: the multi-hop sets (~17).
+# Lane a: QuALITY and Multi-News (~20 CPU-hours, 12 of them GoR's 20 indexes); lane b: the multi-hop sets (~15).
 # Commit the run files as they land. A step refused (a resumed file written under other settings) prints why and the
 # lane goes on to the next step.
 set -u
