@@ -148,8 +148,8 @@ def read_json_lines(path: str | os.PathLike) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    lines, good = path.read_bytes().split(b"\n"), []
-    for line in lines:
+    data, good = path.read_bytes(), []
+    for line in data.split(b"\n"):
         if not line.strip():
             continue
         try:
@@ -157,6 +157,6 @@ def read_json_lines(path: str | os.PathLike) -> list[dict]:
         except json.JSONDecodeError:
             break
     text = "".join(json.dumps(r) + "\n" for r in good)
-    if text.encode() != path.read_bytes():
+    if text.encode() != data:
         write_atomic(path, text)  # a kill while cutting must not lose the lines kept
     return good
