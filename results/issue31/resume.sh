@@ -10,7 +10,8 @@
 #   NODEKV=../wt-eval/.venv/bin/nodekv nohup bash results/issue31/resume.sh a > lane-a.log 2>&1 &
 #   NODEKV=../wt-eval/.venv/bin/nodekv nohup bash results/issue31/resume.sh b > lane-b.log 2>&1 &
 #
-# Lane a: QuALITY and Multi-News (~20 CPU-hours, 12 of them GoR's 20 indexes); lane b: the multi-hop sets (~15).
+# Lane a: QuALITY and Multi-News (~20 CPU-hours, 12 of them GoR's 20 indexes; PECAN first, the one method with no
+# QuALITY row); lane b: the multi-hop sets (~15).
 # Commit the run files as they land. A step refused (a resumed file written under other settings) prints why and the
 # lane goes on to the next step.
 set -u
@@ -53,6 +54,9 @@ calibrated_pecan() {  # t_p chosen on records 40-49 in a folder of its own, so t
 
 case $lane in
 a)
+    $E --method pecan --dataset quality
+    $E --method bm25 --match $R/runs/pecan-quality.jsonl --label bm25-topx-pecan --dataset quality
+    $E --method dense --match $R/runs/pecan-quality.jsonl --label dense-topx-pecan --dataset quality
     $E --method bm25 --match $R/runs/jerr-quality.jsonl --label bm25-topx-jerr --dataset quality
     $E --method dense --match $R/runs/jerr-quality.jsonl --label dense-topx-jerr --dataset quality
     gor_indexes
@@ -61,9 +65,6 @@ a)
     $E --method full --dataset multi_news --limit 30
     $E --method bm25 --match $R/runs/gor-multi_news.jsonl --label bm25-topx-gor --dataset multi_news --limit 30
     $E --method dense --match $R/runs/gor-multi_news.jsonl --label dense-topx-gor --dataset multi_news --limit 30
-    $E --method pecan --dataset quality
-    $E --method bm25 --match $R/runs/pecan-quality.jsonl --label bm25-topx-pecan --dataset quality
-    $E --method dense --match $R/runs/pecan-quality.jsonl --label dense-topx-pecan --dataset quality
     ;;
 b)
     fix="--method dice --option notes=false --option rerank=false"
