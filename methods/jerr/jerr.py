@@ -7,10 +7,10 @@ into entities and linked into a DAG whose edges carry the A.4 attribute of each 
 answer(index, question): the question's keywords (the model's that are words of the question; its longer words when
 none is); the entities whose texts (name, aliases, atoms of their chunks) hold a keyword start the search; MCTS
 (`jerr_search`: UCB with constant `c`, `iterations`, walks of `depth` nodes rewarded by the share of keywords found
-along them, or by the model's relevance probe, p(Yes)) or personalised PageRank picks `top_k` entities; their
-chunks' synopses, and in full the chunks the model asks to re-read (`reread`), are what the shared reader reads
-(`reader=paper`: the A.5 prompt, multiple choice answered by the letter the model finds most probable after
-"Answer: (", or the A.6 prompt).
+along them, or by the model's relevance probe, p(Yes)) or personalised PageRank picks `top_k` entities; their chunks'
+synopses, and in full the chunks the model asks to re-read (`reread`), are what the shared reader reads (`read=pages`,
+a fix attempt: `full_pages` of those chunks in full instead, at about the same tokens; `reader=paper`: the A.5 prompt,
+multiple choice answered by the letter the model finds most probable after "Answer: (", or the A.6 prompt).
 """
 from __future__ import annotations
 
@@ -72,7 +72,12 @@ class Jerr(Method, name="jerr", title="JERR"):
         Option("c", float, 1.0, "UCB exploration constant", low=0.0),
         Option("depth", int, 3, "nodes in a simulated walk at most", low=1),
         Option("top_k", int, 5, "entities whose chunks feed the answer", low=1),
-        Option("reread", bool, True, "let the model ask for chunks to be read again in full"),
+        Option("reread", bool, True, "let the model ask for chunks to be read again in full (read=synopses)"),
+        Option("read", str, "synopses", "what the reader reads of the chosen entities' pages: their synopses and the "
+               "pages the model asks to re-read (the paper), or `full_pages` pages in full, the pages most chosen "
+               "entities hold first, with no synopsis and no look-up turn", choices=("synopses", "pages")),
+        Option("full_pages", int, 2, "pages read in full under read=pages (two of QuALITY's 600-token pages read "
+               "about the tokens of the paper's synopses)", low=1),
         Option("seed", int, 0, "seed of the MCTS walks"),
         READER_OPTION,
     )
@@ -152,14 +157,18 @@ class Jerr(Method, name="jerr", title="JERR"):
         start = acc.total  # keywords, the search's probes and the look-up are the query's too
         keywords = self.keywords(question)
         chosen, how = self.select(index, question, keywords)
-        pages = sorted({ch for i in chosen for ch in index.graph.entities[i].chunks})
-        full = self._reread(index, question, pages) if self.config.reread and pages else []
+        c = self.config
+        if c.read == "pages":
+            pages = full = sorted(_ranked_pages(index.graph, chosen)[:c.full_pages])
+        else:
+            pages = sorted({ch for i in chosen for ch in index.graph.entities[i].chunks})
+            full = self._reread(index, question, pages) if c.reread and pages else []
         notes = "\n".join(f"- {index.graph.entities[i].name}" for i in chosen)
         text = "\n\n".join(f"[page {p}] " + (index.chunks[p] if p in full else index.synopses[p]) for p in pages)
-        context = f"Relevant nodes:\n{notes}\n\nSynopses:\n{text}"
+        context = f"Relevant nodes:\n{notes}\n\n{'Pages' if c.read == 'pages' else 'Synopses'}:\n{text}"
         trace = [{"keywords": keywords, **how, "nodes": [index.graph.entities[i].name for i in chosen],
                   "pages": pages, "reread": full}]
-        if self.config.reader == "shared":
+        if c.reader == "shared":
             return replace(self.reader.read(context, question, options, chosen, trace), flops=acc.total - start)
         if options:  # A.5: the letter the model finds most probable after "Answer: ("
             spec = PromptSpec(QUALITY_ANSWER.replace("{}", "{context}", 1).replace("{} {}", "{question} {options}"),
@@ -199,6 +208,16 @@ class Jerr(Method, name="jerr", title="JERR"):
     def describe(self, index: JerrIndex) -> list[str]:
         g = index.graph
         return [f"{len(index.chunks)} chunks, {len(g.entities)} entities, {len(g.edges)} edges", *g.log]
+
+
+def _ranked_pages(graph: EntityGraph, chosen: list[int]) -> list[int]:
+    """The pages of the `chosen` entities (best first), those held by the most of them first, then by the best rank
+    among the entities holding them: a page where several chosen entities meet before a protagonist's every page."""
+    held: dict[int, list[int]] = {}
+    for rank, i in enumerate(chosen):
+        for page in graph.entities[i].chunks:
+            held.setdefault(page, []).append(rank)
+    return sorted(held, key=lambda p: (-len(held[p]), held[p][0], p))
 
 
 def _facts(atoms: list[str], entity: Entity) -> str:

@@ -55,10 +55,12 @@ calibrated_pecan() {  # t_p chosen on records 40-49 in a folder of its own, so t
 case $lane in
 a)
     $E --method pecan --dataset quality
+    $E --method jerr --option read=pages --dataset quality  # JERR's fix attempt: raw pages instead of synopses
     $E --method bm25 --match $R/runs/pecan-quality.jsonl --label bm25-topx-pecan --dataset quality
     $E --method dense --match $R/runs/pecan-quality.jsonl --label dense-topx-pecan --dataset quality
     $E --method bm25 --match $R/runs/jerr-quality.jsonl --label bm25-topx-jerr --dataset quality
     $E --method dense --match $R/runs/jerr-quality.jsonl --label dense-topx-jerr --dataset quality
+    $E --method bm25 --match "$R/runs/jerr-read=pages-quality.jsonl" --label bm25-topx-jerr-pages --dataset quality
     gor_indexes
     $E --method gor --dataset multi_news --limit 30
     $E --method gor --option rank=fused --dataset multi_news --limit 30

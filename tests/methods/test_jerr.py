@@ -14,7 +14,8 @@ import pytest
 
 from nodekv.engine.flops import FlopAccount
 from nodekv.methods.index_file import IndexFileError
-from nodekv.methods.jerr.jerr import Jerr
+from nodekv.methods.jerr.jerr import Jerr, _ranked_pages
+from nodekv.methods.jerr.jerr_graph import Entity, EntityGraph
 
 DOC = ("Korvin was held by the Tr'en in a cell.\n\nThe Tr'en never understood democracy or any of it.\n\n"
        "Korvin found the door unlocked and a weapon nearby.")
@@ -130,6 +131,26 @@ def test_the_answer_reads_the_chosen_entities_pages_and_picks_a_letter(search):
     assert trace["pages"] == sorted({c for e in index.graph.entities if e.name in trace["nodes"] for c in e.chunks})
     assert trace["reread"] == ([2] if 2 in trace["pages"] else [])
     assert "Korvin, door" not in lm.turns[-1] and lm.turns[-1].startswith("The following are numbered synopses")
+
+
+def test_read_pages_ranks_pages_by_how_many_chosen_entities_hold_them():
+    graph = EntityGraph([Entity("A", [], [0, 3]), Entity("B", [], [3, 1]), Entity("C", [], [2]), Entity("D", [], [1])])
+    # pages 3 and 1 are held by two chosen entities (3 by the best), then 0 and 2 by one each, in the entities' order
+    assert _ranked_pages(graph, [0, 1, 2, 3]) == [3, 1, 0, 2]
+    assert _ranked_pages(graph, [2, 0]) == [2, 0, 3]
+
+
+def test_read_pages_reads_the_pages_in_full_with_no_look_up_turn():
+    lm = ScriptedLM()
+    jerr = _jerr(_engine(), lm, read="pages", full_pages=1, top_k=2, reader="paper")
+    index = jerr.index(DOC)
+    answer = jerr.answer(index, "Why was the door of Korvin unlocked?", options=("w", "x", "y", "z"))
+    trace = answer.trace[0]
+    chosen = [i for name in trace["nodes"] for i, e in enumerate(index.graph.entities) if e.name == name]
+    assert trace["pages"] == trace["reread"] == _ranked_pages(index.graph, chosen)[:1]
+    assert not any(t.startswith("The following are numbered synopses") for t in lm.turns)
+    assert index.chunks[trace["pages"][0]].strip() in answer.context
+    assert all(s not in answer.context for s in index.synopses)
 
 
 @pytest.mark.parametrize("liked, best", [("weapon", "Korvin"), ("never understood", "Tr'en")])
