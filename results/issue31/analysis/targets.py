@@ -19,8 +19,7 @@ from nodekv.evaluation.report import bootstrap_difference
 RUNS = Path(__file__).resolve().parent.parent / "runs"
 METRIC = {"hotpotqa": "f1", "2wikimqa": "f1", "musique": "f1", "quality": "accuracy", "multi_news": "rougeL"}
 MULTI_HOP = ("hotpotqa", "2wikimqa", "musique")
-# (method row, its run stem, the sets it is judged on, its matched Top-X run stems by set; until DICE's fix has its
-# own on HotpotQA, the rows matched to PECAN stand in: 19.0-19.4 TFLOPs against its 17.8)
+# (method row, its run stem, the sets it is judged on, its matched Top-X run stems by set)
 ROWS = [("PECAN", "pecan", (*MULTI_HOP, "quality"),
          {"hotpotqa": ["bm25-top5", "dense-topx-pecan"], "2wikimqa": ["bm25-topx-pecan", "dense-topx-pecan"],
           "quality": ["bm25-topx-pecan", "dense-topx-pecan"]}),
@@ -32,15 +31,6 @@ ROWS = [("PECAN", "pecan", (*MULTI_HOP, "quality"),
         ("JERR, read=pages", "jerr-read=pages", ("quality",), {"quality": ["bm25-topx-jerr-pages"]}),
         ("GoR", "gor", ("multi_news",), {"multi_news": ["bm25-topx-gor", "dense-topx-gor"]}),
         ("GoR, rank=fused", "gor-rank=fused", ("multi_news",), {"multi_news": ["bm25-topx-gor", "dense-topx-gor"]})]
-
-
-STAND_IN = {("bm25-topx-dice-fix", "hotpotqa"): "bm25-top5", ("dense-topx-dice-fix", "hotpotqa"): "dense-topx-pecan"}
-
-
-def resolve(stem: str, dataset: str) -> str:
-    """The run stem, or its stand-in while the run is missing or not yet over 40 records."""
-    done = load(stem, dataset)
-    return STAND_IN.get((stem, dataset), stem) if done is None or len(done) < 40 else stem
 
 
 def load(stem: str, dataset: str) -> dict[str, dict] | None:
@@ -87,7 +77,7 @@ def main() -> None:
             if mean(r["query_flops_8b"] for r in run.values()) >= fresh_read(full):
                 best, best_name = full, "full context (the method costs more)"
             else:
-                stems = [resolve(t, ds) for t in matched.get(ds, [])]
+                stems = matched.get(ds, [])
                 runs = {t: load(t, ds) for t in stems}
                 tops = [(t, r) for t, r in runs.items() if r is not None and all(i in r for i in run)]
                 if not tops:
