@@ -11,14 +11,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 
 
-def hours(folder: Path) -> tuple[float, float, dict[str, float]]:
-    """(hours of the lines, hours of the indexes, hours by run file) under `folder`."""
-    by_run = {}
-    for path in sorted(folder.glob("*.jsonl")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        by_run[path.stem] = sum(r.get("wall_s", 0.0) for r in rows) / 3600
-    index = sum(json.loads(p.read_text())[2] for p in (folder / "indexes").glob("*.json")) / 3600
-    return sum(by_run.values()), index, by_run
+def hours(folder: Path) -> tuple[float, float]:
+    """(hours of the lines, hours of the indexes) under `folder`."""
+    lines = 0.0
+    for path in folder.glob("*.jsonl"):
+        lines += sum(json.loads(line).get("wall_s", 0.0) for line in path.read_text().splitlines() if line.strip())
+    index = sum(json.loads(p.read_text())[2] for p in (folder / "indexes").glob("*.json"))
+    return lines / 3600, index / 3600
 
 
 def main() -> None:
@@ -27,7 +26,7 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for folder in folders:
         if folder.is_dir():
-            lines, index, _ = hours(folder)
+            lines, index = hours(folder)
             print(f"| {folder.name} | {lines:.1f} | {index:.1f} | {lines + index:.1f} |")
 
 
