@@ -14,7 +14,6 @@ compared against HF on the very same tensors. Prints the device, torch, Triton a
   before the timings, so that its clocks are up.
 
     nodekv bench gpu_engine [--preset qwen2.5-1.5b] [--prompts 2048,8192] [--decode 64] [--batch 32] [--nodes 32]
-        [--mass-sums one,dot]
     nodekv bench gpu_engine --preset tiny --device cpu --dtype float32   # the same code on the CPU: a smoke run
 """
 from __future__ import annotations
@@ -219,27 +218,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nodes", type=int, default=32, help="node segments of the mass measurements")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-check", dest="check", action="store_false", help="speed only (e.g. an 8B on one GPU)")
-    p.add_argument("--mass-sums", default=None,
-                   help="how the Triton kernel's one pass sums node mass: one, dot, or both comma-separated to check "
-                        "and time them side by side (default: its ONE_PASS_SUMS)")
     a = p.parse_args(argv)
-    from nodekv.kernels import triton_attention
-
-    mass_sums = a.mass_sums.split(",") if a.mass_sums else [triton_attention.ONE_PASS_SUMS]
-    if not set(mass_sums) <= {"one", "dot"}:
-        p.error(f"--mass-sums: {a.mass_sums!r} is not one, dot or both")
-
-    def summed_by(how: str) -> str:
-        triton_attention.ONE_PASS_SUMS = how
-        return "" if len(mass_sums) == 1 else f" ({how})"
-
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     config = config_of(a.preset)
     prompts = [int(x) for x in a.prompts.split(",")]
     time_it = timer(device)
     g = torch.Generator().manual_seed(0)
-    print(f"{a.preset} shapes, random weights, {a.dtype}, node mass summed by "
-          f"{' and '.join(mass_sums)}; {versions(device)}")
+    print(f"{a.preset} shapes, random weights, {a.dtype}; {versions(device)}")
 
     hf32 = hf_model(config, torch.float32, device, "eager")
     tensors = hf_state_tensors(hf32.state_dict())
@@ -262,12 +247,7 @@ def main(argv: list[str] | None = None) -> None:
             with torch.inference_mode():
                 got = model.forward(ids, new_cache(model, ids.shape[0]), logits="all").double().cpu()
             err = (got - exact).abs().max().item()
-            mass_target = TARGETS["mass_fp32" if check_dtype == torch.float32 else "mass_bf16"]
-            mass_errs = []
-            for how in mass_sums:
-                label = summed_by(how)  # before the forward: it sets the kernel's sums
-                mass_errs.append(f"{(our_mass(model, ids, bounds) - ref_mass).abs().max().item():.3g}{label}")
-            mass_err = "; ".join(mass_errs) + f" (target <= {mass_target:g})"
+            mass_err = (our_mass(model, ids, bounds) - ref_mass).abs().max().item()
             undone = probe_is_undone(model, ids[:-16], ids[-16:])
             rows.append((check_dtype, err, mass_err, undone))
             del model
@@ -277,9 +257,10 @@ def main(argv: list[str] | None = None) -> None:
         for check_dtype, err, mass_err, undone in rows:
             name = str(check_dtype).removeprefix("torch.")
             own = hf_err if check_dtype == dtype else 0.0
+            mass_target = TARGETS["mass_fp32" if check_dtype == torch.float32 else "mass_bf16"]
             logit_note = "" if check_dtype == torch.float32 else \
                 f" ({err / max(own, 1e-30):.2f}x HF's, target <= {TARGETS['logits']})"
-            print(f"| nodekv {name} | {err:.3g}{logit_note} | {own:.3g} | {mass_err} "
+            print(f"| nodekv {name} | {err:.3g}{logit_note} | {own:.3g} | {mass_err:.3g} (target <= {mass_target:g}) "
                   f"| {undone} |")
     del hf32
     if device.type == "cuda":
@@ -298,11 +279,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| prefill {T} tokens, tok/s | {T / ours:,.0f} | {T / theirs:,.0f} | {theirs / ours:.2f}x "
               f"| >= {TARGETS['prefill']}x |")
         bounds = node_bounds(T, a.nodes, device)
-        for how in mass_sums:
-            label = summed_by(how)
-            with_mass = time_it(lambda: our_prefill(model, ids, bounds), a.repeats)
-            print(f"| prefill {T} tokens with node mass ({a.nodes} nodes){label}, s | {with_mass:.4f} "
-                  f"(without: {ours:.4f}) | | {with_mass / ours:.2f}x of without | <= {TARGETS['mass_cost']}x |")
+        with_mass = time_it(lambda: our_prefill(model, ids, bounds), a.repeats)
+        print(f"| prefill {T} tokens with node mass ({a.nodes} nodes), s | {with_mass:.4f} (without: {ours:.4f}) "
+              f"| | {with_mass / ours:.2f}x of without | <= {TARGETS['mass_cost']}x |")
     prompt = torch.randint(0, config.vocab_size, (512,), generator=g)
     pages = -(-(prompt.shape[0] + a.decode + 1) // 64)
     pool = PagePool(config, dtype, (1 + a.batch) * pages + 1, 64, device)  # + the decode graphs' padding page

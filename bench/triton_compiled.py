@@ -1,5 +1,5 @@
 """What the Triton attention kernel compiles to for a CUDA GPU, on any machine (no GPU needed): per tile config,
-without node mass and with each one-pass way of summing it, the registers a thread uses, the bytes it spills (the
+without node mass and with it summed in the attention pass, the registers a thread uses, the bytes it spills (the
 cubin's stack), its shared memory, and how many asynchronous copies Triton's software pipeliner put in the key
 loop (0: each key block waits for its own loads). These explain a kernel's speed before any GPU time is spent.
 
@@ -25,8 +25,8 @@ UNALIGNED = {"stride_bt", "stride_ms", "stride_mh", "stride_os", "stride_ls"}  #
 
 
 def compile_attention(arch: int, dtype: str, hd: int, group: int, nodes: int, tiles: tuple[int, int, int, int],
-                      mass: str | None) -> dict:
-    """`_attn_fwd` for sm_<arch> with `tiles` = (BLOCK_M, BLOCK_N, warps, stages); mass None, "one" or "dot"."""
+                      mass: bool) -> dict:
+    """`_attn_fwd` for sm_<arch> with `tiles` = (BLOCK_M, BLOCK_N, warps, stages), with or without one-pass mass."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -36,9 +36,8 @@ def compile_attention(arch: int, dtype: str, hd: int, group: int, nodes: int, ti
     block_m, block_n, warps, stages = tiles
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
     const = dict(G=group, HD=hd, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(hd),
-                 STORE_LSE=False, DOT_PRECISION="ieee" if dtype == "float32" else None, MASS=mass is not None,
-                 MASS_BY_DOT=mass == "dot", MASS_SPLITS=False, N_PAD=max(16, triton.next_power_of_2(nodes)),
-                 PER_SEQ=False, stride_mj=1)
+                 STORE_LSE=False, DOT_PRECISION="ieee" if dtype == "float32" else None, MASS=mass, MASS_SPLITS=False,
+                 N_PAD=max(16, triton.next_power_of_2(nodes)), PER_SEQ=False, stride_mj=1)
     signature, attrs = {}, {}
     for i, name in enumerate(inspect.signature(_attn_fwd.fn).parameters):
         if name in const:
@@ -78,11 +77,10 @@ def main(argv: list[str] | None = None) -> None:
           "| async copies |")
     print("|---|---|---:|---:|---:|---:|")
     for tiles in TILES:
-        for mass in (None, "one", "dot"):
+        for mass in (False, True):
             r = compile_attention(a.arch, a.dtype, a.head_dim, a.group, a.nodes, tiles, mass)
-            how = {None: "none", "one": "masked sums", "dot": "one-hot products"}[mass]
-            print(f"| {tiles} | {how} | {r['registers']} | {r['spilled']} | {r['shared'] / 1024:.1f} | "
-                  f"{r['async_copies']} |")
+            print(f"| {tiles} | {'one pass' if mass else 'none'} | {r['registers']} | {r['spilled']} | "
+                  f"{r['shared'] / 1024:.1f} | {r['async_copies']} |")
 
 
 if __name__ == "__main__":

@@ -26,28 +26,22 @@ Node mass: mass[i, j] += Σ_h Σ_{k in node j} p_h[i, k], p the softmax probabil
 M[k, j] = 1 when key k is in node j: a second value matrix of N columns, computed in one pass or in two.
 
 One pass (N <= ONE_PASS_MAX_NODES, the default there): `_attn_fwd` keeps mass_acc [BLOCK_M, N_PAD] fp32 (N_PAD =
-max(16, next_power_of_2(N))) next to acc and treats it like acc: rescaled by alpha = 2^(m_old - m_new) whenever
-the running max moves, gets the block's fp32 probabilities p summed per node, and is divided by l at the end, so
-mass[i, j] = Σ_blocks 2^(m_block - m) Σ_{k in node j, block} 2^(s_k - m_block) / l. The block's sums, two ways:
-- masked sums (mass_pass="one", the default): nodes are contiguous runs of keys, so a key block touches only nodes
-  j0..j1 (found by counting node starts <= its first and last key): one masked row sum over the [BLOCK_M, BLOCK_N]
-  tile per touched node, added into its column with a select. Few operations, but a loop of data-dependent length
-  inside the key loop, and Triton's software pipeliner then leaves the loop alone: compiled for sm_90 (Triton 3.9,
-  offline, `bench triton_compiled`, default tiles, bf16, hd 128) the kernel has no asynchronous copies of the next
-  key block (0 against 10 without mass, 32 KB of shared memory against 80.5), so every block waits for its loads.
-- one-hot products (mass_pass="dot"): mass_acc += p · M_block, M_block[k, j] = 1 when key k of the block is in node
-  j: a fixed-shape tl.dot that keeps the loop pipelined (10 asynchronous copies, 84.5 KB). In fp32 it is the IEEE
-  product; otherwise p is split into bf16 parts hi + mid + lo that sum to p to fp32 precision, three tensor-core
-  products (fp32 sums) of N_PAD columns each: 3 N_PAD / HD of the PV product's work (3/4 at N_PAD 32, hd 128).
-  Not yet timed on a GPU (the Triton interpreter cannot run bf16 products, so the bf16 split is tested on CUDA
-  only); the default moves to it if `bench triton_gpu` finds it faster.
-A single split atomically adds each row's mass to mass[i, :] (the G heads of a query in a tile and the other KV
-heads add to the same row), skipping nodes after the block's last visible key. With split-KV each split stores its
-mass normalised by its own l into a [splits, n, H, N] fp32 buffer and `_attn_combine` merges it with the output's
-weights 2^(lse_s - lse) before adding it. Extra memory: the registers of mass_acc, BLOCK_M × N_PAD / (32 ×
-num_warps) fp32 a thread (16 for a decode tile at N_PAD = 128, 16 for a 64-row tile at N_PAD = 32; offline at the
-default tiles the kernel takes 255 registers with mass against 188 without, and "dot" spills 24 bytes a thread at 4
-warps, none at 8), and with splits the buffer; no log-sum-exp, no node-id array and no extra kernel launch.
+max(16, next_power_of_2(N))) next to acc and treats it like acc: rescaled by alpha = 2^(m_old - m_new) whenever the
+running max moves, gets the block's fp32 probabilities p summed per node, and is divided by l at the end, so
+mass[i, j] = Σ_blocks 2^(m_block - m) Σ_{k in node j, block} 2^(s_k - m_block) / l. Nodes are contiguous runs of
+keys, so a key block touches only nodes j0..j1 (found by counting node starts <= its first and last key): one masked
+row sum over the [BLOCK_M, BLOCK_N] tile per touched node, added into its column with a select. The loop's length
+depends on the data, so Triton's software pipeliner leaves the key loop alone: compiled for sm_90 (`bench
+triton_compiled`, default tiles, bf16, hd 128) the kernel issues no asynchronous copies of the next key block (10
+without mass). A one-hot product p · M_block keeps the loop pipelined, but was measured slower on an H100 even with
+M_block in bf16 (p split into three bf16 parts for fp32 mass): 2.44x the time without mass on a 512-row chunk at 8K
+keys, against 1.77x for the masked sums (results/gpu_h100.md). A single split atomically adds each row's mass to
+mass[i, :] (the G heads of a query in a tile and the other KV heads add to the same row), skipping nodes after the
+block's last visible key. With split-KV each split stores its mass normalised by its own l into a [splits, n, H, N]
+fp32 buffer and `_attn_combine` merges it with the output's weights 2^(lse_s - lse) before adding it. Extra memory:
+the registers of mass_acc, BLOCK_M × N_PAD / (32 × num_warps) fp32 a thread (16 for a decode tile at N_PAD = 128, 16
+for a 64-row tile at N_PAD = 32; offline at the default tiles the kernel takes 255 registers with mass against 188
+without, none spilled), and with splits the buffer; no log-sum-exp, no node-id array and no extra kernel launch.
 
 Two passes (`_attn_mass`, N > ONE_PASS_MAX_NODES, whose accumulator would not fit registers, or mass_pass="two"):
 a second pass over the key blocks using the final log-sum-exp from the attention pass, so p = 2^(s·scale - lse) is
@@ -72,13 +66,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ONE_PASS_MAX_NODES", "ONE_PASS_SUMS", "decode_attention", "paged_attention", "write_kv"]
+__all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "write_kv"]
 
 # the most nodes summed inside the attention pass: a [BLOCK_M, N_PAD] fp32 accumulator held in registers, like acc
 ONE_PASS_MAX_NODES = 128
-# how the one pass sums a key block's probabilities per node by default: "one", masked sums, or "dot", one-hot
-# products (see the module docstring; `bench gpu_engine --mass-sums` times the engine under either)
-ONE_PASS_SUMS = "one"
 
 
 # ---------------------------------------------------------------- paged KV write
@@ -175,12 +166,6 @@ def _node_of(starts, s):
     return tl.sum((starts <= s).to(tl.int32), 0) - 1
 
 
-@triton.jit
-def _node_of_keys(starts, s):
-    """`_node_of` for each key position of the vector s: [len(s)] node ids."""
-    return tl.sum((starts[None, :] <= s[:, None]).to(tl.int32), 1) - 1
-
-
 @triton.jit(do_not_specialize=["layer", "n", "end", "split_len", "n_nodes", "n_splits"])
 def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nodes, n_splits, qk_scale,
               stride_bt, stride_qn, stride_qh,
@@ -191,8 +176,7 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
               G: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              MASS: tl.constexpr, MASS_BY_DOT: tl.constexpr, MASS_SPLITS: tl.constexpr, N_PAD: tl.constexpr,
-              PER_SEQ: tl.constexpr):
+              MASS: tl.constexpr, MASS_SPLITS: tl.constexpr, N_PAD: tl.constexpr, PER_SEQ: tl.constexpr):
     """Program (row block, KV head, split): online-softmax attention over keys [split * split_len,
     min((split + 1) * split_len, causal end of the block)). Writes acc / l to O[split] (O's dtype) and, with
     STORE_LSE, the base-2 log-sum-exp m + log2(l) of the scaled scores to L[split] (-inf and a zero output for a
@@ -246,24 +230,13 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
         if MASS:
-            # p in fp32 (the l_i it is normalised by), rescaled like acc
+            # p in fp32 (the l_i it is normalised by), rescaled like acc. Nodes are runs of keys, so the block
+            # touches nodes j0..j1 only: a masked row sum per touched node
             mass_acc = mass_acc * alpha[:, None]
-            if MASS_BY_DOT:  # p times the block's one-hot node matrix, a fixed-shape product the pipeliner keeps
-                onehot = _node_of_keys(starts, s)[:, None] == cols[None, :]  # [BLOCK_N, N_PAD]
-                if DOT_PRECISION == "ieee":
-                    mass_acc += tl.dot(p, onehot.to(tl.float32), input_precision="ieee")
-                else:  # p = hi + mid + lo to fp32 precision: three bf16 tensor-core products summed in fp32
-                    p_hi = p.to(tl.bfloat16)
-                    rest = p - p_hi.to(tl.float32)
-                    p_mid = rest.to(tl.bfloat16)
-                    p_lo = (rest - p_mid.to(tl.float32)).to(tl.bfloat16)
-                    onehot = onehot.to(tl.bfloat16)
-                    mass_acc += tl.dot(p_hi, onehot) + tl.dot(p_mid, onehot) + tl.dot(p_lo, onehot)
-            else:  # a masked row sum per node the block touches (nodes are runs of keys: j0..j1 only)
-                for j in range(_node_of(starts, start), _node_of(starts, tl.minimum(start + BLOCK_N, hi) - 1) + 1):
-                    in_j = (s >= tl.load(NB + j)) & (s < tl.load(NB + j + 1))
-                    part = tl.sum(tl.where(in_j[None, :], p, 0.0), 1)
-                    mass_acc = tl.where(cols[None, :] == j, mass_acc + part[:, None], mass_acc)
+            for j in range(_node_of(starts, start), _node_of(starts, tl.minimum(start + BLOCK_N, hi) - 1) + 1):
+                in_j = (s >= tl.load(NB + j)) & (s < tl.load(NB + j + 1))
+                part = tl.sum(tl.where(in_j[None, :], p, 0.0), 1)
+                mass_acc = tl.where(cols[None, :] == j, mass_acc + part[:, None], mass_acc)
 
     empty = l_i == 0.0
     denom = tl.where(empty, 1.0, l_i)
@@ -395,14 +368,13 @@ def _num_splits(programs: int, end: int, block_n: int, device: torch.device) -> 
 
 
 def _mass_pass(mass_pass: str | None, n_nodes: int) -> str:
-    """How node mass is summed: `mass_pass` checked, or by default ONE_PASS_SUMS when the nodes fit the one-pass
+    """How node mass is summed: `mass_pass` checked, or by default "one" when the nodes fit the one-pass
     accumulator, else "two"."""
-    if mass_pass not in (None, "one", "dot", "two"):
-        raise ValueError(f"paged_attention: mass_pass must be 'one', 'dot', 'two' or None, got {mass_pass!r}")
-    if mass_pass in ("one", "dot") and n_nodes > ONE_PASS_MAX_NODES:
-        raise ValueError(f"paged_attention: mass_pass={mass_pass!r} holds at most {ONE_PASS_MAX_NODES} nodes, "
-                         f"got {n_nodes}")
-    return mass_pass or (ONE_PASS_SUMS if n_nodes <= ONE_PASS_MAX_NODES else "two")
+    if mass_pass not in (None, "one", "two"):
+        raise ValueError(f"paged_attention: mass_pass must be 'one', 'two' or None, got {mass_pass!r}")
+    if mass_pass == "one" and n_nodes > ONE_PASS_MAX_NODES:
+        raise ValueError(f"paged_attention: mass_pass='one' holds at most {ONE_PASS_MAX_NODES} nodes, got {n_nodes}")
+    return mass_pass or ("one" if n_nodes <= ONE_PASS_MAX_NODES else "two")
 
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int,
@@ -418,11 +390,10 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     mass[i, j] += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k] (callers divide by heads × layers).
     num_splits (keyword, optional) forces the number of key splits; by default it is chosen from the grid size and
     the GPU's SM count (always 1 off CUDA). mass_pass (keyword, optional) forces how mass is computed: "one" inside
-    the attention pass by masked sums, "dot" inside it by one-hot products (both at most ONE_PASS_MAX_NODES nodes),
-    "two" in a second pass over the keys; by default ONE_PASS_SUMS when N <= ONE_PASS_MAX_NODES, else "two". Any
-    other value is a ValueError. tiles (keyword, optional): (BLOCK_M, BLOCK_N, num_warps, num_stages) for the
-    attention and mass passes (blocks powers of two >= 16, warps a power of two; what `bench triton_gpu --tiles`
-    sweeps); by default `_blocks` and Triton's launch defaults."""
+    the attention pass (at most ONE_PASS_MAX_NODES nodes), "two" in a second pass over the keys; by default "one"
+    when N <= ONE_PASS_MAX_NODES, else "two". Any other value is a ValueError. tiles (keyword, optional):
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) for the attention and mass passes (blocks powers of two >= 16, warps a
+    power of two; what `bench triton_gpu --tiles` sweeps); by default `_blocks` and Triton's launch defaults."""
     n, H, hd = q.shape
     Hkv = k_pages.shape[2]
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
@@ -445,7 +416,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
             raise ValueError(f"paged_attention: mass must be float32 [{n}, {N}], got {mass.dtype} "
                              f"{tuple(mass.shape)}")
     mass_pass = _mass_pass(mass_pass, N)  # checked even without mass: a bad value is an error either way
-    one_pass, two_pass = mass is not None and mass_pass != "two", mass is not None and mass_pass == "two"
+    one_pass, two_pass = mass is not None and mass_pass == "one", mass is not None and mass_pass == "two"
     out = torch.empty(n, H, hd, dtype=q.dtype, device=q.device)
     if n == 0:
         return out.view(0, H * hd)
@@ -492,8 +463,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         layer, n, end, split_len, N, splits, qk_scale,
         0, q.stride(0), q.stride(1), *kp_strides, *vp_strides,
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
-        *m_strides, STORE_LSE=two_pass or splits > 1, MASS=one_pass, MASS_BY_DOT=one_pass and mass_pass == "dot",
-        MASS_SPLITS=splits > 1, N_PAD=n_pad, PER_SEQ=False, **common, **launch)
+        *m_strides, STORE_LSE=two_pass or splits > 1, MASS=one_pass, MASS_SPLITS=splits > 1, N_PAD=n_pad,
+        PER_SEQ=False, **common, **launch)
     if splits > 1:
         _attn_combine[(n, H)](
             o_buf, l_buf, out, lse, m_buf, acc if one_pass else out, splits, N,
@@ -564,7 +535,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
         0, 0, 0, 0, G=G, HD=hd, PAGE=k_pages.shape[3], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, STORE_LSE=splits > 1, MASS=False,
-        MASS_BY_DOT=False, MASS_SPLITS=False, N_PAD=16, PER_SEQ=True)
+        MASS_SPLITS=False, N_PAD=16, PER_SEQ=True)
     if splits > 1:
         _attn_combine[(B, H)](
             o_buf, l_buf, out, out, out, out, splits, 0,

@@ -70,10 +70,9 @@ def test_without_mass_or_writes(backend):
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
 
 
-# Triton's node mass by path: one pass (accumulated next to the output, by masked sums or by one-hot products) or
-# two (a second pass with the final lse), one key split or several (num_splits=3 gives 3 splits from end > 128, 2
-# from end > 64: splits are whole key blocks). Bounds are explicit where the node layout is the point; an int: that
-# many nodes at random cuts.
+# Triton's node mass by path: one pass (accumulated next to the output) or two (a second pass with the final lse),
+# one key split or several (num_splits=3 gives 3 splits from end > 128, 2 from end > 64: splits are whole key
+# blocks). Bounds are explicit where the node layout is the point; an int: that many nodes at random cuts.
 MASS_CASES = {  # name: (n queries, T new tokens, end, H, Hkv, hd, page size, node bounds or n_nodes)
     "one node, decode": (1, 1, 140, 4, 2, 16, 8, [0, 140]),
     "node over three key blocks": (9, 9, 200, 4, 2, 16, 16, [0, 5, 170, 200]),
@@ -86,7 +85,7 @@ MASS_CASES = {  # name: (n queries, T new tokens, end, H, Hkv, hd, page size, no
 
 @needs_triton_interpreter
 @pytest.mark.parametrize("tiles", [(16, 16, 1, 1), (32, 128, 8, 3), (128, 32, 4, 2)])
-@pytest.mark.parametrize("mass_pass", ["one", "dot", "two"])
+@pytest.mark.parametrize("mass_pass", ["one", "two"])
 def test_triton_tiles_chosen_by_hand_give_the_same_attention_and_mass(tiles, mass_pass, monkeypatch):
     """`tiles` (what bench triton_gpu --tiles sweeps on a GPU) changes the blocking, not the result: output and
     node mass against brute force, with a prefill whose 14 query rows and 150 keys cut across every tile size; the
@@ -126,7 +125,7 @@ def _mass_case(n, T, end, H, Hkv, hd, P, nodes):
 
 @needs_triton_interpreter
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("mass_pass", ["one", "dot", "two"])
+@pytest.mark.parametrize("mass_pass", ["one", "two"])
 @pytest.mark.parametrize("name", MASS_CASES)
 def test_triton_node_mass_one_and_two_pass(name, mass_pass, splits):
     from nodekv.kernels import triton_attention
@@ -138,7 +137,7 @@ def test_triton_node_mass_one_and_two_pass(name, mass_pass, splits):
     run = lambda: triton_attention.paged_attention(  # noqa: E731
         case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new, case.v_new,
         case.node_bounds, mass, num_splits=splits, mass_pass=mass_pass)
-    if mass_pass != "two" and N > triton_attention.ONE_PASS_MAX_NODES:
+    if mass_pass == "one" and N > triton_attention.ONE_PASS_MAX_NODES:
         with pytest.raises(ValueError, match="at most"):
             run()
         return
@@ -195,4 +194,3 @@ def test_triton_decode_attention_equals_each_sequence_alone(ends, H, Hkv, page, 
     want = torch.cat([brute_force(c)[0] for c in cases])
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(k_pages, want_k) and torch.equal(v_pages, want_v)
-
