@@ -30,18 +30,20 @@ max(16, next_power_of_2(N))) next to acc and treats it like acc: rescaled by alp
 running max moves, gets the block's fp32 probabilities p summed per node, and is divided by l at the end, so
 mass[i, j] = Σ_blocks 2^(m_block - m) Σ_{k in node j, block} 2^(s_k - m_block) / l. Nodes are contiguous runs of
 keys, so a key block touches only nodes j0..j1 (found by counting node starts <= its first and last key): one masked
-row sum over the [BLOCK_M, BLOCK_N] tile per touched node, added into its column with a select. The loop's length
-depends on the data, so Triton's software pipeliner leaves the key loop alone: compiled for sm_90 (`bench
-triton_compiled`, default tiles, bf16, hd 128) the kernel issues no asynchronous copies of the next key block (10
-without mass). A one-hot product p · M_block keeps the loop pipelined, but was measured slower on an H100 even with
-M_block in bf16 (p split into three bf16 parts for fp32 mass): 2.44x the time without mass on a 512-row chunk at 8K
-keys, against 1.77x for the masked sums (results/gpu_h100.md). A single split atomically adds each row's mass to
-mass[i, :] (the G heads of a query in a tile and the other KV heads add to the same row), skipping nodes after the
-block's last visible key. With split-KV each split stores its mass normalised by its own l into a [splits, n, H, N]
-fp32 buffer and `_attn_combine` merges it with the output's weights 2^(lse_s - lse) before adding it. Extra memory:
-the registers of mass_acc, BLOCK_M × N_PAD / (32 × num_warps) fp32 a thread (16 for a decode tile at N_PAD = 128, 16
-for a 64-row tile at N_PAD = 32; offline at the default tiles the kernel takes 255 registers with mass against 188
-without, none spilled), and with splits the buffer; no log-sum-exp, no node-id array and no extra kernel launch.
+row sum over the [BLOCK_M, BLOCK_N] tile per touched node, added into its column with a select. The sums for j0 and
+j0 + 1 are written out and the rest (j1 > j0 + 1, only where a node is shorter than a key block) run in a loop behind
+a branch: a loop of data-dependent length in the key loop itself made Triton's software pipeliner leave the key loop
+alone (compiled for sm_90 by `bench triton_compiled`, default tiles, bf16, hd 128: no asynchronous copies of the next
+key block, 10 without mass; now 10 with mass too, 253 registers, none spilled; not yet timed on a GPU). A one-hot
+product p · M_block also kept the loop pipelined, but was measured slower on an H100 even with M_block in bf16 (p
+split into three bf16 parts for fp32 mass): 2.44x the time without mass on a 512-row chunk at 8K keys, against 1.77x
+for the masked sums in a loop (results/gpu_h100.md). A single split atomically adds each row's mass to mass[i, :] (the
+G heads of a query in a tile and the other KV heads add to the same row), skipping nodes after the block's last
+visible key. With split-KV each split stores its mass normalised by its own l into a [splits, n, H, N] fp32 buffer and
+`_attn_combine` merges it with the output's weights 2^(lse_s - lse) before adding it. Extra memory: the registers of
+mass_acc, BLOCK_M × N_PAD / (32 × num_warps) fp32 a thread (16 for a decode tile at N_PAD = 128, 16 for a 64-row tile
+at N_PAD = 32; offline at the default tiles 253 registers with mass against 188 without), and with splits the buffer;
+no log-sum-exp, no node-id array and no extra kernel launch.
 
 Two passes (`_attn_mass`, N > ONE_PASS_MAX_NODES, whose accumulator would not fit registers, or mass_pass="two"):
 a second pass over the key blocks using the final log-sum-exp from the attention pass, so p = 2^(s·scale - lse) is
@@ -231,12 +233,23 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
         m_i = m_new
         if MASS:
             # p in fp32 (the l_i it is normalised by), rescaled like acc. Nodes are runs of keys, so the block
-            # touches nodes j0..j1 only: a masked row sum per touched node
+            # touches nodes j0..j1 only: a masked row sum per touched node, the first two unrolled and the rest
+            # (j1 > j0 + 1 only where nodes are shorter than a block) behind a branch, so that the key loop holds
+            # no loop of data-dependent length
             mass_acc = mass_acc * alpha[:, None]
-            for j in range(_node_of(starts, start), _node_of(starts, tl.minimum(start + BLOCK_N, hi) - 1) + 1):
-                in_j = (s >= tl.load(NB + j)) & (s < tl.load(NB + j + 1))
-                part = tl.sum(tl.where(in_j[None, :], p, 0.0), 1)
-                mass_acc = tl.where(cols[None, :] == j, mass_acc + part[:, None], mass_acc)
+            j0 = _node_of(starts, start)
+            b1 = tl.load(NB + j0 + 1)
+            in1 = (s >= b1) & (s < tl.load(NB + tl.minimum(j0 + 2, n_nodes)))
+            part0 = tl.sum(tl.where((s < b1)[None, :], p, 0.0), 1)
+            part1 = tl.sum(tl.where(in1[None, :], p, 0.0), 1)
+            mass_acc = tl.where(cols[None, :] == j0, mass_acc + part0[:, None],
+                                tl.where(cols[None, :] == j0 + 1, mass_acc + part1[:, None], mass_acc))
+            j1 = _node_of(starts, tl.minimum(start + BLOCK_N, hi) - 1)
+            if j1 > j0 + 1:
+                for j in range(j0 + 2, j1 + 1):
+                    in_j = (s >= tl.load(NB + j)) & (s < tl.load(NB + j + 1))
+                    part = tl.sum(tl.where(in_j[None, :], p, 0.0), 1)
+                    mass_acc = tl.where(cols[None, :] == j, mass_acc + part[:, None], mass_acc)
 
     empty = l_i == 0.0
     denom = tl.where(empty, 1.0, l_i)

@@ -78,6 +78,7 @@ MASS_CASES = {  # name: (n queries, T new tokens, end, H, Hkv, hd, page size, no
     "node over three key blocks": (9, 9, 200, 4, 2, 16, 16, [0, 5, 170, 200]),
     "40 one-key nodes in a key block, MQA decode": (1, 1, 100, 4, 1, 16, 8, [*range(41), 100]),
     "GQA 3, prefill": (5, 5, 130, 6, 2, 32, 4, 7),
+    "the last node going on past the keys": (6, 6, 150, 4, 2, 16, 8, [0, 90, 200]),
     "ONE_PASS_MAX_NODES nodes": (3, 3, 150, 6, 2, 16, 8, 128),
     "ONE_PASS_MAX_NODES + 1 nodes": (3, 3, 150, 6, 2, 16, 8, 129),
 }
