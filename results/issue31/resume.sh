@@ -10,8 +10,8 @@
 #   NODEKV=../wt-eval/.venv/bin/nodekv nohup bash results/issue31/resume.sh a > lane-a.log 2>&1 &
 #   NODEKV=../wt-eval/.venv/bin/nodekv nohup bash results/issue31/resume.sh b > lane-b.log 2>&1 &
 #
-# Lane a: QuALITY and Multi-News (~20 CPU-hours, 12 of them GoR's 20 indexes; PECAN first, the one method with no
-# QuALITY row); lane b: the multi-hop sets (~15).
+# Lane a: QuALITY, then GoR's Multi-News indexes; lane b: the multi-hop sets, then GoR's row, which shares the indexes
+# still to build with lane a (they meet in the middle), so that both lanes end about together.
 # Commit the run files as they land. A step refused (a resumed file written under other settings) prints why and the
 # lane goes on to the next step.
 set -u
@@ -61,12 +61,9 @@ a)
     $E --method bm25 --match $R/runs/jerr-quality.jsonl --label bm25-topx-jerr --dataset quality
     $E --method dense --match $R/runs/jerr-quality.jsonl --label dense-topx-jerr --dataset quality
     $E --method bm25 --match "$R/runs/jerr-read=pages-quality.jsonl" --label bm25-topx-jerr-pages --dataset quality
-    gor_indexes
-    $E --method gor --dataset multi_news --limit 30
-    $E --method gor --option rank=fused --dataset multi_news --limit 30
+    gor_indexes  # from record 29 down, while lane b's GoR row builds them from record 10 up
     $E --method full --dataset multi_news --limit 30
-    $E --method bm25 --match $R/runs/gor-multi_news.jsonl --label bm25-topx-gor --dataset multi_news --limit 30
-    $E --method dense --match $R/runs/gor-multi_news.jsonl --label dense-topx-gor --dataset multi_news --limit 30
+    $E --method gor --option rank=fused --dataset multi_news --limit 30
     ;;
 b)
     fix="--method dice --option notes=false --option rerank=false"
@@ -88,6 +85,11 @@ b)
         for ds in musique 2wikimqa; do $E --method bm25 --k $k --dataset $ds --limit 40; done
     done
     $E --method bm25 --k 8 --dataset hotpotqa --limit 40
+    # GoR's row builds the Multi-News indexes lane a's gor_indexes has not reached (each is built once: a store
+    # loads an index another process finished meanwhile), then its matched Top-X rows
+    $E --method gor --dataset multi_news --limit 30
+    $E --method bm25 --match $R/runs/gor-multi_news.jsonl --label bm25-topx-gor --dataset multi_news --limit 30
+    $E --method dense --match $R/runs/gor-multi_news.jsonl --label dense-topx-gor --dataset multi_news --limit 30
     ;;
 *)
     echo "resume.sh: lane must be a or b, got '$lane'" >&2
