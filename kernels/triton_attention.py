@@ -359,6 +359,20 @@ def _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, fn):
     return block_table.to(device=k_pages.device, dtype=torch.int32)  # a no-op when it already is
 
 
+def _check_bounds(node_bounds: torch.Tensor, end: int, fn: str) -> None:
+    """node_bounds must be a 1-D integer tensor of >= 2 bounds; on the CPU also rising strictly from 0 to at least
+    `end` (the last node may go on past the keys). A CUDA tensor's values are trusted: reading them would cost a
+    device sync per call (sessions build them rising from 0 to the keys' end)."""
+    if node_bounds.dim() != 1 or node_bounds.dtype.is_floating_point or node_bounds.shape[0] < 2:
+        raise ValueError(f"{fn}: node_bounds must be a 1-D integer tensor of at least 2 bounds, got "
+                         f"{node_bounds.dtype} {tuple(node_bounds.shape)}")
+    if node_bounds.device.type == "cpu":
+        b = node_bounds.tolist()
+        if b[0] != 0 or b[-1] < end or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"{fn}: node_bounds must rise strictly from 0 to at least end={end}, got "
+                             f"{b if len(b) <= 12 else b[:6] + ['...'] + b[-6:]}")
+
+
 def _blocks(rows: int, hd: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D): 16-row tiles for decode-sized row counts, 64 otherwise (tl.dot needs >= 16)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
@@ -399,7 +413,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     returns a contiguous [n, H * hd] in q's dtype.
 
     k_new, v_new [T, kv_heads, hd], when given, are first stored at positions end - T .. end - 1 (`write_kv`).
-    Scale 1/sqrt(hd). With mass (float32 [n, N]) and node_bounds (int32 [N + 1]):
+    Scale 1/sqrt(hd). With mass (float32 [n, N]) and node_bounds (int32 [N + 1], 0 = b[0] < ... < b[N], b[N] >= end;
+    refused otherwise where they are on the CPU, see `_check_bounds`):
     mass[i, j] += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k] (callers divide by heads × layers).
     num_splits (keyword, optional) forces the number of key splits; by default it is chosen from the grid size and
     the GPU's SM count (always 1 off CUDA). mass_pass (keyword, optional) forces how mass is computed: "one" inside
@@ -424,6 +439,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if mass is not None:
         if node_bounds is None:
             raise ValueError("paged_attention: mass needs node_bounds")
+        _check_bounds(node_bounds, end, "paged_attention")
         N = node_bounds.shape[0] - 1
         if mass.shape != (n, N) or mass.dtype != torch.float32:
             raise ValueError(f"paged_attention: mass must be float32 [{n}, {N}], got {mass.dtype} "
