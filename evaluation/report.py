@@ -248,7 +248,10 @@ def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
     for s in summaries:
         if "query_tflops_8b" in s:
             by_dataset[s["dataset"]].append(s)
-    # runs are told apart by marker and colour in a legend under each panel: long run labels overlap as annotations
+    # runs are told apart by marker and colour in a legend under each panel (long run labels overlap as
+    # annotations), a run keeping its style in every panel
+    methods = sorted({r["method"] for rows in by_dataset.values() for r in rows})
+    style = dict(zip(methods, point_styles(len(methods))))
     most = max((len(rows) for rows in by_dataset.values()), default=1)
     ncols = max(1, min(columns, len(by_dataset)))
     nrows = max(1, -(-len(by_dataset) // ncols))
@@ -266,7 +269,8 @@ def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
             ks = ", ".join(TOP_K_RUN.fullmatch(r["method"]).group(2) for r in runs)
             ax.plot([r["query_tflops_8b"] for r in runs], [r.get(key, 0) for r in runs], "-", lw=1, alpha=0.6,
                     color="0.5", label=f"{retriever} Top-k, k = {ks}")
-        for (color, marker), r in zip(point_styles(len(rows)), sorted(rows, key=lambda r: r["method"])):
+        for r in sorted(rows, key=lambda r: r["method"]):
+            color, marker = style[r["method"]]
             ax.scatter(r["query_tflops_8b"], r.get(key, 0), color=color, marker=marker, s=40,
                        label=f"{r['method']} (n={r['n']})")
         ax.set(title=dataset, xlabel="query TFLOPs (llama-3.1-8b projection)", ylabel=key.upper())

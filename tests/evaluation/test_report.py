@@ -101,3 +101,20 @@ def test_no_two_points_of_a_panel_share_colour_and_marker():
     from nodekv.evaluation.report import point_styles
 
     assert len(set(point_styles(70))) == 70  # a panel of HotpotQA rows held 14 runs; 10 and 10 repeated at the 11th
+
+
+def test_a_run_keeps_its_colour_and_marker_in_every_panel(tmp_path, monkeypatch):
+    """Full context is the same point style on a panel where a run sorts before it and on one where none does."""
+    import matplotlib.axes
+    from nodekv.evaluation.report import plot
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter",
+                        lambda ax, x, y, color, marker, label, **kw: drawn.append((label, color, marker)))
+    summaries = [{"dataset": d, "method": m, "n": 1, "query_tflops_8b": 1.0 + i, "f1": 10.0}
+                 for d, runs in (("hotpotqa", ["bm25-top3", "full"]), ("musique", ["full"]))
+                 for i, m in enumerate(runs)]
+    assert plot(summaries, tmp_path / "plot.png")
+    full = [(color, marker) for label, color, marker in drawn if label.startswith("full")]
+    assert len(full) == 2 and full[0] == full[1]
+    assert len({(c, m) for _, c, m in drawn}) == 2  # and bm25-top3 has a style of its own
