@@ -3,8 +3,9 @@
 # then the kernel and engine benchmarks against HF transformers and the tile sweep; every log lands in $OUT. On an
 # H100 (2026-11-26) the build took ~40 s, the tests 103 s, triton_gpu ~40 s and the 1.5B engine bench ~2.5 min; the
 # 8B engine bench (~2 min, results/gpu_h100.md) is left out to fit one call. Still open there: node mass cost 1.38x
-# an 8K prefill on 1.5B shapes (target 1.25x) while its key loop was not pipelined; since then it is (offline), so
-# this run times that, and the tile sweep (three cases, with and without mass, ~3 min) comes last. Each step has its
+# an 8K prefill on 1.5B shapes (target 1.25x) while its key loop was not pipelined; since then it is (offline), and a
+# key block inside one node adds the softmax's row sum instead of masked sums, so this run times both, and the tile
+# sweep (three cases, with and without mass, ~3 min) comes last. Each step has its
 # own timeout, so that one that hangs leaves the others' logs; about 560 s in all.
 #
 # The machine has PyTorch, Triton and transformers but not gguf, which the loader imports: fetch its wheel here first

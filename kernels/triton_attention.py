@@ -28,22 +28,24 @@ M[k, j] = 1 when key k is in node j: a second value matrix of N columns, compute
 One pass (N <= ONE_PASS_MAX_NODES, the default there): `_attn_fwd` keeps mass_acc [BLOCK_M, N_PAD] fp32 (N_PAD =
 max(16, next_power_of_2(N))) next to acc and treats it like acc: rescaled by alpha = 2^(m_old - m_new) whenever the
 running max moves, gets the block's fp32 probabilities p summed per node, and is divided by l at the end, so
-mass[i, j] = Σ_blocks 2^(m_block - m) Σ_{k in node j, block} 2^(s_k - m_block) / l. Nodes are contiguous runs of
-keys, so a key block touches only nodes j0..j1 (found by counting node starts <= its first and last key): one masked
-row sum over the [BLOCK_M, BLOCK_N] tile per touched node, added into its column with a select. The sums for j0 and
-j0 + 1 are written out and the rest (j1 > j0 + 1, only where a node is shorter than a key block) run in a loop behind
-a branch: a loop of data-dependent length in the key loop itself made Triton's software pipeliner leave the key loop
-alone (compiled for sm_90 by `bench triton_compiled`, default tiles, bf16, hd 128: no asynchronous copies of the next
-key block, 10 without mass; now 10 with mass too, 253 registers, none spilled; not yet timed on a GPU). A one-hot
-product p · M_block also kept the loop pipelined, but was measured slower on an H100 even with M_block in bf16 (p
-split into three bf16 parts for fp32 mass): 2.44x the time without mass on a 512-row chunk at 8K keys, against 1.77x
-for the masked sums in a loop (results/gpu_h100.md). A single split atomically adds each row's mass to mass[i, :] (the
-G heads of a query in a tile and the other KV heads add to the same row), skipping nodes after the block's last
-visible key. With split-KV each split stores its mass normalised by its own l into a [splits, n, H, N] fp32 buffer and
-`_attn_combine` merges it with the output's weights 2^(lse_s - lse) before adding it. Extra memory: the registers of
-mass_acc, BLOCK_M × N_PAD / (32 × num_warps) fp32 a thread (16 for a decode tile at N_PAD = 128, 16 for a 64-row tile
-at N_PAD = 32; offline at the default tiles 253 registers with mass against 188 without), and with splits the buffer;
-no log-sum-exp, no node-id array and no extra kernel launch.
+mass[i, j] = Σ_blocks 2^(m_block - m) Σ_{k in node j, block} 2^(s_k - m_block) / l. Nodes are contiguous runs of keys,
+so a key block touches only nodes j0..j1 (found by counting node starts <= its first and last key). A block inside one
+node (j0 = j1: every block but those that cross a bound, where nodes are longer than a key block) adds the row sum
+that l already took into column j0, with a select: no reduction beyond the softmax's own. A block that crosses a bound
+takes one masked row sum over the [BLOCK_M, BLOCK_N] tile per touched node: the sums for j0 and j0 + 1 are written out
+and the rest (j1 > j0 + 1, only where a node is shorter than a key block) run in a loop behind a branch: a loop of
+data-dependent length in the key loop itself made Triton's software pipeliner leave the key loop alone (compiled for
+sm_90 by `bench triton_compiled`, default tiles, bf16, hd 128: no asynchronous copies of the next key block, 10
+without mass; now 10 with mass too, 255 registers, none spilled; neither the branch nor the row-sum reuse timed on a
+GPU yet). A one-hot product p · M_block also kept the loop pipelined, but was measured slower on an H100 even with
+M_block in bf16 (p split into three bf16 parts for fp32 mass): 2.44x the time without mass on a 512-row chunk at 8K
+keys, against 1.77x for the masked sums in a loop (results/gpu_h100.md). A single split atomically adds each row's
+mass to mass[i, :] (the G heads of a query in a tile and the other KV heads add to the same row), skipping nodes after
+the block's last visible key. With split-KV each split stores its mass normalised by its own l into a
+[splits, n, H, N] fp32 buffer and `_attn_combine` merges it with the output's weights 2^(lse_s - lse) before adding
+it. Extra memory: the registers of mass_acc, BLOCK_M × N_PAD / (32 × num_warps) fp32 a thread (16 for a decode tile at
+N_PAD = 128, 16 for a 64-row tile at N_PAD = 32; offline at the default tiles 255 registers with mass against 188
+without), and with splits the buffer; no log-sum-exp, no node-id array and no extra kernel launch.
 
 Two passes (`_attn_mass`, N > ONE_PASS_MAX_NODES, whose accumulator would not fit registers, or mass_pass="two"):
 a second pass over the key blocks using the final log-sum-exp from the attention pass, so p = 2^(s·scale - lse) is
@@ -225,7 +227,8 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: p = alpha = 0
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p_sum = tl.sum(p, 1)
+        l_i = l_i * alpha + p_sum
         v_off = vp_base + page * stride_vpp + (s % PAGE) * stride_vpr
         v = tl.load(VP + v_off[:, None] + d[None, :], mask=kmask[:, None] & (d[None, :] < HD), other=0.0)
         v = v.to(q.dtype)
@@ -233,23 +236,28 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
         m_i = m_new
         if MASS:
             # p in fp32 (the l_i it is normalised by), rescaled like acc. Nodes are runs of keys, so the block
-            # touches nodes j0..j1 only: a masked row sum per touched node, the first two unrolled and the rest
-            # (j1 > j0 + 1 only where nodes are shorter than a block) behind a branch, so that the key loop holds
-            # no loop of data-dependent length
+            # touches nodes j0..j1 only. A block inside one node (every block but those that cross a bound,
+            # where nodes are longer than a block) adds the row sum l_i already took; one that crosses takes a
+            # masked row sum per touched node, the first two unrolled and the rest (j1 > j0 + 1 only where nodes
+            # are shorter than a block) behind a branch, so that the key loop holds no loop of data-dependent
+            # length
             mass_acc = mass_acc * alpha[:, None]
             j0 = _node_of(starts, start)
-            b1 = tl.load(NB + j0 + 1)
-            in1 = (s >= b1) & (s < tl.load(NB + tl.minimum(j0 + 2, n_nodes)))
-            part0 = tl.sum(tl.where((s < b1)[None, :], p, 0.0), 1)
-            part1 = tl.sum(tl.where(in1[None, :], p, 0.0), 1)
-            mass_acc = tl.where(cols[None, :] == j0, mass_acc + part0[:, None],
-                                tl.where(cols[None, :] == j0 + 1, mass_acc + part1[:, None], mass_acc))
             j1 = _node_of(starts, tl.minimum(start + BLOCK_N, hi) - 1)
-            if j1 > j0 + 1:
-                for j in range(j0 + 2, j1 + 1):
-                    in_j = (s >= tl.load(NB + j)) & (s < tl.load(NB + j + 1))
-                    part = tl.sum(tl.where(in_j[None, :], p, 0.0), 1)
-                    mass_acc = tl.where(cols[None, :] == j, mass_acc + part[:, None], mass_acc)
+            if j1 == j0:
+                mass_acc = tl.where(cols[None, :] == j0, mass_acc + p_sum[:, None], mass_acc)
+            else:
+                b1 = tl.load(NB + j0 + 1)
+                in1 = (s >= b1) & (s < tl.load(NB + tl.minimum(j0 + 2, n_nodes)))
+                part0 = tl.sum(tl.where((s < b1)[None, :], p, 0.0), 1)
+                part1 = tl.sum(tl.where(in1[None, :], p, 0.0), 1)
+                mass_acc = tl.where(cols[None, :] == j0, mass_acc + part0[:, None],
+                                    tl.where(cols[None, :] == j0 + 1, mass_acc + part1[:, None], mass_acc))
+                if j1 > j0 + 1:
+                    for j in range(j0 + 2, j1 + 1):
+                        in_j = (s >= tl.load(NB + j)) & (s < tl.load(NB + j + 1))
+                        part = tl.sum(tl.where(in_j[None, :], p, 0.0), 1)
+                        mass_acc = tl.where(cols[None, :] == j, mass_acc + part[:, None], mass_acc)
 
     empty = l_i == 0.0
     denom = tl.where(empty, 1.0, l_i)

@@ -76,6 +76,7 @@ def test_without_mass_or_writes(backend):
 MASS_CASES = {  # name: (n queries, T new tokens, end, H, Hkv, hd, page size, node bounds or n_nodes)
     "one node, decode": (1, 1, 140, 4, 2, 16, 8, [0, 140]),
     "node over three key blocks": (9, 9, 200, 4, 2, 16, 16, [0, 5, 170, 200]),
+    "nodes on key block bounds (each block's row sum is its node's)": (9, 9, 256, 4, 2, 16, 16, [0, 64, 128, 256]),
     "40 one-key nodes in a key block, MQA decode": (1, 1, 100, 4, 1, 16, 8, [*range(41), 100]),
     "GQA 3, prefill": (5, 5, 130, 6, 2, 32, 4, 7),
     "the last node going on past the keys": (6, 6, 150, 4, 2, 16, 8, [0, 90, 200]),
