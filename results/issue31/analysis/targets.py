@@ -7,7 +7,8 @@ question's (~98 TFLOPs), and JERR (28) has matched rows;
 (b) within 10 points of full context at no more than 60% of full context's query FLOPs (8B projection).
 Scores and paired differences are on the records both runs answered, with 95% bootstrap intervals; a row whose
 method run or every matched run is unfinished is printed as still to run, and a matched run still running is named
-beside the best finished one.
+beside the best finished one. PECAN with t_p calibrated on records 40-49 (its runs in ../runs-calibrated) has no
+Top-X matched to it: its matched row is the BM25 Top-k (k = 1, 3, 5, 8) nearest to it in query FLOPs.
 
     python analysis/targets.py       # from results/issue31; prints a markdown table
 """
@@ -19,10 +20,14 @@ from nodekv.evaluation.report import bootstrap_difference
 RUNS = Path(__file__).resolve().parent.parent / "runs"
 METRIC = {"hotpotqa": "f1", "2wikimqa": "f1", "musique": "f1", "quality": "accuracy", "multi_news": "rougeL"}
 MULTI_HOP = ("hotpotqa", "2wikimqa", "musique")
-# (method row, its run stem, the sets it is judged on, its matched Top-X run stems by set)
+BM25_CURVE = ("bm25-top1", "bm25-top3", "bm25-top5", "bm25-top8")  # a tuple: the one nearest in FLOPs is matched
+# (method row, its run stem under runs/, the sets it is judged on, its matched Top-X run stems by set: a list, the
+# best-scoring of them)
 ROWS = [("PECAN", "pecan", (*MULTI_HOP, "quality"),
          {"hotpotqa": ["bm25-top5", "dense-topx-pecan"], "2wikimqa": ["bm25-topx-pecan", "dense-topx-pecan"],
           "quality": ["bm25-topx-pecan", "dense-topx-pecan"]}),
+        ("PECAN, t_p calibrated", "../runs-calibrated/pecan-calibrated", MULTI_HOP,
+         {ds: BM25_CURVE for ds in MULTI_HOP}),
         ("DICE Alg. 1", "dice-algorithm=1", MULTI_HOP, {}),
         ("DICE Alg. 2", "dice", MULTI_HOP, {}),
         ("DICE Alg. 2, notes=false rerank=false", "dice-notes=False-rerank=False", MULTI_HOP,
@@ -80,6 +85,10 @@ def main() -> None:
                 stems = matched.get(ds, [])
                 runs = {t: load(t, ds) for t in stems}
                 tops = [(t, r) for t, r in runs.items() if r is not None and all(i in r for i in run)]
+                if isinstance(stems, tuple) and tops:  # a curve over k: its point nearest the method's cost
+                    own = mean(r["query_flops_8b"] for r in run.values())
+                    tops = [min(tops, key=lambda t: abs(mean(t[1][i]["query_flops_8b"] for i in run) - own))]
+                    stems = [tops[0][0]]
                 if not tops:
                     print(f"| {name} | {ds} | {n} | {100 * mean(r['metrics'][key] for r in run.values()):.1f} | "
                           f"{100 * mean(full[i]['metrics'][key] for i in run):.1f} | "
