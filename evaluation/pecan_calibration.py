@@ -22,6 +22,7 @@ from ..engine.engine import Engine
 from .datasets import Record, load_dataset
 from .metrics import score
 from .index_store import IndexStore
+from .report import SWEEPS_SUFFIX
 from ..methods.pecan.pecan import INDEX_OPTIONS, Pecan
 from ..methods.pecan.pecan_store import PecanIndex
 from ..methods.prompts import prompt_for
@@ -183,7 +184,7 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
     options = dict(options or {})
     method = Pecan(engine, prompt=prompt_for(dataset), **options)
     path = calibration_path(out, dataset, method.config.prompt_style)
-    log = path.with_suffix(".sweeps.jsonl")
+    log = path.with_suffix(SWEEPS_SUFFIX)
     swept = _swept(log, {"model": Path(str(engine.path)).name, "config": asdict(method.config)})
     store = IndexStore.for_method(Path(out) / "indexes", engine, method)
     sweeps = []

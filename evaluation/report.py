@@ -15,6 +15,7 @@ from ..paths import atomic_path, read_json_lines, write_atomic
 
 
 TOP_K_RUN = re.compile(r"(bm25|dense)-top(\d+)")  # a fixed-k retrieval run's label (`RunConfig.label`)
+SWEEPS_SUFFIX = ".sweeps.jsonl"  # `nodekv calibrate`'s log of its dev records' sweeps, beside the runs: not a run
 
 
 def _meta(path: Path) -> tuple[str, str, dict]:
@@ -333,7 +334,8 @@ def paired(files: list[Path], against: list[str]) -> str:
 def report(runs: list[Path], out_dir: Path, reference: str | None = None, against: list[str] | None = None) -> str:
     """Summaries of run files (or directories of them) as Markdown, written to out_dir/report.md (+ report.png);
     with `against`, each run's paired differences from those methods' runs."""
-    files = sorted({f for p in runs for f in ([p] if p.is_file() else p.glob("*.jsonl"))})
+    files = sorted({f for p in runs for f in ([p] if p.is_file() else p.glob("*.jsonl"))
+                    if not f.name.endswith(SWEEPS_SUFFIX)})
     if not files:
         raise FileNotFoundError(f"no run files (*.jsonl) in {', '.join(map(str, runs))}")
     summaries = [summarize(f) for f in files]

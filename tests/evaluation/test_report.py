@@ -27,6 +27,17 @@ def test_search_table_counts_stops_and_picks_that_z_changed(tmp_path):
             "0.0e+00..2.0e-02 | 0.10..0.40 |") in text
 
 
+def test_a_calibration_log_beside_the_runs_is_not_read_as_a_run(tmp_path):
+    """`nodekv calibrate --out DIR` logs its sweeps in DIR, where `nodekv eval --out DIR` writes the runs it
+    calibrates: a report over DIR reads the runs only."""
+    (tmp_path / "pecan-hotpotqa.jsonl").write_text(json.dumps(_record("1", [{"node": 0}, {"stop": "yes"}])) + "\n")
+    (tmp_path / "pecan-calibration-hotpotqa-paper.sweeps.jsonl").write_text(
+        json.dumps({"model": "m.gguf", "config": {"t_p": 0.5}}) + "\n" +
+        json.dumps({"id": "9", "points": [{"nodes": 1, "p_yes": 0.7, "f1": 1.0}]}) + "\n")
+    text = report([tmp_path], tmp_path / "out")
+    assert "| hotpotqa | pecan | 1 |" in text and "calibration" not in text
+
+
 def test_an_index_without_a_projected_cost_is_left_out_of_the_8b_mean(tmp_path):
     rows = [{**_record("1", []), "document": "a", "index_flops": 10 ** 12, "index_flops_8b": 2 * 10 ** 13},
             {**_record("2", []), "document": "b", "index_flops": 10 ** 12, "index_flops_8b": 0}]
