@@ -40,10 +40,25 @@ def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, ep
 #   block_table       int32 [>= ceil(end / page_size)]: key position s lives in page block_table[s // page_size]
 #                     at row s % page_size
 #   node_bounds       int32 [N + 1], 0 = b[0] < b[1] < ... < b[N] = end: key node j holds positions [b[j], b[j+1])
+#                     (here and in Triton the last node may go on past end: b[N] >= end; `check_node_bounds`)
 # Queries are the last n positions before `end`; query i (position end - n + i) sees keys [0, end - n + i].
 
 # Bytes of scores the chunked reference may hold at once (queries are processed in chunks of this size).
 SCORE_CHUNK_BYTES = 16 << 20
+
+
+def check_node_bounds(node_bounds: torch.Tensor, end: int, fn: str) -> None:
+    """A ValueError naming the problem unless node_bounds is a 1-D integer tensor of >= 2 bounds that, on the CPU,
+    rise strictly from 0 to at least `end`, so that every key is in one node. A CUDA tensor's values are trusted:
+    reading them would cost a device sync per call (sessions build them rising from 0 to the keys' end)."""
+    if node_bounds.dim() != 1 or node_bounds.dtype.is_floating_point or node_bounds.shape[0] < 2:
+        raise ValueError(f"{fn}: node_bounds must be a 1-D integer tensor of at least 2 bounds, got "
+                         f"{node_bounds.dtype} {tuple(node_bounds.shape)}")
+    if node_bounds.device.type == "cpu":
+        b = node_bounds.tolist()
+        if b[0] != 0 or b[-1] < end or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"{fn}: node_bounds must rise strictly from 0 to at least end={end}, got "
+                             f"{b if len(b) <= 12 else b[:6] + ['...'] + b[-6:]}")
 
 
 def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_table: torch.Tensor, end: int,
@@ -73,6 +88,10 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     mass (float32 [n, N]) += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k]: the attention mass of every query
     on every key node, summed over heads (callers divide by heads × layers). Without mass this is torch's SDPA on the
     gathered keys; with it, queries run in chunks so at most SCORE_CHUNK_BYTES of scores exist at once."""
+    if mass is not None:  # checked before anything is written
+        if node_bounds is None:
+            raise ValueError("paged_attention: mass needs node_bounds")
+        check_node_bounds(node_bounds, end, "paged_attention")
     if k_new is not None:
         write_kv(k_pages, v_pages, layer, block_table, end, k_new, v_new)
     n, H, hd = q.shape
@@ -99,6 +118,9 @@ def attention_at(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posi
     dtype; mass as for `paged_attention`. The recompute of tokens in the middle of a cache (`Llama.recompute`)."""
     n, H, hd = q.shape
     if mass is not None:
+        if node_bounds is None:
+            raise ValueError("attention_at: mass needs node_bounds")
+        check_node_bounds(node_bounds, keys.shape[1], "attention_at")
         return _attention_with_mass(q, keys, values, positions, node_bounds, mass)
     visible = positions[:, None] >= torch.arange(keys.shape[1], device=q.device)[None, :]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype),
@@ -109,7 +131,7 @@ def attention_at(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posi
 def _attention_with_mass(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                          node_bounds: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """Attention in fp32 with each query's mass per key node added to mass [n, N], queries in chunks so that at most
-    SCORE_CHUNK_BYTES of scores exist at once."""
+    SCORE_CHUNK_BYTES of scores exist at once (node_bounds checked by the caller)."""
     n, H, hd = q.shape
     Hkv, end = keys.shape[0], keys.shape[1]
     G = H // Hkv

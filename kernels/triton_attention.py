@@ -70,6 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import check_node_bounds
+
 __all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "write_kv"]
 
 # the most nodes summed inside the attention pass: a [BLOCK_M, N_PAD] fp32 accumulator held in registers, like acc
@@ -367,19 +369,6 @@ def _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, fn):
     return block_table.to(device=k_pages.device, dtype=torch.int32)  # a no-op when it already is
 
 
-def _check_bounds(node_bounds: torch.Tensor, end: int, fn: str) -> None:
-    """node_bounds must be a 1-D integer tensor of >= 2 bounds; on the CPU also rising strictly from 0 to at least
-    `end` (the last node may go on past the keys). A CUDA tensor's values are trusted: reading them would cost a
-    device sync per call (sessions build them rising from 0 to the keys' end)."""
-    if node_bounds.dim() != 1 or node_bounds.dtype.is_floating_point or node_bounds.shape[0] < 2:
-        raise ValueError(f"{fn}: node_bounds must be a 1-D integer tensor of at least 2 bounds, got "
-                         f"{node_bounds.dtype} {tuple(node_bounds.shape)}")
-    if node_bounds.device.type == "cpu":
-        b = node_bounds.tolist()
-        if b[0] != 0 or b[-1] < end or any(x >= y for x, y in zip(b, b[1:])):
-            raise ValueError(f"{fn}: node_bounds must rise strictly from 0 to at least end={end}, got "
-                             f"{b if len(b) <= 12 else b[:6] + ['...'] + b[-6:]}")
-
 
 def _blocks(rows: int, hd: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D): 16-row tiles for decode-sized row counts, 64 otherwise (tl.dot needs >= 16)."""
@@ -422,7 +411,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
 
     k_new, v_new [T, kv_heads, hd], when given, are first stored at positions end - T .. end - 1 (`write_kv`).
     Scale 1/sqrt(hd). With mass (float32 [n, N]) and node_bounds (int32 [N + 1], 0 = b[0] < ... < b[N], b[N] >= end;
-    refused otherwise where they are on the CPU, see `_check_bounds`):
+    refused otherwise where they are on the CPU, see `reference.check_node_bounds`):
     mass[i, j] += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k] (callers divide by heads × layers).
     num_splits (keyword, optional) forces the number of key splits; by default it is chosen from the grid size and
     the GPU's SM count (always 1 off CUDA). mass_pass (keyword, optional) forces how mass is computed: "one" inside
@@ -435,8 +424,6 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
     if q.device != k_pages.device:
         raise ValueError(f"paged_attention: q on {q.device}, pages on {k_pages.device}")
-    if k_new is not None:
-        write_kv(k_pages, v_pages, layer, block_table, end, k_new, v_new)
     if H % Hkv:
         raise ValueError(f"paged_attention: {H} query heads are not a multiple of {Hkv} kv heads")
     if hd > 256:
@@ -447,17 +434,13 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if mass is not None:
         if node_bounds is None:
             raise ValueError("paged_attention: mass needs node_bounds")
-        _check_bounds(node_bounds, end, "paged_attention")
+        check_node_bounds(node_bounds, end, "paged_attention")
         N = node_bounds.shape[0] - 1
         if mass.shape != (n, N) or mass.dtype != torch.float32:
             raise ValueError(f"paged_attention: mass must be float32 [{n}, {N}], got {mass.dtype} "
                              f"{tuple(mass.shape)}")
     mass_pass = _mass_pass(mass_pass, N)  # checked even without mass: a bad value is an error either way
     one_pass, two_pass = mass is not None and mass_pass == "one", mass is not None and mass_pass == "two"
-    out = torch.empty(n, H, hd, dtype=q.dtype, device=q.device)
-    if n == 0:
-        return out.view(0, H * hd)
-    q = _last_contig(q)
     G = H // Hkv
     block_m, block_n, block_d = _blocks(n * G, hd)
     launch = {}
@@ -467,6 +450,12 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                              f"and warps powers of two, stages >= 1; got {tiles!r}")
         block_m, block_n = tiles[:2]
         launch = {"num_warps": tiles[2], "num_stages": tiles[3]}
+    if k_new is not None:  # every argument checked: nothing is written on a refusal
+        write_kv(k_pages, v_pages, layer, block_table, end, k_new, v_new)
+    out = torch.empty(n, H, hd, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out.view(0, H * hd)
+    q = _last_contig(q)
     grid_m = triton.cdiv(n * G, block_m)
     splits = num_splits or _num_splits(grid_m * Hkv, end, block_n, q.device)
     split_len = triton.cdiv(triton.cdiv(end, splits), block_n) * block_n

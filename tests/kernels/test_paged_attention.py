@@ -198,22 +198,21 @@ def test_triton_decode_attention_equals_each_sequence_alone(ends, H, Hkv, page, 
     assert torch.equal(k_pages, want_k) and torch.equal(v_pages, want_v)
 
 
-@needs_triton_interpreter
-@pytest.mark.parametrize("bounds, match", [
-    ([5, 60, 150], "rise strictly from 0"),    # keys before the first node would be in none
-    ([0, 90, 90, 150], "rise strictly from 0"),  # an empty node
-    ([0, 100, 60, 150], "rise strictly from 0"),
-    ([0, 60, 149], "at least end=150"),        # the last key in no node
-    ([0], "at least 2 bounds"),
+@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("bounds", [
+    [5, 60, 150],       # keys before the first node would be in none
+    [0, 90, 90, 150],   # an empty node
+    [0, 100, 60, 150],
+    [0, 60, 149],       # the last key in no node
+    [0],
 ])
-def test_triton_refuses_node_bounds_that_do_not_cover_the_keys(bounds, match):
-    """Bounds that leave keys out of every node (or out of order) are refused before any launch, as the C++
-    backend refuses them, rather than summing mass that silently misses keys."""
-    from nodekv.kernels import triton_attention
-
+def test_node_bounds_that_do_not_cover_the_keys_are_refused(backend, bounds):
+    """Bounds that leave keys out of every node (or out of order) are refused with a line naming node_bounds before
+    any work, by every backend, rather than summing mass that silently misses keys."""
     case = make_case(3, 3, 150, 4, 2, 16, 8, 2)
     bounds = torch.tensor(bounds, dtype=torch.int32)
-    with pytest.raises(ValueError, match=match):
-        triton_attention.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table,
-                                         case.end, case.k_new, case.v_new, bounds,
-                                         torch.zeros(3, max(1, bounds.shape[0] - 1)))
+    pages = case.k_pages.clone()
+    with pytest.raises(ValueError, match="node_bounds"):
+        BACKENDS[backend](case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new,
+                          case.v_new, bounds, torch.zeros(3, max(1, bounds.shape[0] - 1)))
+    assert torch.equal(case.k_pages, pages)  # refused before the new keys were written
