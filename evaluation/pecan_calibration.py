@@ -13,6 +13,7 @@ Objectives: "nodes" (mean nodes visited closest to a target), "f1" (best mean qu
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -172,8 +173,8 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
     choose t_p for `objective`, and write <out>/pecan-calibration-<dataset>-<prompt style>.json with the choice, the
     options it holds for, the dev record ids and the whole table; `nodekv eval` in <out> then uses it by default.
     Indexes are shared with `nodekv eval` (<out>/indexes). Each record's sweep is logged as it ends (beside the
-    calibration file, `.sweeps.jsonl`), so a stopped calibration resumes where it stopped and another objective
-    over the same records costs no model work."""
+    calibration file, `.sweeps.jsonl`, with the seconds it took), so a stopped calibration resumes where it stopped
+    and another objective over the same records costs no model work."""
     check_objective(objective, target_nodes)
     first, count = dev
     if first < 0 or count < 1:
@@ -192,8 +193,11 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
         for record in tqdm(records, unit="rec", desc=f"calibrate {dataset}", disable=not progress):
             points = swept.get(record.id)
             if points is None:
-                points = sweep(method, store.build_or_load(method, record.document).index, record)
-                written.write(json.dumps({"id": record.id, "points": [asdict(p) for p in points]}) + "\n")
+                index = store.build_or_load(method, record.document).index
+                start = time.perf_counter()
+                points = sweep(method, index, record)
+                written.write(json.dumps({"id": record.id, "points": [asdict(p) for p in points],
+                                          "seconds": round(time.perf_counter() - start, 1)}) + "\n")
                 written.flush()
             if points:
                 sweeps.append(points)

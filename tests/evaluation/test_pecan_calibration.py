@@ -66,6 +66,7 @@ def test_a_stopped_calibration_resumes_from_its_logged_sweeps_and_refuses_anothe
     kill_at.clear()
     resumed = cal.calibrate(engine, out=tmp_path / "stopped", **run)
     assert swept == ["r0", "r1", "r2"]  # r0 and r1 were read back, not swept again
+    assert all(line["seconds"] >= 0 for line in cal.read_json_lines(log)[1:])  # what each sweep cost, for the record
     fresh = cal.calibrate(engine, out=tmp_path / "fresh", **run)
     assert {**resumed, "path": ""} == {**fresh, "path": ""}
     swept.clear()
