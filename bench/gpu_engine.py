@@ -14,7 +14,7 @@ compared against HF on the very same tensors. Prints the device, torch, Triton a
   before the timings, so that its clocks are up.
 
     nodekv bench gpu_engine [--preset qwen2.5-1.5b] [--prompts 2048,8192] [--decode 64] [--batch 32] [--nodes 32]
-    nodekv bench gpu_engine --preset tiny --device cpu --dtype float32   # the same code on the CPU: a smoke run
+    nodekv bench gpu_engine --preset tiny --device cpu --dtype float32 --prompts 512,1024   # a smoke run on the CPU
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ TINY = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, 
                    architecture="Qwen2ForCausalLM")
 TARGETS = {"logits": 2.0, "mass_fp32": 1e-5, "mass_bf16": 1e-3, "prefill": 1.0, "mass_cost": 1.25, "decode": 2.0}
 CHECK_TOKENS = 512  # the correctness prompt (HF eager keeps every layer's [H, T, T] probabilities)
+DECODE_PROMPT = 512  # the prompt the decode steps follow
 
 
 def config_of(name: str) -> ModelConfig:
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     config = config_of(a.preset)
     prompts = [int(x) for x in a.prompts.split(",")]
+    if not all(1 <= T <= config.max_seq_len for T in prompts) or DECODE_PROMPT + a.decode > config.max_seq_len:
+        p.error(f"--prompts {a.prompts} and {DECODE_PROMPT} + --decode {a.decode} must fit {a.preset}'s "
+                f"{config.max_seq_len}-token window")
     time_it = timer(device)
     g = torch.Generator().manual_seed(0)
     print(f"{a.preset} shapes, random weights, {a.dtype}; {versions(device)}")
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         with_mass = time_it(lambda: our_prefill(model, ids, bounds), a.repeats)
         print(f"| prefill {T} tokens with node mass ({a.nodes} nodes), s | {with_mass:.4f} (without: {ours:.4f}) "
               f"| | {with_mass / ours:.2f}x of without | <= {TARGETS['mass_cost']}x |")
-    prompt = torch.randint(0, config.vocab_size, (512,), generator=g)
+    prompt = torch.randint(0, config.vocab_size, (DECODE_PROMPT,), generator=g)
     pages = -(-(prompt.shape[0] + a.decode + 1) // 64)
     pool = PagePool(config, dtype, (1 + a.batch) * pages + 1, 64, device)  # + the decode graphs' padding page
     for batch in dict.fromkeys([1, a.batch]):
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
             ours = time_it(our_decode(model, pool, prompt, batch, a.decode, graphs), a.repeats)
             how = ("CUDA graphs" if device.type == "cuda" else "fused") if graphs else "op by op"
             target = f">= {TARGETS['decode']}x" if batch == 1 and graphs else "reported"
-            print(f"| decode at batch {batch} after 512 ({how}), tok/s | {batch * a.decode / ours:,.1f} | "
+            print(f"| decode at batch {batch} after {DECODE_PROMPT} ({how}), tok/s | {batch * a.decode / ours:,.1f} | "
                   f"{batch * a.decode / theirs:,.1f} | {theirs / ours:.2f}x | {target} |")
 
 
