@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import Hashable, Sequence
 
 from ..engine.engine import Engine
+from ..engine.flops import forward_flops
+from ..engine.model import QUANT_MAX_TOKENS
 from ..engine.node_store import STORE_DTYPES, StoredNode, as_stored
 from ..engine.session import NodeSpan, Session
 from .options import Option
@@ -128,6 +130,54 @@ def calibrated_choice(probs: Sequence[float], prior: Sequence[float]) -> int:
     return max(range(len(ratios)), key=lambda i: (ratios[i], -i))
 
 
+class GrowingPrompt:
+    """The prompts of reads whose context grows by appending (a search's answer after each step, as PECAN's
+    calibration sweeps them), kept prefilled in one session: each read forks the prefix its prompt shares with the
+    previous read's, so the context is prefilled about once over all the reads instead of once a read.
+
+    Numerics: an answer equals a fresh read's bit for bit only where every piece of its prompt runs on the kernels
+    the whole prompt runs on. On the CPU a step of up to QUANT_MAX_TOKENS tokens takes other ones (a quantised
+    model's own; qwen2.5-1.5b's logits then differ by ~1e-5), so every piece prefilled here, the kept ones and the
+    rest after the fork, is longer than `min_tail` tokens, and a prompt with no such split is read fresh: bit-exact
+    on the C++ kernels (tests; qwen2.5-1.5b and SmolLM2 measured). torch's GEMM (the torch backend) blocks rows by
+    the step's size, so there an answer is within rounding of a fresh read's.
+    FLOPs: what a fresh read of a prompt would have run beyond what ran (the pieces' own logit rows counted against
+    it) is added to the engine's `saved`, so a read's FLOPs plus that is a fresh read's."""
+
+    def __init__(self, engine: Engine, min_tail: int = QUANT_MAX_TOKENS):
+        self.engine, self.min_tail = engine, min_tail
+        self.base = Session(engine)
+        self.previous: list[int] = []
+
+    def __enter__(self) -> "GrowingPrompt":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.base.release()
+
+    def fork(self, ids: Sequence[int]) -> Session:
+        """A session holding a prefix of `ids` to append the rest to (one longer than `min_tail`), after keeping
+        the part `ids` shares with the previous prompt prefilled in the base session."""
+        ids, base, cfg = list(ids), self.base, self.engine.config
+        shared = common_prefix(self.previous, ids)
+        self.previous = ids
+        keep = len(base.nodes)  # the kept pieces still wholly inside the shared part and leaving a long enough rest
+        while keep and (base.nodes[keep - 1].end > shared or len(ids) - base.nodes[keep - 1].end <= self.min_tail):
+            keep -= 1
+        if keep == 0 and base.nodes:
+            base.release()
+            self.base = base = Session(self.engine)
+        elif keep < len(base.nodes):
+            base.truncate(base.nodes[keep - 1].node_id)
+        start = len(base)
+        if shared - start > self.min_tail and len(ids) - shared > self.min_tail:
+            base.append(ids[start:shared])
+        ran = forward_flops(cfg, len(base) - start, start) if len(base) > start else 0
+        fresh = forward_flops(cfg, len(ids))
+        self.engine.flops.saved += fresh - ran - forward_flops(cfg, len(ids) - len(base), len(base))
+        return base.fork()
+
+
 class Reader:
     """Answers a question from a context in the dataset's prompt (`spec`); `window` caps the prompt plus the answer
     below the model's window (how a model with a shorter window reads)."""
@@ -162,19 +212,21 @@ class Reader:
         return common_prefix(ids, a[:common_prefix(a, b)])
 
     def read(self, context: str | None, question: str, options: Sequence[str] = (), nodes: Sequence[Hashable] = (),
-             trace: list[dict] | None = None, shared_prefix: bool = False) -> Answer:
+             trace: list[dict] | None = None, shared_prefix: bool = False,
+             growing: GrowingPrompt | None = None) -> Answer:
         """The answer to `question` from `context`, charged to the engine's "query" FLOP scope. `options` make it a
         multiple-choice read. With `shared_prefix`, the prompt up to the question is forked from the engine's
         prefix cache (prefilled by the first question about this context, skipped and counted as saved by the
-        next)."""
+        next); with `growing`, from the prompt the previous read through it left (`GrowingPrompt`)."""
         ids, truncated = self.prompt_ids(context, question, options)
         shared = min(self.shared_length(context, question, options), len(ids) - 1) if shared_prefix else 0
         prior = self.letter_prior(question, options) if options else None
         eng = self.engine
         before, start = eng.flops.scopes["query"], time.perf_counter()
-        with eng.flops.scope("query"), (eng.prefixes.fork(ids[:shared], node_id="shared") if shared > 0
+        with eng.flops.scope("query"), (growing.fork(ids) if growing is not None
+                                        else eng.prefixes.fork(ids[:shared], node_id="shared") if shared > 0
                                         else eng.session()) as s:
-            s.append(ids[shared:], node_id="prompt")
+            s.append(ids[len(s):], node_id="prompt")
             prompt_s = time.perf_counter() - start
             text, generated, probs = self._reply(s, options)
         answer = Answer(text, list(nodes), trace or [], eng.flops.scopes["query"] - before, len(ids), generated,

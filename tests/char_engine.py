@@ -34,13 +34,13 @@ class CharTokenizer:
         return self.encode(self.render_chat(messages))
 
 
-def char_engine(path):
-    """An Engine over the HF checkpoint at `path` (a tiny random model) that reads text one character a token."""
+def char_engine(path, backend: str = "torch"):
+    """An Engine over the checkpoint at `path` (a tiny random model) that reads text one character a token."""
     from nodekv.engine.engine import Engine
     from nodekv.engine.loader import load_checkpoint
     from nodekv.engine.model import Llama
     from nodekv.engine.page_pool import PagePool
 
     ckpt = load_checkpoint(path)
-    model = Llama(ckpt.config, ckpt.tensors, torch.float32, "torch")
+    model = Llama(ckpt.config, ckpt.tensors, torch.float32, backend)
     return Engine(model, CharTokenizer(), PagePool(ckpt.config, model.dtype, 64, 8))

@@ -28,7 +28,7 @@ from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Z_SCALES, next_node, positional_relevance
 from .pecan_store import PecanIndex, load, save, to_graphml, to_html
 from ..prompts import PromptSpec
-from ..reader import KV_REUSE_OPTIONS, READER_OPTION, Reader, Repair, kv_index_key, store_kv_nodes
+from ..reader import KV_REUSE_OPTIONS, READER_OPTION, GrowingPrompt, Reader, Repair, kv_index_key, store_kv_nodes
 
 FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
               "Do not provide any explanation.\n\nQuestion:\n{}\n\nInformation:\n{}")
@@ -145,10 +145,11 @@ class Pecan(Method, name="pecan", title="PECAN"):
         return answer
 
     def conclude(self, s, index: PecanIndex, trace: list[dict], question: str,
-                 options: tuple[str, ...] = ()) -> Answer:
+                 options: tuple[str, ...] = (), growing: GrowingPrompt | None = None) -> Answer:
         """The answer after a search in session `s` whose steps are `trace`: the shared reader over the visited nodes
         (in the order the search appended them, read by the model that searched), or with reader=paper the second
-        turn decoded in `s` itself (the caller truncates `s` to take it back)."""
+        turn decoded in `s` itself (the caller truncates `s` to take it back). `growing`: the prompts of the
+        answers after earlier steps of this search, kept prefilled (the shared reader's plain read only)."""
         visited = [step["node"] for step in trace if "node" in step]
         read = "\n".join("* " + index.graph.nodes[n].text.strip() for n in visited)
         if self.config.reader == "paper":
@@ -157,7 +158,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
         eng = self.search_engine
         reader = self.reader if eng is self.engine else Reader(eng, self.answer_prompt)
         if index.stored is None:
-            return reader.read(read, question, options, visited, trace)
+            return reader.read(read, question, options, visited, trace, growing=growing)
         stored = [self._stored(index, n) for n in visited]
         passages = [self._node_ids(index.graph, n) if p is None else p for n, p in zip(visited, stored)]
         return reader.read_stored(passages, question, options, visited, trace, Repair.of(self.config), read)

@@ -1,7 +1,7 @@
 """The shared answer reader: LongBench's middle truncation (slicing by hand), greedy answers against HF's model with
 the repetition penalty over the generated tokens only (a brute-force reference loop), the shared prompt prefix,
-multiple choice scored over letters and calibrated by the content-free prior (a scripted model), and the same prompt
-from two methods that read the same context."""
+multiple choice scored over letters and calibrated by the content-free prior (a scripted model), growing prompts
+against fresh reads, and the same prompt from two methods that read the same context."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,8 +12,9 @@ import torch
 from nodekv.engine.flops import FlopAccount, forward_flops
 from nodekv.methods.baselines import BM25TopK, FullContext
 from nodekv.methods.prompts import PromptSpec, prompt_for
-from nodekv.methods.reader import CONTENT_FREE, Reader, Repair, calibrated_choice
+from nodekv.methods.reader import CONTENT_FREE, GrowingPrompt, Reader, Repair, calibrated_choice
 from char_engine import CharTokenizer, char_engine
+from conftest import tiny_hf_model, write_tiny_gguf
 
 
 def _ids_engine(max_seq_len):
@@ -98,6 +99,37 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_the_answers_stay_the_same(
         assert whole.text == shared.text == CharTokenizer().decode(_hf_greedy(hf, prompt, 6, 1.0)).strip()
 
 
+@pytest.mark.parametrize("weights", ["float32", "q8_0"])
+def test_growing_prompts_answer_as_fresh_reads_with_each_node_prefilled_about_once(tmp_path, weights):
+    """A search's answers after each step, read through one GrowingPrompt: every answer (its letter probabilities
+    bit for bit) and its FLOPs plus the engine's `saved` equal a fresh read's, and together they run well under half
+    the fresh reads' FLOPs. Nodes of 16 and 55 tokens make pieces of up to 32 tokens, which the CPU computes on
+    other kernels: read with min_tail 0, some answer's probabilities differ from the fresh read's."""
+    hf = tiny_hf_model(max_positions=512)
+    path = tmp_path / "model.gguf" if weights == "q8_0" else tmp_path
+    write_tiny_gguf(hf, path, "q8_0") if weights == "q8_0" else hf.save_pretrained(path)
+    eng = char_engine(path, backend="cpu")  # the C++ kernels: a row's numbers whatever step holds it
+    reader = Reader(eng, PromptSpec("{context}|{question}\n{options}", 4))
+    nodes = [f"{i} a longer node, past what one quantised step takes." if i % 2 == 0 else f"{i} a short one"
+             for i in range(12)]
+    reads = [("\n".join("* " + n for n in nodes[:i]), options) for i in range(1, 13) for options in ((), ("x", "y"))]
+    fresh = [reader.read(context, "which?", options) for context, options in reads]
+    ran, differ = 0, []
+    for min_tail in (32, 0):
+        with GrowingPrompt(eng, min_tail) as growing:
+            for (context, options), want in zip(reads, fresh):
+                saved = eng.flops.saved
+                got = reader.read(context, "which?", options, growing=growing)
+                if min_tail:
+                    assert (got.text, got.choice_probs) == (want.text, want.choice_probs)
+                    assert got.flops + eng.flops.saved - saved == want.flops
+                    ran += got.flops
+                else:
+                    differ.append(got.choice_probs != want.choice_probs)
+    assert ran < sum(a.flops for a in fresh) / 2
+    assert any(differ)
+
+
 class ScriptedSession:
     """Letter probabilities by what the prompt holds: the content-free one, or a real one."""
 
@@ -109,6 +141,9 @@ class ScriptedSession:
 
     def __exit__(self, *exc):
         pass
+
+    def __len__(self):
+        return len(self.ids)
 
     def append(self, ids, node_id=None):
         self.ids += list(ids)
