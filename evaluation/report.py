@@ -14,7 +14,9 @@ from statistics import mean, quantiles
 from ..paths import atomic_path, read_json_lines, write_atomic
 
 
-TOP_K_RUN = re.compile(r"(bm25|dense)-top(\d+)")  # a fixed-k retrieval run's label (`RunConfig.label`)
+# a retrieval run's label (`RunConfig.label`): fixed k (bm25-top5) or matched to a method's FLOPs (bm25-topx-pecan),
+# which picks one k for the whole run, so both are points of the retriever's Top-X curve over k
+TOP_K_RUN = re.compile(r"(bm25|dense)-top(\d+|x-.+)")
 SWEEPS_SUFFIX = ".sweeps.jsonl"  # `nodekv calibrate`'s log of its dev records' sweeps, beside the runs: not a run
 
 
@@ -73,6 +75,8 @@ def summarize(path: Path) -> dict:
     out.update(_diagnostics(ok))
     out.update(_summaries(ok, meta))
     out["settings"] = {k: f"{meta['options'][k]} ({source})" for k, source in meta.get("option_sources", {}).items()}
+    if (m := TOP_K_RUN.fullmatch(method)) is not None and "k" in meta.get("options", {}):
+        out["top_k"] = (m.group(1), int(meta["options"]["k"]))
     return out
 
 
@@ -235,6 +239,23 @@ def point_styles(n: int) -> list[tuple[str, str]]:
     return [(f"C{i % 10}", "osD^v<>"[i % 7]) for i in range(n)]
 
 
+def top_x_curves(rows: list[dict]) -> dict[str, list[dict]]:
+    """One dataset's Top-X curves over k: retriever -> one run per k (fixed or matched; of two at the same k, the one
+    with more records, then the fixed-k one), by k, of the runs that answered the most records (so that a run still
+    in progress does not bend the line)."""
+    curves = defaultdict(dict)
+    for r in sorted(rows, key=lambda r: (r["n"], "topx" not in r["method"])):
+        if "top_k" in r:
+            curves[r["top_k"][0]][r["top_k"][1]] = r
+    out = {}
+    for retriever, by_k in curves.items():
+        most = max(r["n"] for r in by_k.values())
+        runs = [by_k[k] for k in sorted(by_k) if by_k[k]["n"] == most]
+        if len(runs) > 1:
+            out[retriever] = runs
+    return out
+
+
 def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
     """Each dataset's `primary_metric` against projected query TFLOPs, one panel per dataset, `columns` a row."""
     try:
@@ -261,15 +282,11 @@ def plot(summaries: list[dict], path: Path, columns: int = 3) -> bool:
         ax.axis("off")
     for ax, (dataset, rows) in zip(axes.flat, sorted(by_dataset.items())):
         key = primary_metric(rows[0])
-        curves = defaultdict(list)  # retriever -> its fixed-k runs: the Top-X curve over k
-        for r in rows:
-            if (m := TOP_K_RUN.fullmatch(r["method"])) is not None:
-                curves[m.group(1)].append(r)
-        for retriever, runs in sorted(curves.items()):
-            runs.sort(key=lambda r: r["query_tflops_8b"])
-            ks = ", ".join(TOP_K_RUN.fullmatch(r["method"]).group(2) for r in runs)
-            ax.plot([r["query_tflops_8b"] for r in runs], [r.get(key, 0) for r in runs], "-", lw=1, alpha=0.6,
-                    color="0.5", label=f"{retriever} Top-k, k = {ks}")
+        for retriever, runs in sorted(top_x_curves(rows).items()):
+            ks = ", ".join(str(r["top_k"][1]) for r in runs)
+            ax.plot([r["query_tflops_8b"] for r in runs], [r.get(key, 0) for r in runs],
+                    "--" if retriever == "dense" else "-", lw=1, alpha=0.6, color="0.5",
+                    label=f"{retriever} Top-k, k = {ks}")
         for r in sorted(rows, key=lambda r: r["method"]):
             color, marker = style[r["method"]]
             ax.scatter(r["query_tflops_8b"], r.get(key, 0), color=color, marker=marker, s=40,

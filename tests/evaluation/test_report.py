@@ -129,3 +129,23 @@ def test_a_run_keeps_its_colour_and_marker_in_every_panel(tmp_path, monkeypatch)
     full = [(color, marker) for label, color, marker in drawn if label.startswith("full")]
     assert len(full) == 2 and full[0] == full[1]
     assert len({(c, m) for _, c, m in drawn}) == 2  # and bm25-top3 has a style of its own
+
+
+def test_the_top_x_curve_joins_fixed_and_matched_runs_by_k_leaving_out_partial_ones(tmp_path):
+    """Matched Top-X runs fix one k for the run, so they join the fixed-k runs on the curve, read from their meta:
+    one run per k (the fixed-k one where both exist), in order of k, and a run with fewer records than the others
+    (still in progress) left off; a retriever with a single point draws no line."""
+    from nodekv.evaluation.report import summarize, top_x_curves
+
+    runs = {"bm25-top1": (1, 4), "bm25-top3": (3, 4), "bm25-topx-pecan": (3, 4), "bm25-topx-jerr": (7, 4),
+            "bm25-topx-gor": (9, 2), "dense-topx-pecan": (5, 4), "full": (None, 4)}
+    for label, (k, n) in runs.items():
+        lines = [json.dumps(_record(f"r{i}", [])) for i in range(n)]
+        (tmp_path / f"{label}-quality.jsonl").write_text("\n".join(lines) + "\n")
+        meta = {"method": label, "dataset": "quality", "options": {} if k is None else {"k": k}}
+        (tmp_path / f"{label}-quality.meta.json").write_text(json.dumps(meta))
+    rows = [summarize(p) for p in sorted(tmp_path.glob("*.jsonl"))]
+    curves = top_x_curves(rows)
+    assert list(curves) == ["bm25"]
+    assert [(r["method"], r["top_k"]) for r in curves["bm25"]] == [
+        ("bm25-top1", ("bm25", 1)), ("bm25-top3", ("bm25", 3)), ("bm25-topx-jerr", ("bm25", 7))]
