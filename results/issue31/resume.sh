@@ -65,6 +65,7 @@ a)
     $E --method gor --option rank=fused --dataset multi_news --limit 30
     # last: JERR's fix scored below JERR itself (40.0% against 43.8%), so its own matched row decides nothing
     $E --method bm25 --match "$R/runs/jerr-read=pages-quality.jsonl" --label bm25-topx-jerr-pages --dataset quality
+    $E --method bm25 --k 3 --dataset quality  # the low end of QuALITY's Top-X curve (the matched runs are k = 7, 13)
     ;;
 b)
     fix="--method dice --option notes=false --option rerank=false"
@@ -91,6 +92,7 @@ b)
     $E --method gor --dataset multi_news --limit 30
     $E --method bm25 --match $R/runs/gor-multi_news.jsonl --label bm25-topx-gor --dataset multi_news --limit 30
     $E --method dense --match $R/runs/gor-multi_news.jsonl --label dense-topx-gor --dataset multi_news --limit 30
+    $E --method bm25 --k 3 --dataset multi_news --limit 30  # Multi-News's Top-X curve beside the matched k = 6
     ;;
 *)
     echo "resume.sh: lane must be a or b, got '$lane'" >&2
