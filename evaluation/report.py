@@ -75,8 +75,10 @@ def summarize(path: Path) -> dict:
     out.update(_diagnostics(ok))
     out.update(_summaries(ok, meta))
     out["settings"] = {k: f"{meta['options'][k]} ({source})" for k, source in meta.get("option_sources", {}).items()}
-    if (m := TOP_K_RUN.fullmatch(method)) is not None and "k" in meta.get("options", {}):
-        out["top_k"] = (m.group(1), int(meta["options"]["k"]))
+    if (m := TOP_K_RUN.fullmatch(method)) is not None:  # k from the meta, or a fixed-k label's where there is none
+        k = str(meta.get("options", {}).get("k", m.group(2)))
+        if k.isdigit():
+            out["top_k"] = (m.group(1), int(k))
     return out
 
 
