@@ -12,7 +12,8 @@ document trains the model that answers it (`fit_s` in its lines); with --ray the
 workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
 file is the same as an uninterrupted run's. A run file is resumed only under the model, precision, options and method
-config that wrote it (`check_resumable`): a changed default or a calibration written since is refused, not mixed in.
+config that wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a
+calibration written since or a longer cross-fitted run is refused, not mixed in.
 """
 from __future__ import annotations
 
@@ -100,21 +101,27 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
 RESUMED_AS_WRITTEN = ("model", "precision", "options", "config")  # what a resumed run file must keep
 
 
-def check_resumable(path: Path, meta: dict, resuming: bool) -> None:
+def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bool = False) -> None:
     """Refuse (ValueError, before any work) to append to a run file that was written under another model file,
     precision, option set or method config: a calibration file written since (PECAN's t_p) or a method default
-    changed since would otherwise mix two settings in one file under one label. Keys an older meta file lacks are
-    not checked; the model is compared by file name, so a run moves between machines."""
+    changed since would otherwise mix two settings in one file under one label. A method that learns across
+    documents (`across_documents`) also keeps the run's record count: its folds are dealt over the run's documents,
+    so a run extended from 10 records to 30 would mix answers fitted on 8 other documents with answers fitted on 24.
+    Keys an older meta file lacks are not checked; the model is compared by file name, so a run moves between
+    machines."""
     meta_path = path.with_suffix(".meta.json")
     if not resuming or not meta_path.is_file():
         return
     old, new = json.loads(meta_path.read_text()), json.loads(json.dumps(meta))  # tuples as lists, as written
     if "model" in old:
         old["model"], new["model"] = Path(old["model"]).name, Path(new["model"]).name
-    changed = [key for key in RESUMED_AS_WRITTEN if key in old and old[key] != new[key]]
+    keys = RESUMED_AS_WRITTEN + (("records",) if across_documents else ())
+    changed = [key for key in keys if key in old and old[key] != new[key]]
     if changed:
         detail = "; ".join(_difference(old[key], new[key]) if isinstance(new[key], dict) else
-                           f"{key} {old[key]} now {new[key]}" for key in changed)
+                           f"{key} {old[key]} now {new[key]}" + (" (the folds are dealt over the run's records)"
+                                                                 if key == "records" else "")
+                           for key in changed)
         raise ValueError(f"{path} was written under other settings ({detail}): resume it with the code and "
                          "options that wrote it, or give this run another --label")
 
@@ -146,7 +153,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
             "option_sources": sources, **matched, "generation": {k: getattr(method.prompt, k) for k in
                                                                   ("max_new_tokens", "stop", "repetition_penalty")},
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
-    check_resumable(cfg.path, meta, bool(done))
+    check_resumable(cfg.path, meta, bool(done), method_class.learns_across_documents)
     write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
     for rid, why in loaded.problems:
         print(f"skipped record {rid}: {why}", file=sys.stderr)

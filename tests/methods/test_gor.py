@@ -248,15 +248,24 @@ def _rows(out) -> list[dict]:
 
 
 @pytest.mark.model
-def test_eval_fits_on_the_other_folds_before_answering_one(tmp_path):
+def test_eval_fits_on_the_other_folds_before_answering_one(tmp_path, capsys):
+    """... and a run file is resumed only over the records its folds were dealt over: resuming it over fewer (or
+    more) would mix answers fitted on different numbers of documents under one label."""
     from nodekv.cli import main as cli_main
 
-    assert cli_main([*_meetings_and_argv(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    argv = [*_meetings_and_argv(tmp_path), "--out", str(tmp_path / "out")]
+    assert cli_main(argv) == 0
     rows = _rows(tmp_path / "out")
     assert [r["id"] for r in rows] == ["0-g0", "1-g0", "2-g0"] and all("error" not in r for r in rows)
     assert all(r["trace"][0]["model"] == "fitted on 2 other documents" and r["fit_s"] >= 0 for r in rows)
     assert len({r["document"] for r in rows}) == 3 and all(r["index_flops"] > 0 for r in rows)
     assert len(list((tmp_path / "out" / "indexes").glob("*.safetensors"))) == 3
+
+    written = (tmp_path / "out" / "gor-qmsum_general.jsonl").read_text()
+    capsys.readouterr()
+    assert cli_main([*argv, "--limit", "2"]) == 2
+    assert "records 3 now 2 (the folds are dealt over the run's records)" in capsys.readouterr().err
+    assert (tmp_path / "out" / "gor-qmsum_general.jsonl").read_text() == written
 
 
 @pytest.mark.model
