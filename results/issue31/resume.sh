@@ -95,6 +95,7 @@ b)
     $E --method bm25 --match $R/runs/gor-multi_news.jsonl --label bm25-topx-gor --dataset multi_news --limit 30
     $E --method dense --match $R/runs/gor-multi_news.jsonl --label dense-topx-gor --dataset multi_news --limit 30
     $E --method bm25 --k 3 --dataset multi_news --limit 30  # Multi-News's Top-X curve beside the matched k = 6
+    $E --method closed-book --dataset multi_news --limit 30  # Multi-News's floor, as the other sets have theirs
     ;;
 *)
     echo "resume.sh: lane must be a or b, got '$lane'" >&2
