@@ -1,7 +1,7 @@
 """The qwen2.5-0.5b rows measured before this issue beside the qwen2.5-1.5b rows here, on the records both answered:
 each row's primary metric under each model and the paired difference (1.5B - 0.5B) with its 95% bootstrap interval.
 The 0.5B runs predate the shared reader (each method read with its own answer prompt), so a difference is the model
-and the reader together. Rows whose 1.5B run does not exist yet are left out.
+and the reader together. Rows whose 1.5B run has answered none of the 0.5B's records yet are left out.
 
     python small_model.py            # from results/issue31; prints a markdown table
 """
@@ -48,6 +48,8 @@ def main() -> None:
             continue
         old, new = answered(old_path), answered(new_path)
         ids = sorted(set(old) & set(new))  # the report's order, so the bootstrap draws alike
+        if not ids:
+            continue
         key = METRIC[ds]
         a, b = [100 * new[i]["metrics"][key] for i in ids], [100 * old[i]["metrics"][key] for i in ids]
         diff, lo, hi = bootstrap_difference(a, b)
