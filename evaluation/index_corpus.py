@@ -52,7 +52,8 @@ def index_corpus(engine: Engine, method: str, options: dict, directory: Path, st
     """Index every *.txt under `directory` with `method` (and its `options`) into the store at `store_root` (on Ray
     with `ray`), then write the manifest (one JSON line per file: file, document hash, index path, TFLOPs, seconds,
     tokens; or the error that stopped its index); returns its path and how many documents failed. Files with the
-    same text share one index; a document that fails does not stop the others."""
+    same text share one index; a document that fails does not stop the others; one that another process is
+    building (another `index-corpus` on the same store) is left to it and waited for last."""
     check_request(method, directory)
     texts, skipped = read_corpus(directory)
     for name, why in skipped:
@@ -77,8 +78,11 @@ def index_corpus(engine: Engine, method: str, options: dict, directory: Path, st
         dtype = next(name for name, d in DTYPES.items() if d == engine.model.dtype)
         index_on_ray(ray, WorkerSpec(str(engine.path), dtype, method, options, str(store_root)), todo, built)
     else:
-        for doc, text in todo.items():
-            built(doc, store.build_cost(store_method, text))
+        pending = list(todo)
+        while pending:  # a document another process is building waits till last: this one builds others meanwhile
+            doc = next((d for d in pending if store.builder(d) is None), pending[0])
+            pending.remove(doc)
+            built(doc, store.build_cost(store_method, todo[doc]))
     store_root.mkdir(parents=True, exist_ok=True)
     manifest = store_root / f"{store.key}-{directory.resolve().name}.corpus.jsonl"
     rows = []

@@ -1,10 +1,15 @@
 """Where evaluation keeps what it built: indexes of methods that can save them, one file per (document, method, model,
-index key), with the FLOPs and time their construction cost, so a rerun or a resumed run does not rebuild them."""
+index key), with the FLOPs and time their construction cost, so a rerun or a resumed run does not rebuild them, and
+two processes sharing a store (two `nodekv eval` or `index-corpus` runs, Ray workers) do not build one index twice."""
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
+import os
+import socket
+import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +22,10 @@ from ..methods.base import Method
 from ..paths import write_atomic
 
 PROJECT_TO = "llama-3.1-8b"  # every FLOP count is also projected to this preset for the same token counts
+# A builder touches its claim every CLAIM_BEAT_S; a claim untouched for CLAIM_STALE_S is taken to be a dead builder's
+# (the only test across hosts; on the claim's own host a dead pid says so at once). WAIT_POLL_S: how often a process
+# waiting for another's build looks again.
+CLAIM_BEAT_S, CLAIM_STALE_S, WAIT_POLL_S = 30.0, 120.0, 5.0
 
 
 def processed_tokens(acc: FlopAccount) -> int:
@@ -40,9 +49,70 @@ class BuiltIndex(NamedTuple):
     tokens: int | None
 
 
+class _Claim:
+    """The right to build one index: a file created exclusively (`O_EXCL`, so one process of any number gets it)
+    naming its holder's host and pid, touched by a daemon thread while the build runs, removed when it ends."""
+
+    def __init__(self, path: Path):
+        self.path, self._done = path, threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    @classmethod
+    def take(cls, path: Path) -> "_Claim | None":
+        """The claim at `path`, or None when another builder holds it."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            return None
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
+        return cls(path)
+
+    @staticmethod
+    def holder(path: Path) -> str | None:
+        """Who holds the claim at `path` ("pid N on HOST"), or None when nobody does. A claim whose holder died (its
+        pid gone on this host, or untouched for CLAIM_STALE_S) is removed. Two processes removing one stale claim
+        at once can both go on to build: a race of a few microseconds after a crash, which costs a duplicate
+        build, never a wrong index (indexes and costs are written atomically)."""
+        try:
+            age = time.time() - path.stat().st_mtime
+            who = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # created, its holder not yet written: a live claim
+            return "a process starting"
+        host, pid = who.get("host"), who.get("pid")
+        if age > CLAIM_STALE_S or (host == socket.gethostname() and not _alive(pid)):
+            path.unlink(missing_ok=True)
+            return None
+        return f"pid {pid} on {host}"
+
+    def _beat(self) -> None:
+        while not self._done.wait(CLAIM_BEAT_S):
+            try:
+                os.utime(self.path)
+            except FileNotFoundError:
+                return
+
+    def release(self) -> None:
+        self._done.set()
+        self.path.unlink(missing_ok=True)
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    return True
+
+
 class IndexStore:
     """Indexes of methods that can save them (`Method.can_save`), one file per (document, method, model, index
-    key), with the FLOPs and time their construction cost: a rerun or resumed run does not rebuild them."""
+    key), with the FLOPs and time their construction cost: a rerun or resumed run does not rebuild them. Processes
+    sharing a store build each index once: the first to claim a document builds it, the others wait for it."""
 
     def __init__(self, root: Path, key: str, engine: Engine):
         self.root, self.key, self.engine = root, key, engine
@@ -65,21 +135,56 @@ class IndexStore:
         gets its nodes' KV stored (`Method.store_kv`: the same index as a build from the document), and its cost
         is that index's plus the storing's."""
         doc = document_hash(document)
-        found = self.get(method, doc)
-        if found is not None:
-            return found
-        kv_free = self._kv_free(method, doc)
-        acc = self.engine.flops
-        before, before_8b, tokens, t = acc.total, acc.projected.get(PROJECT_TO, 0), processed_tokens(acc), \
-            time.perf_counter()
-        with acc.scope("index"):
-            built = method.index(document) if kv_free is None else method.store_kv(kv_free.index)
-        cost = (acc.total - before, acc.projected.get(PROJECT_TO, 0) - before_8b, time.perf_counter() - t,
-                processed_tokens(acc) - tokens)
-        if kv_free is not None:
-            cost = tuple(a + b if b is not None else None for a, b in zip(cost, kv_free[1:]))
-        self.put(method, doc, built, cost)
+        claim = self._stored_or_claim(method, doc)
+        if isinstance(claim, BuiltIndex):
+            return claim
+        try:
+            kv_free = self._kv_free(method, doc)
+            acc = self.engine.flops
+            before, before_8b, tokens, t = acc.total, acc.projected.get(PROJECT_TO, 0), processed_tokens(acc), \
+                time.perf_counter()
+            with acc.scope("index"):
+                built = method.index(document) if kv_free is None else method.store_kv(kv_free.index)
+            cost = (acc.total - before, acc.projected.get(PROJECT_TO, 0) - before_8b, time.perf_counter() - t,
+                    processed_tokens(acc) - tokens)
+            if kv_free is not None:
+                cost = tuple(a + b if b is not None else None for a, b in zip(cost, kv_free[1:]))
+            self.put(method, doc, built, cost)
+        finally:
+            if claim is not None:
+                claim.release()
         return BuiltIndex(built, *cost)
+
+    def _stored_or_claim(self, method: Method, doc: str) -> BuiltIndex | _Claim | None:
+        """The stored index of the document hashed `doc` (waiting while another process builds it), or this
+        process's claim to build it (None for a method that saves nothing, so has nothing to share)."""
+        if not method.can_save:
+            return None
+        self.root.mkdir(parents=True, exist_ok=True)
+        waiting = False
+        while True:
+            claim = _Claim.take(self._claim_path(doc))
+            found = self.get(method, doc)  # after the claim: a build that ended just before it is found
+            if found is not None:
+                if claim is not None:
+                    claim.release()
+                return found
+            if claim is not None:
+                return claim
+            holder = _Claim.holder(self._claim_path(doc))
+            if holder is not None:
+                if not waiting:
+                    print(f"waiting for {holder}, which is building the index {self.index_path(doc)}",
+                          file=sys.stderr)
+                    waiting = True
+                time.sleep(WAIT_POLL_S)
+
+    def builder(self, doc: str) -> str | None:
+        """Who is building the index of the document hashed `doc` now ("pid N on HOST"), or None when nobody is."""
+        return _Claim.holder(self._claim_path(doc))
+
+    def _claim_path(self, doc: str) -> Path:
+        return self.root / f"{self.key}-{doc}.building"
 
     def _kv_free(self, method: Method, doc: str) -> BuiltIndex | None:
         """The saved kv_reuse=off index of the document hashed `doc`, when `method` stores KV and this root has it."""

@@ -55,6 +55,43 @@ def test_each_text_once_failures_apart_and_a_rerun_resumes(tmp_path, engine, sav
     assert saver.built == 6 and len(list(store.glob("*.corpus.jsonl"))) == 2
 
 
+def test_a_document_another_process_is_building_is_left_to_it_till_last(tmp_path, engine, saver, monkeypatch):
+    """Two `index-corpus` runs on one store split the work: a document the other holds a claim on is taken last, and
+    then waited for, not built again."""
+    import threading
+    import time
+
+    from nodekv.evaluation import index_store
+    from nodekv.evaluation.index_corpus import index_corpus
+    from nodekv.evaluation.index_store import IndexStore, document_hash
+
+    monkeypatch.setattr(index_store, "WAIT_POLL_S", 0.01)
+    corpus, root = tmp_path / "corpus", tmp_path / "store"
+    corpus.mkdir()
+    for name, text in [("a.txt", "one"), ("b.txt", "two words"), ("c.txt", "three words here")]:
+        (corpus / name).write_text(text)
+    store = IndexStore.for_method(root, engine, saver(engine))
+    root.mkdir()
+    taken = store.index_path(document_hash("one")).with_suffix(".building")
+    taken.write_text(json.dumps({"host": "other-host", "pid": 4242}))  # the other run is building a.txt's index
+    order = []
+
+    def other_run_finishes():
+        deadline = time.monotonic() + 2  # a run that waited for a.txt first would log nothing meanwhile
+        while len(order) < 3 and time.monotonic() < deadline:  # once this run has built b and c
+            time.sleep(0.01)
+        saver(engine).save_index({"words": 99}, store.index_path(document_hash("one")))
+        store.index_path(document_hash("one")).with_suffix(".json").write_text(json.dumps([5, 0, 1.0, 1]))
+        taken.unlink()
+
+    threading.Thread(target=other_run_finishes).start()
+    manifest, failed = index_corpus(engine, "test-saver", {}, corpus, root, log=order.append)
+    assert failed == 0 and saver.built == 2
+    assert [line.split()[1] for line in order[1:]] == ["indexed"] * 3 and order[-1].startswith("[3/3] indexed a.txt")
+    assert [json.loads(line)["file"] for line in manifest.read_text().splitlines()] == ["a.txt", "b.txt", "c.txt"]
+    assert json.loads(open(store.index_path(document_hash("one"))).read()) == {"words": 99}
+
+
 def test_index_corpus_refuses_what_it_cannot_do(tmp_path, engine, saver, capsys):
     (tmp_path / "only.md").write_text(MILL)
     assert cli_main(["index-corpus", str(tmp_path / "nowhere"), "--method", "test-saver"]) == 2

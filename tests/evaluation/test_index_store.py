@@ -1,13 +1,23 @@
 """IndexStore: an index is built once, its cost (FLOPs, seconds, tokens the model ran) comes back with it when
-loaded, a store written before tokens were counted still loads, and a kv_reuse index is made from a saved kv-free
-one by storing its nodes' KV."""
+loaded, a store written before tokens were counted still loads, a kv_reuse index is made from a saved kv-free
+one by storing its nodes' KV, and processes sharing a store build an index once: the others wait for it, and a
+dead builder's claim is taken over."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from nodekv.engine.flops import FlopAccount
+from nodekv.evaluation import index_store
 from nodekv.evaluation.index_store import IndexStore, document_hash
 from char_engine import char_engine
 
@@ -101,3 +111,93 @@ def test_kv_index_from_a_saved_kv_free_one_is_the_built_one_at_the_sum_of_the_co
     assert got.tokens == kv_free.tokens + sum(len(blend.reader.passage_ids(c)) for c in want.chunks)
     again = IndexStore.for_method(tmp_path, eng, blend).build_or_load(blend, doc)  # now saved under its own key
     assert (again.flops, again.tokens) == (got.flops, got.tokens)
+
+
+class _Slow(_Saving):
+    """_Saving whose build takes a while, long enough for a second builder to arrive during it."""
+
+    def index(self, document: str) -> str:
+        time.sleep(0.3)
+        return super().index(document)
+
+
+@pytest.fixture
+def fast_polls(monkeypatch):
+    monkeypatch.setattr(index_store, "WAIT_POLL_S", 0.01)
+
+
+def _claim(root: Path, doc: str, host: str, pid: int, age_s: float = 0.0) -> Path:
+    """A claim file as another builder leaves it, last touched `age_s` ago."""
+    path = root / f"m-{doc}.building"
+    path.write_text(json.dumps({"host": host, "pid": pid}))
+    os.utime(path, (time.time() - age_s,) * 2)
+    return path
+
+
+def test_two_builders_at_once_build_one_index(tmp_path, fast_polls):
+    """Two builders that find the index missing at the same moment: one builds, the other waits and loads it (each
+    thread here stands for a process: the claim is a file, whoever creates it first builds)."""
+    account = FlopAccount()
+    method = _Slow(account)
+    start, got = threading.Barrier(2), []
+
+    def build():
+        start.wait()
+        got.append(IndexStore(tmp_path, "m", SimpleNamespace(flops=account)).build_or_load(method, "doc"))
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert method.built == 1 and [g.index for g in got] == ["DOC", "DOC"] and got[0].flops == got[1].flops == 900
+    assert not list(tmp_path.glob("*.building"))
+
+
+def test_a_live_builder_elsewhere_is_waited_for(tmp_path, fast_polls, capsys):
+    """A fresh claim from another host: nothing is built here; the index its holder stores is what comes back."""
+    doc = document_hash("doc")
+    claim = _claim(tmp_path, doc, "other-host", 4242)
+
+    def finish():  # the other host's build ends
+        time.sleep(0.2)
+        (tmp_path / f"m-{doc}.idx").write_text("THEIRS")
+        (tmp_path / f"m-{doc}.json").write_text(json.dumps([900, 1800, 1.5, 9]))
+        claim.unlink()
+
+    store = IndexStore(tmp_path, "m", SimpleNamespace(flops=FlopAccount()))
+    assert store.builder(doc) == "pid 4242 on other-host"
+    threading.Thread(target=finish).start()
+    method = _Saving(FlopAccount())
+    got = store.build_or_load(method, "doc")
+    assert (got.index, got.flops, method.built) == ("THEIRS", 900, 0)
+    assert "waiting for pid 4242 on other-host" in capsys.readouterr().err
+
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+@pytest.mark.parametrize("host, pid, age_s", [(socket.gethostname(), None, 0.0),  # this host, its process gone
+                                              ("other-host", 4242, index_store.CLAIM_STALE_S + 60)])  # silent
+def test_a_dead_builders_claim_is_taken_over(tmp_path, host, pid, age_s):
+    doc = document_hash("doc")
+    _claim(tmp_path, doc, host, pid or _dead_pid(), age_s)
+    store = IndexStore(tmp_path, "m", SimpleNamespace(flops=FlopAccount()))
+    assert store.builder(doc) is None
+    method = _Saving(FlopAccount())
+    assert store.build_or_load(method, "doc").index == "DOC" and method.built == 1
+    assert not list(tmp_path.glob("*.building"))
+
+
+def test_a_failed_build_gives_its_claim_back(tmp_path):
+    class _Failing(_Saving):
+        def index(self, document):
+            raise RuntimeError("out of memory")
+
+    store = IndexStore(tmp_path, "m", SimpleNamespace(flops=FlopAccount()))
+    with pytest.raises(RuntimeError):
+        store.build_or_load(_Failing(FlopAccount()), "doc")
+    assert store.builder(document_hash("doc")) is None and not list(tmp_path.glob("*.building"))
+    assert store.build_or_load(_Saving(FlopAccount()), "doc").index == "DOC"
