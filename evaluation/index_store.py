@@ -164,13 +164,14 @@ class IndexStore:
         waiting = False
         while True:
             claim = _Claim.take(self._claim_path(doc))
-            found = self.get(method, doc)  # after the claim: a build that ended just before it is found
-            if found is not None:
-                if claim is not None:
-                    claim.release()
-                return found
+            if claim is not None and self.cost(doc) is not None:  # a build that ended just before the claim
+                claim.release()
+                claim = None
             if claim is not None:
                 return claim
+            found = self.get(method, doc)  # loaded holding no claim, so a load that fails leaves none behind
+            if found is not None:
+                return found
             holder = _Claim.holder(self._claim_path(doc))
             if holder is not None:
                 if not waiting:

@@ -201,3 +201,20 @@ def test_a_failed_build_gives_its_claim_back(tmp_path):
         store.build_or_load(_Failing(FlopAccount()), "doc")
     assert store.builder(document_hash("doc")) is None and not list(tmp_path.glob("*.building"))
     assert store.build_or_load(_Saving(FlopAccount()), "doc").index == "DOC"
+
+
+def test_a_failed_load_leaves_no_claim(tmp_path):
+    """An index that cannot be loaded raises, and leaves nothing that would make a later call wait on itself."""
+    doc = document_hash("doc")
+    (tmp_path / f"m-{doc}.idx").write_text("DOC")
+    (tmp_path / f"m-{doc}.json").write_text(json.dumps([900, 0, 1.0, 9]))
+
+    class _Unreadable(_Saving):
+        def load_index(self, path):
+            raise OSError("disk gone")
+
+    store = IndexStore(tmp_path, "m", SimpleNamespace(flops=FlopAccount()))
+    for _ in range(2):
+        with pytest.raises(OSError):
+            store.build_or_load(_Unreadable(FlopAccount()), "doc")
+    assert not list(tmp_path.glob("*.building"))
