@@ -160,18 +160,18 @@ class IndexStore:
         process's claim to build it (None for a method that saves nothing, so has nothing to share)."""
         if not method.can_save:
             return None
-        self.root.mkdir(parents=True, exist_ok=True)
         waiting = False
         while True:
-            claim = _Claim.take(self._claim_path(doc))
-            if claim is not None and self.cost(doc) is not None:  # a build that ended just before the claim
-                claim.release()
-                claim = None
-            if claim is not None:
-                return claim
             found = self.get(method, doc)  # loaded holding no claim, so a load that fails leaves none behind
             if found is not None:
                 return found
+            self.root.mkdir(parents=True, exist_ok=True)
+            claim = _Claim.take(self._claim_path(doc))
+            if claim is not None:
+                if self.cost(doc) is None:
+                    return claim
+                claim.release()  # a build that ended between the look and the claim: load it
+                continue
             holder = _Claim.holder(self._claim_path(doc))
             if holder is not None:
                 if not waiting:

@@ -218,3 +218,15 @@ def test_a_failed_load_leaves_no_claim(tmp_path):
         with pytest.raises(OSError):
             store.build_or_load(_Unreadable(FlopAccount()), "doc")
     assert not list(tmp_path.glob("*.building"))
+
+
+def test_a_stored_index_loads_without_a_claim(tmp_path, monkeypatch):
+    """The common path, an index already stored, creates no claim file (and starts no heartbeat thread)."""
+    store = IndexStore(tmp_path, "m", SimpleNamespace(flops=FlopAccount()))
+    store.build_or_load(_Saving(FlopAccount()), "doc")
+
+    def no_claims(path):
+        raise AssertionError(f"claimed {path} for an index already stored")
+
+    monkeypatch.setattr(index_store._Claim, "take", staticmethod(no_claims))
+    assert store.build_or_load(_Saving(FlopAccount()), "doc").index == "DOC"
