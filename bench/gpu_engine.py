@@ -13,7 +13,11 @@ compared against HF on the very same tensors. Prints the device, torch, Triton a
   and at --batch, each with the fused steps (CUDA graphs on a GPU) and op by op. The GPU is kept busy for 2 s
   before the timings, so that its clocks are up.
 
+--fresh-mass kernel,sdpa checks and times a bf16 prefill's node mass both ways side by side (the Triton kernel's one
+pass, or SDPA then the Triton mass pass: `triton_ops.FRESH_PREFILL_MASS`); by default the engine's own choice.
+
     nodekv bench gpu_engine [--preset qwen2.5-1.5b] [--prompts 2048,8192] [--decode 64] [--batch 32] [--nodes 32]
+        [--fresh-mass kernel,sdpa]
     nodekv bench gpu_engine --preset tiny --device cpu --dtype float32 --prompts 512,1024   # a smoke run on the CPU
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ from nodekv.engine.kv_cache import PagedKVCache
 from nodekv.engine.loader import hf_state_tensors
 from nodekv.engine.model import Llama
 from nodekv.engine.page_pool import PagePool
+from nodekv.kernels import triton_ops
 
 # a few-second stand-in for the smoke run and the tests (Qwen2's layout: QKV bias, tied embeddings)
 TINY = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
@@ -219,7 +224,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nodes", type=int, default=32, help="node segments of the mass measurements")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-check", dest="check", action="store_false", help="speed only (e.g. an 8B on one GPU)")
+    p.add_argument("--fresh-mass", default=None,
+                   help="how a bf16 prefill sums node mass: kernel, sdpa, or both comma-separated to check and time "
+                        "them side by side (default: triton_ops.FRESH_PREFILL_MASS)")
     a = p.parse_args(argv)
+    fresh_mass = a.fresh_mass.split(",") if a.fresh_mass else [triton_ops.FRESH_PREFILL_MASS]
+    if not set(fresh_mass) <= {"kernel", "sdpa"}:
+        p.error(f"--fresh-mass: {a.fresh_mass!r} is not kernel, sdpa or both")
+
+    def summed_by(how: str) -> str:
+        """Set how the engine's fresh prefills sum node mass; the label of a row where several are compared."""
+        triton_ops.FRESH_PREFILL_MASS = how
+        return "" if len(fresh_mass) == 1 else f" ({how})"
+
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     config = config_of(a.preset)
     prompts = [int(x) for x in a.prompts.split(",")]
@@ -228,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{config.max_seq_len}-token window")
     time_it = timer(device)
     g = torch.Generator().manual_seed(0)
-    print(f"{a.preset} shapes, random weights, {a.dtype}; {versions(device)}")
+    print(f"{a.preset} shapes, random weights, {a.dtype}, a fresh prefill's node mass by {' and '.join(fresh_mass)}; "
+          f"{versions(device)}")
 
     hf32 = hf_model(config, torch.float32, device, "eager")
     tensors = hf_state_tensors(hf32.state_dict())
@@ -251,7 +269,12 @@ def main(argv: list[str] | None = None) -> None:
             with torch.inference_mode():
                 got = model.forward(ids, new_cache(model, ids.shape[0]), logits="all").double().cpu()
             err = (got - exact).abs().max().item()
-            mass_err = (our_mass(model, ids, bounds) - ref_mass).abs().max().item()
+            mass_target = TARGETS["mass_fp32" if check_dtype == torch.float32 else "mass_bf16"]
+            mass_errs = []  # fp32 prefills keep the kernel: one row
+            for how in fresh_mass if check_dtype != torch.float32 else fresh_mass[:1]:
+                label = summed_by(how) if check_dtype != torch.float32 else ""
+                mass_errs.append(f"{(our_mass(model, ids, bounds) - ref_mass).abs().max().item():.3g}{label}")
+            mass_err = "; ".join(mass_errs) + f" (target <= {mass_target:g})"
             undone = probe_is_undone(model, ids[:-16], ids[-16:])
             rows.append((check_dtype, err, mass_err, undone))
             del model
@@ -261,11 +284,9 @@ def main(argv: list[str] | None = None) -> None:
         for check_dtype, err, mass_err, undone in rows:
             name = str(check_dtype).removeprefix("torch.")
             own = hf_err if check_dtype == dtype else 0.0
-            mass_target = TARGETS["mass_fp32" if check_dtype == torch.float32 else "mass_bf16"]
             logit_note = "" if check_dtype == torch.float32 else \
                 f" ({err / max(own, 1e-30):.2f}x HF's, target <= {TARGETS['logits']})"
-            print(f"| nodekv {name} | {err:.3g}{logit_note} | {own:.3g} | {mass_err:.3g} (target <= {mass_target:g}) "
-                  f"| {undone} |")
+            print(f"| nodekv {name} | {err:.3g}{logit_note} | {own:.3g} | {mass_err} | {undone} |")
     del hf32
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -283,9 +304,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| prefill {T} tokens, tok/s | {T / ours:,.0f} | {T / theirs:,.0f} | {theirs / ours:.2f}x "
               f"| >= {TARGETS['prefill']}x |")
         bounds = node_bounds(T, a.nodes, device)
-        with_mass = time_it(lambda: our_prefill(model, ids, bounds), a.repeats)
-        print(f"| prefill {T} tokens with node mass ({a.nodes} nodes), s | {with_mass:.4f} (without: {ours:.4f}) "
-              f"| | {with_mass / ours:.2f}x of without | <= {TARGETS['mass_cost']}x |")
+        for how in fresh_mass:
+            label = summed_by(how)
+            with_mass = time_it(lambda: our_prefill(model, ids, bounds), a.repeats)
+            print(f"| prefill {T} tokens with node mass ({a.nodes} nodes){label}, s | {with_mass:.4f} "
+                  f"(without: {ours:.4f}) | | {with_mass / ours:.2f}x of without | <= {TARGETS['mass_cost']}x |")
     prompt = torch.randint(0, config.vocab_size, (DECODE_PROMPT,), generator=g)
     pages = -(-(prompt.shape[0] + a.decode + 1) // 64)
     pool = PagePool(config, dtype, (1 + a.batch) * pages + 1, 64, device)  # + the decode graphs' padding page

@@ -52,8 +52,12 @@ a second pass over the key blocks using the final log-sum-exp from the attention
 exactly normalised when it is added and nothing depends on N. The program keeps the partial mass of the node still
 open at the end of a block in registers and adds a node's mass to `mass` (tl.atomic_add, as other KV heads and
 splits add to the same entries) once the node is finished, so a node costs one atomic per row, not one per key
-block. Extra memory: the [n, H] log-sum-exp and an int32 node id per key position [end]; the pass costs a second
-QKᵀ (about +50% of the attention FLOPs, 1.5-1.8x the time without mass on a GPU) and no PV product.
+block. A block inside the open node adds its row sum; only a block where nodes end compares node ids, behind a
+branch, so the key loop is pipelined (sm_90 offline: 5 asynchronous copies, the keys'; 0 when the node loop ran in
+every block, as when the pass was timed at 1.5-1.8x the time without mass). Extra memory: the [n, H] log-sum-exp
+and an int32 node id per key position [end]; the pass costs a second QKᵀ (about +50% of the attention FLOPs) and
+no PV product. `sdpa_prefill` runs the same pass after torch's SDPA, from the log-sum-exp SDPA returns, for a prefill
+from an empty cache.
 
 Limits: head_dim <= 256 (padded to a power of two >= 16, the smallest tl.dot tile; padding is masked); any page
 size (keys are gathered per row); int64 offsets into the page pool. fp32 inputs use IEEE fp32 dots (not TF32) so
@@ -67,12 +71,13 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .reference import check_node_bounds
 
-__all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "write_kv"]
+__all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "sdpa_prefill", "write_kv"]
 
 # the most nodes summed inside the attention pass: a [BLOCK_M, N_PAD] fp32 accumulator held in registers, like acc
 ONE_PASS_MAX_NODES = 128
@@ -336,15 +341,17 @@ def _attn_mass(Q, KP, BT, L, NODE, M, layer, n, end, split_len, qk_scale,
         qk, s, kmask, _ = _scores(q, KP, BT, kp_base, stride_kpp, stride_kpr, start, hi, qpos, qk_scale,
                                   HD, PAGE, BLOCK_N, BLOCK_D, DOT_PRECISION)
         p = tl.exp2(qk - lse[:, None])  # 0 where masked
-        node = tl.load(NODE + s, mask=kmask, other=-1)
         j_last = tl.load(NODE + tl.minimum(start + BLOCK_N, hi) - 1)
-        # nodes j_open .. j_last - 1 end in this block: add them (the open one with its earlier part) and close
-        for j in range(j_open, j_last):
-            part = tl.sum(tl.where(node[None, :] == j, p, 0.0), 1)
-            tl.atomic_add(m_row + j * stride_mj, open_mass + part, mask=row_ok)
-            open_mass = tl.zeros([BLOCK_M], tl.float32)
-        open_mass += tl.sum(tl.where(node[None, :] == j_last, p, 0.0), 1)
-        j_open = j_last
+        if j_last == j_open:  # the block lies inside the open node: its whole row sum, no masks
+            open_mass += tl.sum(p, 1)
+        else:  # nodes j_open .. j_last - 1 end in this block: add them (the open one with its earlier part), close
+            node = tl.load(NODE + s, mask=kmask, other=-1)
+            for j in range(j_open, j_last):
+                part = tl.sum(tl.where(node[None, :] == j, p, 0.0), 1)
+                tl.atomic_add(m_row + j * stride_mj, open_mass + part, mask=row_ok)
+                open_mass = tl.zeros([BLOCK_M], tl.float32)
+            open_mass += tl.sum(tl.where(node[None, :] == j_last, p, 0.0), 1)
+            j_open = j_last
     if lo < hi:
         tl.atomic_add(m_row + j_open * stride_mj, open_mass, mask=row_ok)
 
@@ -389,6 +396,13 @@ def _num_splits(programs: int, end: int, block_n: int, device: torch.device) -> 
     if programs >= sms:
         return 1
     return max(1, min(-(-2 * sms // programs), end // (4 * block_n), 64))
+
+
+def _constants(G: int, hd: int, k_pages: torch.Tensor, block_m: int, block_n: int, block_d: int,
+               dtype: torch.dtype) -> dict:
+    """The constexprs `_attn_fwd` and `_attn_mass` share: fp32 inputs take IEEE fp32 dots (not TF32)."""
+    return {"G": G, "HD": hd, "PAGE": k_pages.shape[3], "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else None}
 
 
 def _mass_pass(mass_pass: str | None, n_nodes: int) -> str:
@@ -465,10 +479,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         acc = mass if mass.device == q.device else torch.zeros(n, N, dtype=torch.float32, device=q.device)
     # unused pointers are `out`; the final lse is only needed by the second mass pass
     lse = torch.empty(n, H, dtype=torch.float32, device=q.device) if two_pass else out
-    precision = "ieee" if q.dtype == torch.float32 else None
     qk_scale = 1.0 / math.sqrt(hd) * math.log2(math.e)
-    common = {"G": G, "HD": hd, "PAGE": k_pages.shape[3], "BLOCK_M": block_m, "BLOCK_N": block_n,
-              "BLOCK_D": block_d, "DOT_PRECISION": precision}
+    common = _constants(G, hd, k_pages, block_m, block_n, block_d, q.dtype)
     kp_strides, vp_strides = k_pages.stride()[:4], v_pages.stride()[:4]
     if splits == 1:
         o_buf, l_buf = out[None], lse[None] if two_pass else out[None, :, :, 0]
@@ -500,15 +512,75 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
             HD=hd, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(hd), STORE_LSE=two_pass,
             MASS=one_pass, N_PAD=n_pad)
     if two_pass:
-        node_of_key = (torch.searchsorted(bounds, torch.arange(end, dtype=torch.int32, device=q.device), right=True)
-                       - 1).to(torch.int32)
-        _attn_mass[(grid_m, Hkv, splits)](
-            q, k_pages, block_table, lse, node_of_key, acc, layer, n, end, split_len, qk_scale,
-            q.stride(0), q.stride(1), *kp_strides, lse.stride(0), lse.stride(1), acc.stride(0), acc.stride(1),
-            **common, **launch)
+        _launch_mass_pass(q, k_pages, layer, block_table, end, lse, bounds, acc, (grid_m, Hkv, splits), split_len,
+                          common, launch)
     if mass is not None and acc is not mass:
         mass += acc.to(mass.device)
     return out.view(n, H * hd)
+
+
+def _launch_mass_pass(q, k_pages, layer, block_table, end, lse, bounds, acc, grid, split_len, common,
+                      launch) -> None:
+    """Launch `_attn_mass`: add to acc [n, N] each row's p = 2^(score - lse) (lse [n, H], base 2) summed per node."""
+    node_of_key = (torch.searchsorted(bounds, torch.arange(end, dtype=torch.int32, device=q.device), right=True)
+                   - 1).to(torch.int32)
+    _attn_mass[grid](
+        q, k_pages, block_table, lse, node_of_key, acc, layer, q.shape[0], end, split_len,
+        1.0 / math.sqrt(q.shape[2]) * math.log2(math.e), q.stride(0), q.stride(1), *k_pages.stride()[:4],
+        lse.stride(0), lse.stride(1), acc.stride(0), acc.stride(1), **common, **launch)
+
+
+def sdpa_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int,
+                 block_table: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 node_bounds: torch.Tensor | None = None, mass: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill from an empty cache through torch's SDPA (flash attention), with node mass from a second pass.
+
+    k_new, v_new [T, kv_heads, hd] are stored at positions 0 .. T - 1 (`write_kv`) and q [n, H, hd] attends to them:
+    n = T, every position causally, or n = 1, the last position (which sees every key). Returns [n, H * hd] in q's
+    dtype, as `paged_attention` with end = T. Without mass this is `F.scaled_dot_product_attention`. With mass
+    (float32 [n, N]) and node_bounds, as in `paged_attention`, SDPA's flash kernel also returns each row's natural
+    log-sum-exp, and `_attn_mass` adds p = exp(score - lse) per node in a second pass over the stored keys: a QKᵀ
+    without the PV product, after the fastest attention torch has (on an H200 Triton's paged kernel took 1.7x SDPA's
+    time without mass). The two passes' scores differ by fp32 rounding only (both accumulate in fp32).
+    Limits: CUDA in bf16/fp16 (torch's flash kernel; fp32 on CUDA is refused) or any dtype on the CPU (where torch
+    has a flash kernel for the CPU: what the tests run under the interpreter); queries and keys repeated per head
+    for SDPA (GQA), which costs 2 x G x T x kv_heads x hd elements of memory a call."""
+    n, H, hd = q.shape
+    T, Hkv = k_new.shape[:2]
+    if n not in (1, T) or v_new.shape != k_new.shape or H % Hkv or k_new.shape[2] != hd:
+        raise ValueError(f"sdpa_prefill: q {tuple(q.shape)} must be every position of k_new, v_new "
+                         f"{tuple(k_new.shape)}, {tuple(v_new.shape)} or the last one, with whole head groups")
+    if q.device != k_pages.device:
+        raise ValueError(f"sdpa_prefill: q on {q.device}, pages on {k_pages.device}")
+    if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"sdpa_prefill: torch's flash attention on CUDA takes bf16 or fp16, got {q.dtype}")
+    if mass is not None:
+        if node_bounds is None:
+            raise ValueError("sdpa_prefill: mass needs node_bounds")
+        check_node_bounds(node_bounds, T, "sdpa_prefill")
+        N = node_bounds.shape[0] - 1
+        if mass.shape != (n, N) or mass.dtype != torch.float32:
+            raise ValueError(f"sdpa_prefill: mass must be float32 [{n}, {N}], got {mass.dtype} {tuple(mass.shape)}")
+    write_kv(k_pages, v_pages, layer, block_table, T, k_new, v_new)  # checks the pages and the table
+    G = H // Hkv
+    k, v = (t.to(q.dtype).repeat_interleave(G, dim=1).transpose(0, 1)[None] for t in (k_new, v_new))  # [1, H, T, hd]
+    causal = n > 1  # one last query sees every key
+    if mass is None:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=causal)
+        return out[0].transpose(0, 1).reshape(n, H * hd)
+    flash = (torch.ops.aten._scaled_dot_product_flash_attention if q.is_cuda
+             else torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+    out, lse = flash(q.transpose(0, 1)[None], k, v, 0.0, causal)[:2]  # lse [1, H, n], natural log, fp32
+    lse = (lse[0] * math.log2(math.e)).t()  # [n, H], base 2 like the Triton kernels' scores
+    block_m, block_n, block_d = _blocks(n * G, hd)
+    bounds = node_bounds.to(device=q.device, dtype=torch.int32)
+    acc = mass if mass.device == q.device else torch.zeros(n, N, dtype=torch.float32, device=q.device)
+    common = _constants(G, hd, k_pages, block_m, block_n, block_d, q.dtype)
+    _launch_mass_pass(_last_contig(q), k_pages, layer, block_table.to(device=q.device, dtype=torch.int32), T, lse,
+                      bounds, acc, (triton.cdiv(n * G, block_m), Hkv, 1), triton.cdiv(T, block_n) * block_n, common, {})
+    if acc is not mass:
+        mass += acc.to(mass.device)
+    return out[0].transpose(0, 1).reshape(n, H * hd)
 
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int,
@@ -559,9 +631,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         layer, 1, max_end, split_len, 0, splits, 1.0 / math.sqrt(hd) * math.log2(math.e),
         tables.stride(0), q.stride(0), q.stride(1), *k_pages.stride()[:4], *v_pages.stride()[:4],
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1), l_buf.stride(2),
-        0, 0, 0, 0, G=G, HD=hd, PAGE=k_pages.shape[3], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, STORE_LSE=splits > 1, MASS=False,
-        MASS_SPLITS=False, N_PAD=16, PER_SEQ=True)
+        0, 0, 0, 0, **_constants(G, hd, k_pages, block_m, block_n, block_d, q.dtype), STORE_LSE=splits > 1,
+        MASS=False, MASS_SPLITS=False, N_PAD=16, PER_SEQ=True)
     if splits > 1:
         _attn_combine[(B, H)](
             o_buf, l_buf, out, out, out, out, splits, 0,

@@ -1,8 +1,9 @@
 """Triton ops module: fused RMSNorm (optionally with the residual add before it), RoPE and SiLU·mul kernels with
 `reference`'s semantics, plus `paged_attention`, `write_kv` and a batch's decode step (`decode_attention`, which
 `CacheBatch` uses where a backend has it) from `triton_attention`, so that this module is a
-complete backend for the model (see `nodekv.kernels.backend_ops`). A bf16/fp16 prefill on CUDA that collects no node
-mass and has no cached prefix attends through torch's SDPA instead (`paged_attention` here), which is faster there.
+complete backend for the model (see `nodekv.kernels.backend_ops`). A bf16/fp16 prefill on CUDA that has no cached
+prefix attends through torch's SDPA instead (`paged_attention` here), which is faster there; with node mass only
+where `FRESH_PREFILL_MASS` says so.
 
 Each kernel reads its inputs once and writes its output once, computing in fp32 whatever the storage dtype (fp32,
 bf16, fp16), and rounds once when it stores; the torch reference rounds after every op in bf16, so bf16 results
@@ -12,14 +13,14 @@ such as the q/k columns of a fused QKV output). Under TRITON_INTERPRET=1 they ru
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import triton_attention
 from .triton_attention import decode_attention, write_kv
 
-__all__ = ["add_rms_norm_", "decode_attention", "paged_attention", "rms_norm", "rope", "silu_mul", "write_kv"]
+__all__ = ["FRESH_PREFILL_MASS", "add_rms_norm_", "decode_attention", "paged_attention", "rms_norm", "rope",
+           "silu_mul", "write_kv"]
 
 _MAX_ROW_BLOCK = 4096  # columns a norm program holds at once; longer rows loop
 
@@ -27,26 +28,32 @@ _MAX_ROW_BLOCK = 4096  # columns a norm program holds at once; longer rows loop
 # ---------------------------------------------------------------- attention
 
 
+# How a bf16/fp16 prefill on CUDA from an empty cache sums node mass: "kernel", the Triton kernel's one pass (node
+# mass 1.06x / 1.38x of a 2K / 8K prefill without it on qwen2.5-1.5b's shapes, H100), or "sdpa", SDPA's output and
+# log-sum-exp then the Triton mass pass (`triton_attention.sdpa_prefill`; not yet timed on a GPU:
+# `bench gpu_engine --fresh-mass kernel,sdpa` times both, and this follows the measurement)
+FRESH_PREFILL_MASS = "kernel"
+
+
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int,
                     block_table: torch.Tensor, end: int, k_new: torch.Tensor | None = None,
                     v_new: torch.Tensor | None = None, node_bounds: torch.Tensor | None = None,
                     mass: torch.Tensor | None = None, **options) -> torch.Tensor:
     """`triton_attention.paged_attention` (same arguments, same result), except where it is not the fastest correct
-    kernel: a prefill from an empty cache (every key among k_new) without node mass, in bf16 or fp16 on CUDA, of all
-    its queries or of the last one only (the final layer's pruned rows), stores k_new, v_new with `write_kv` and
-    attends through torch's SDPA (flash attention) over them. On an H200 the Triton kernel, which gathers keys
-    through the block table, took 1.7x SDPA's time on 512 rows over 8K keys (bench triton_gpu). fp32 keeps the
-    Triton kernel, whose IEEE dots the fp32 tests hold to a few ulps."""
+    kernel: a prefill from an empty cache (every key among k_new), in bf16 or fp16 on CUDA, of all its queries or of
+    the last one only (the final layer's pruned rows), without node mass (or with it, where FRESH_PREFILL_MASS is
+    "sdpa") goes through `triton_attention.sdpa_prefill`: torch's SDPA (flash attention) over k_new, v_new, which it
+    also stores. On an H200 the Triton kernel, which gathers keys through the block table, took 1.7x SDPA's time on
+    512 rows over 8K keys (bench triton_gpu). fp32 keeps the Triton kernel, whose IEEE dots the fp32 tests hold to a
+    few ulps."""
     n = q.shape[0]
     fresh = k_new is not None and k_new.shape[0] == end and n in (1, end)
-    if not (fresh and mass is None and not options and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
-        return triton_attention.paged_attention(q, k_pages, v_pages, layer, block_table, end, k_new, v_new,
-                                                node_bounds, mass, **options)
-    write_kv(k_pages, v_pages, layer, block_table, end, k_new, v_new)
-    H, G = q.shape[1], q.shape[1] // k_new.shape[1]
-    k, v = (t.to(q.dtype).repeat_interleave(G, dim=1).transpose(0, 1)[None] for t in (k_new, v_new))  # [1, H, end, hd]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=n > 1)  # one last query sees all
-    return out[0].transpose(0, 1).reshape(n, H * q.shape[2])
+    half_on_cuda = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if fresh and half_on_cuda and not options and (mass is None or FRESH_PREFILL_MASS == "sdpa"):
+        return triton_attention.sdpa_prefill(q, k_pages, v_pages, layer, block_table, k_new, v_new, node_bounds,
+                                             mass)
+    return triton_attention.paged_attention(q, k_pages, v_pages, layer, block_table, end, k_new, v_new,
+                                            node_bounds, mass, **options)
 
 
 # ---------------------------------------------------------------- RMSNorm

@@ -1,4 +1,5 @@
-"""`nodekv bench gpu_engine` refuses lengths that do not fit the preset's window before it builds any model."""
+"""`nodekv bench gpu_engine` refuses lengths that do not fit the preset's window, and unknown ways of summing node mass,
+before it builds any model."""
 import pytest
 
 from nodekv.bench import gpu_engine
@@ -14,3 +15,11 @@ def test_lengths_beyond_the_window_are_refused_before_any_model(argv, monkeypatc
         gpu_engine.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "512", *argv])
     assert stop.value.code == 2
     assert "must fit tiny's 1024-token window" in capsys.readouterr().err
+
+
+def test_an_unknown_fresh_mass_is_refused_before_any_model(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_engine, "hf_model", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit) as stop:
+        gpu_engine.main(["--preset", "tiny", "--device", "cpu", "--fresh-mass", "kernel,dot"])
+    assert stop.value.code == 2
+    assert "--fresh-mass: 'kernel,dot' is not kernel, sdpa or both" in capsys.readouterr().err

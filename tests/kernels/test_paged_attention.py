@@ -151,6 +151,59 @@ def test_triton_node_mass_one_and_two_pass(name, mass_pass, splits):
                                atol=1e-5, rtol=1e-6)
 
 
+# prefills from an empty cache (T = end) through SDPA with the mass pass after it: every query, or the last one only
+SDPA_CASES = {  # name: (n queries, T = end keys, H, Hkv, hd, page size, node bounds or n_nodes)
+    "nodes on key block bounds": (256, 256, 4, 2, 16, 16, [0, 64, 128, 256]),
+    "GQA 3, random nodes": (130, 130, 6, 2, 32, 4, 7),
+    "40 one-key nodes in a key block, MQA": (100, 100, 4, 1, 16, 8, [*range(41), 100]),
+    "the last node going on past the keys": (150, 150, 4, 2, 16, 8, [0, 90, 200]),
+    "the last query only": (1, 150, 4, 2, 16, 8, [0, 5, 90, 150]),
+}
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("name", SDPA_CASES)
+def test_triton_sdpa_prefill_and_its_mass_pass(name):
+    """`sdpa_prefill`: torch's SDPA for the output and its log-sum-exp for `_attn_mass`'s node mass (added to what
+    mass held), both against the float64 oracle; the keys and values land in the table's pages."""
+    from nodekv.kernels import triton_attention
+
+    n, T, H, Hkv, hd, P, nodes = SDPA_CASES[name]
+    case = _mass_case(n, T, T, H, Hkv, hd, P, nodes)
+    want_out, want_mass = brute_force(case)
+    want_k, want_v = case.k_pages.clone(), case.v_pages.clone()
+    reference.write_kv(want_k, want_v, case.layer, case.block_table, T, case.k_new, case.v_new)
+    N = case.node_bounds.shape[0] - 1
+    mass = torch.ones(n, N)
+    out = triton_attention.sdpa_prefill(case.q, case.k_pages, case.v_pages, case.layer, case.block_table,
+                                        case.k_new, case.v_new, case.node_bounds, mass)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass.double() - 1, want_mass, atol=1e-5, rtol=1e-5)
+    assert torch.equal(case.k_pages, want_k) and torch.equal(case.v_pages, want_v)
+    without = triton_attention.sdpa_prefill(case.q, want_k.clone(), want_v.clone(), case.layer, case.block_table,
+                                            case.k_new, case.v_new)
+    torch.testing.assert_close(without.double(), want_out, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton_interpreter
+def test_triton_sdpa_prefill_refuses_before_writing():
+    """Queries that are neither every position nor the last, mass without bounds or of the wrong shape, and bounds
+    that leave keys out: one line each, and the pages untouched."""
+    from nodekv.kernels import triton_attention
+
+    case = make_case(20, 20, 20, 4, 2, 16, 8, 3)
+    pages = case.k_pages.clone()
+    bad = {"every position": (case.q[:5], case.node_bounds, torch.zeros(5, 3)),
+           "needs node_bounds": (case.q, None, torch.zeros(20, 3)),
+           "float32 \\[20, 3\\]": (case.q, case.node_bounds, torch.zeros(20, 4)),
+           "node_bounds": (case.q, torch.tensor([0, 5, 19], dtype=torch.int32), torch.zeros(20, 2))}
+    for match, (q, bounds, mass) in bad.items():
+        with pytest.raises(ValueError, match=match):
+            triton_attention.sdpa_prefill(q, case.k_pages, case.v_pages, case.layer, case.block_table, case.k_new,
+                                          case.v_new, bounds, mass)
+    assert torch.equal(case.k_pages, pages)
+
+
 class _Unreachable:
     def __getitem__(self, grid):
         raise AssertionError("the two-pass mass kernel was launched")

@@ -97,7 +97,8 @@ def test_paged_attention_and_node_mass_on_cuda(shape, dtype, mass_pass):
 @pytest.mark.parametrize("rows", ["all", "last"])
 def test_a_bf16_prefill_without_mass_attends_through_sdpa(rows, monkeypatch):
     """`triton_ops.paged_attention` of a prefill from an empty cache without node mass: SDPA's output (the Triton
-    kernel is not called) within the bound of torch, its keys and values stored in the pages; with mass, the kernel."""
+    kernel is not called) within the bound of torch, its keys and values stored in the pages; with mass, the kernel,
+    unless FRESH_PREFILL_MASS is "sdpa"."""
     from nodekv.kernels import triton_attention, triton_ops
 
     T, H, Hkv, hd, P = 700, 12, 2, 128, 16
@@ -116,6 +117,44 @@ def test_a_bf16_prefill_without_mass_attends_through_sdpa(rows, monkeypatch):
     triton_ops.paged_attention(gpu.q, gpu.k_pages, gpu.v_pages, gpu.layer, gpu.block_table, T, gpu.k_new, gpu.v_new,
                                gpu.node_bounds, torch.zeros(n, 5, device="cuda"))
     assert calls == [1]
+    monkeypatch.setattr(triton_ops, "FRESH_PREFILL_MASS", "sdpa")  # now with mass too
+    triton_ops.paged_attention(gpu.q, gpu.k_pages, gpu.v_pages, gpu.layer, gpu.block_table, T, gpu.k_new, gpu.v_new,
+                               gpu.node_bounds, torch.zeros(n, 5, device="cuda"))
+    assert calls == [1]
+
+
+FRESH_SHAPES = [  # (n queries, T = end keys, H, Hkv, hd, page size, nodes): prefills from an empty cache
+    (300, 300, 9, 3, 64, 64, 6),       # SmolLM2 heads
+    (1024, 1024, 12, 2, 128, 64, 32),  # qwen2.5-1.5b heads, the engine bench's nodes
+    (1, 1500, 32, 8, 128, 16, 30),     # the last query only (last-layer pruning), 8B heads
+]
+
+
+@pytest.mark.parametrize("shape", FRESH_SHAPES, ids=str)
+def test_sdpa_prefill_and_its_mass_pass_on_cuda(shape):
+    """`sdpa_prefill` in bf16: SDPA's output and the mass pass over its log-sum-exp against the float64 oracle,
+    within the bound of torch's own bf16 attention; fp32 on CUDA is refused before anything is written."""
+    from nodekv.kernels import triton_attention
+
+    n, T, H, Hkv, hd, P, N = shape
+    rounded = _as_cpu_dtype(make_case(n, T, T, H, Hkv, hd, P, N), torch.bfloat16)
+    exact_out, exact_mass = brute_force(rounded)
+    gpu, ref_gpu = _on(rounded, torch.bfloat16), _on(rounded, torch.bfloat16)
+    mass, ref_mass = torch.zeros(n, N, device="cuda"), torch.zeros(n, N, device="cuda")
+    out = triton_attention.sdpa_prefill(gpu.q, gpu.k_pages, gpu.v_pages, gpu.layer, gpu.block_table, gpu.k_new,
+                                        gpu.v_new, gpu.node_bounds, mass)
+    ref_out = reference.paged_attention(ref_gpu.q, ref_gpu.k_pages, ref_gpu.v_pages, ref_gpu.layer,
+                                        ref_gpu.block_table, T, ref_gpu.k_new, ref_gpu.v_new, ref_gpu.node_bounds,
+                                        ref_mass)
+    _within(out, exact_out, ref_out, "out")
+    _within(mass, exact_mass, ref_mass, "mass")
+    assert torch.equal(gpu.k_pages, ref_gpu.k_pages) and torch.equal(gpu.v_pages, ref_gpu.v_pages)
+    fp32 = _on(rounded, torch.float32)
+    pages = fp32.k_pages.clone()
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        triton_attention.sdpa_prefill(fp32.q, fp32.k_pages, fp32.v_pages, fp32.layer, fp32.block_table, fp32.k_new,
+                                      fp32.v_new, fp32.node_bounds, torch.zeros(n, N, device="cuda"))
+    assert torch.equal(fp32.k_pages, pages)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
