@@ -176,6 +176,7 @@ def test_closed_book_runs_through_eval_and_ask(tmp_path, capsys):
                  "--model", "smollm2-135m"]) == 0
     out = capsys.readouterr().out
     assert "A: " in out and "method     closed-book" in out and "generated" in out
+    assert "layers, d=576, float32 on cpu)" in out  # the dtype chosen by the device, not the flag's None
 
 
 def test_cli_graph_exports_a_saved_index_and_refuses_what_it_cannot(saver, engine, tmp_path, capsys):
