@@ -1,5 +1,5 @@
 """`nodekv bench gpu_engine` refuses lengths that do not fit the preset's window, and unknown ways of summing node mass,
-before it builds any model."""
+before it builds any model; a way that fails on the GPU costs its own row only."""
 import pytest
 
 from nodekv.bench import gpu_engine
@@ -23,3 +23,16 @@ def test_an_unknown_fresh_mass_is_refused_before_any_model(monkeypatch, capsys):
         gpu_engine.main(["--preset", "tiny", "--device", "cpu", "--fresh-mass", "kernel,dot"])
     assert stop.value.code == 2
     assert "--fresh-mass: 'kernel,dot' is not kernel, sdpa or both" in capsys.readouterr().err
+
+
+def test_a_failing_way_leaves_a_row_and_a_cuda_fault_stops_the_run():
+    """`or_failure`: a Python error becomes the row's text (the session's other rows still run); a CUDA fault, after
+    which the device is unusable, is raised."""
+    def raises(e: Exception):
+        raise e
+
+    assert gpu_engine.or_failure(lambda: 3) == 3
+    assert gpu_engine.or_failure(lambda: raises(RuntimeError("no flash kernel\nmore"))) == \
+        "failed: RuntimeError: no flash kernel"
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        gpu_engine.or_failure(lambda: raises(RuntimeError("CUDA error: an illegal memory access")))
