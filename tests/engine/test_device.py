@@ -105,12 +105,16 @@ def test_gpu_benchmark_runs_its_checks_on_the_cpu(capsys):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fresh_mass", ["kernel", "sdpa"])  # how a bf16 prefill sums node mass (fp32: the kernel)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_forward_matches_the_cpu_and_hf(dtype):
+def test_cuda_forward_matches_the_cpu_and_hf(dtype, fresh_mass, monkeypatch):
     """The tiny model on CUDA (Triton kernels, cuBLAS matmuls) against HF in fp32: within 2x HF's own error in the same
     dtype; node mass within 1e-5 (fp32) / 1e-3 (bf16) of the CPU engine's; a probe rolled back leaves the cached
     keys and values bit-identical."""
     from nodekv.bench import gpu_engine
+    from nodekv.kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops, "FRESH_PREFILL_MASS", fresh_mass)
 
     hf = gpu_engine.hf_model(gpu_engine.TINY, torch.float32, torch.device("cuda"), "eager")
     ids = torch.randint(0, gpu_engine.TINY.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
