@@ -398,6 +398,19 @@ def _num_splits(programs: int, end: int, block_n: int, device: torch.device) -> 
     return max(1, min(-(-2 * sms // programs), end // (4 * block_n), 64))
 
 
+def _check_mass(mass: torch.Tensor | None, node_bounds: torch.Tensor | None, n: int, end: int, fn: str) -> int:
+    """The node count N of mass float32 [n, N] and node_bounds over keys [0, end) (0 without mass), or a ValueError."""
+    if mass is None:
+        return 0
+    if node_bounds is None:
+        raise ValueError(f"{fn}: mass needs node_bounds")
+    check_node_bounds(node_bounds, end, fn)
+    N = node_bounds.shape[0] - 1
+    if mass.shape != (n, N) or mass.dtype != torch.float32:
+        raise ValueError(f"{fn}: mass must be float32 [{n}, {N}], got {mass.dtype} {tuple(mass.shape)}")
+    return N
+
+
 def _constants(G: int, hd: int, k_pages: torch.Tensor, block_m: int, block_n: int, block_d: int,
                dtype: torch.dtype) -> dict:
     """The constexprs `_attn_fwd` and `_attn_mass` share: fp32 inputs take IEEE fp32 dots (not TF32)."""
@@ -444,15 +457,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         raise ValueError(f"paged_attention: head_dim {hd} > 256")
     if not n <= end or not 0 <= layer < k_pages.shape[0]:
         raise ValueError(f"paged_attention: {n} queries, end {end}, layer {layer} out of range")
-    N = 0
-    if mass is not None:
-        if node_bounds is None:
-            raise ValueError("paged_attention: mass needs node_bounds")
-        check_node_bounds(node_bounds, end, "paged_attention")
-        N = node_bounds.shape[0] - 1
-        if mass.shape != (n, N) or mass.dtype != torch.float32:
-            raise ValueError(f"paged_attention: mass must be float32 [{n}, {N}], got {mass.dtype} "
-                             f"{tuple(mass.shape)}")
+    N = _check_mass(mass, node_bounds, n, end, "paged_attention")
     mass_pass = _mass_pass(mass_pass, N)  # checked even without mass: a bad value is an error either way
     one_pass, two_pass = mass is not None and mass_pass == "one", mass is not None and mass_pass == "two"
     G = H // Hkv
@@ -554,13 +559,7 @@ def sdpa_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         raise ValueError(f"sdpa_prefill: q on {q.device}, pages on {k_pages.device}")
     if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"sdpa_prefill: torch's flash attention on CUDA takes bf16 or fp16, got {q.dtype}")
-    if mass is not None:
-        if node_bounds is None:
-            raise ValueError("sdpa_prefill: mass needs node_bounds")
-        check_node_bounds(node_bounds, T, "sdpa_prefill")
-        N = node_bounds.shape[0] - 1
-        if mass.shape != (n, N) or mass.dtype != torch.float32:
-            raise ValueError(f"sdpa_prefill: mass must be float32 [{n}, {N}], got {mass.dtype} {tuple(mass.shape)}")
+    N = _check_mass(mass, node_bounds, n, T, "sdpa_prefill")
     write_kv(k_pages, v_pages, layer, block_table, T, k_new, v_new)  # checks the pages and the table
     G = H // Hkv
     k, v = (t.to(q.dtype).repeat_interleave(G, dim=1).transpose(0, 1)[None] for t in (k_new, v_new))  # [1, H, T, hd]
