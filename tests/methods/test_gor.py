@@ -247,47 +247,57 @@ def _rows(out) -> list[dict]:
     return [json.loads(x) for x in (out / "gor-qmsum_general.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory) -> tuple[list[str], Path]:
+    """The small GoR run of `_meetings_and_argv`, run once locally: its arguments (without --out) and its out dir."""
+    from nodekv.cli import main as cli_main
+
+    root = tmp_path_factory.mktemp("gor-eval")
+    argv = _meetings_and_argv(root)
+    assert cli_main([*argv, "--out", str(root / "local")]) == 0
+    return argv, root / "local"
+
+
 @pytest.mark.model
-def test_eval_fits_on_the_other_folds_before_answering_one(tmp_path, capsys):
+def test_eval_fits_on_the_other_folds_before_answering_one(local_run, capsys):
     """... and a run file is resumed only over the records its folds were dealt over: resuming it over fewer (or
     more) would mix answers fitted on different numbers of documents under one label."""
     from nodekv.cli import main as cli_main
 
-    argv = [*_meetings_and_argv(tmp_path), "--out", str(tmp_path / "out")]
-    assert cli_main(argv) == 0
-    rows = _rows(tmp_path / "out")
+    argv, out = local_run
+    rows = _rows(out)
     assert [r["id"] for r in rows] == ["0-g0", "1-g0", "2-g0"] and all("error" not in r for r in rows)
     assert all(r["trace"][0]["model"] == "fitted on 2 other documents" and r["fit_s"] >= 0 for r in rows)
     assert len({r["document"] for r in rows}) == 3 and all(r["index_flops"] > 0 for r in rows)
-    assert len(list((tmp_path / "out" / "indexes").glob("*.safetensors"))) == 3
+    assert len(list((out / "indexes").glob("*.safetensors"))) == 3
 
-    written = (tmp_path / "out" / "gor-qmsum_general.jsonl").read_text()
+    written = (out / "gor-qmsum_general.jsonl").read_text()
     capsys.readouterr()
-    assert cli_main([*argv, "--limit", "2"]) == 2
+    assert cli_main([*argv, "--out", str(out), "--limit", "2"]) == 2
     assert "records 3 now 2 (the folds are dealt over the run's records)" in capsys.readouterr().err
-    assert (tmp_path / "out" / "gor-qmsum_general.jsonl").read_text() == written
+    assert (out / "gor-qmsum_general.jsonl").read_text() == written
 
 
 @pytest.mark.model
-def test_eval_on_ray_builds_the_graphs_on_the_workers_and_answers_as_a_local_run(tmp_path):
+def test_eval_on_ray_builds_the_graphs_on_the_workers_and_answers_as_a_local_run(local_run, tmp_path):
     """With two Ray workers building the graphs, the graph files are byte for byte the local run's and the lines
     are the local run's, times and index costs aside: a graph's FLOPs depend on what its builder's engine had cached
     (`Engine.prefixes` holds the simulation prompt's opening from the document built before it on that engine)."""
     pytest.importorskip("ray", reason="the ray extra is not installed")
     from nodekv.cli import main as cli_main
 
-    argv = _meetings_and_argv(tmp_path)
-    assert cli_main([*argv, "--out", str(tmp_path / "local")]) == 0
-    assert cli_main([*argv, "--out", str(tmp_path / "ray"), "--ray", "--workers", "2"]) == 0
+    argv, local_out = local_run
+    ray_out = tmp_path / "ray"
+    assert cli_main([*argv, "--out", str(ray_out), "--ray", "--workers", "2"]) == 0
     varying = ("wall_s", "index_s", "prompt_s", "fit_s", "index_flops", "index_flops_8b", "index_tokens")
-    local, ray = ([{k: v for k, v in r.items() if k not in varying} for r in _rows(tmp_path / run)]
-                  for run in ("local", "ray"))
+    local, ray = ([{k: v for k, v in r.items() if k not in varying} for r in _rows(out)]
+                  for out in (local_out, ray_out))
     assert ray == local and len(ray) == 3
-    graphs = {run: {p.name: p.read_bytes() for p in (tmp_path / run / "indexes").iterdir() if p.suffix != ".json"}
-              for run in ("local", "ray")}  # the .json beside each graph holds its build time
-    assert graphs["ray"] == graphs["local"] and len(graphs["local"]) == 6
-    assert cli_main([*argv, "--out", str(tmp_path / "ray"), "--ray"]) == 0  # the rerun finds nothing left to do
-    assert len(_rows(tmp_path / "ray")) == 3
+    graphs = [{p.name: p.read_bytes() for p in (out / "indexes").iterdir() if p.suffix != ".json"}
+              for out in (local_out, ray_out)]  # the .json beside each graph holds its build time
+    assert graphs[1] == graphs[0] and len(graphs[0]) == 6
+    assert cli_main([*argv, "--out", str(ray_out), "--ray"]) == 0  # the rerun finds nothing left to do
+    assert len(_rows(ray_out)) == 3
 
 
 def test_kv_reuse_stores_every_node_once_and_places_the_k_retrieved(hf_tiny, tmp_path):
