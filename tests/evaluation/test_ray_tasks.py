@@ -45,14 +45,29 @@ def _lines(out):
             for x in (out / "bm25-top2-hotpotqa.jsonl").read_text().splitlines()]
 
 
+def _ray_workers_of(pid: int) -> list[int]:
+    """The Ray task workers among `pid`'s descendants (its raylet forks them), not another run's on this machine."""
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in table.splitlines()]
+    children: dict[int, list[int]] = {}
+    for row in rows:
+        children.setdefault(int(row[1]), []).append(int(row[0]))
+    ours, todo = set(), [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        ours.update(kids)
+        todo += kids
+    return [int(row[0]) for row in rows if int(row[0]) in ours and len(row) == 3 and row[2].startswith("ray::_Worker")]
+
+
 def _kill_a_worker_when(ready, run: subprocess.Popen) -> None:
     """SIGKILL one Ray worker of `run` as soon as `ready()` holds (the run is under way, not finished)."""
     deadline = time.time() + 1800
     while not ready() and run.poll() is None and time.time() < deadline:
         time.sleep(0.2)
-    workers = subprocess.run(["pgrep", "-f", "ray::_Worker"], capture_output=True, text=True).stdout.split()
+    workers = _ray_workers_of(run.pid)
     assert workers and run.poll() is None, "the run ended before a worker could be killed mid-run"
-    os.kill(int(workers[0]), signal.SIGKILL)
+    os.kill(workers[0], signal.SIGKILL)
     assert run.wait(timeout=1800) == 0  # a restarted worker loads its engine again
 
 
