@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# `make test` runs pytest-xdist workers side by side: the cores are shared among them, not oversubscribed
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 if not torch.cuda.is_available():  # Triton kernels run (slowly, single-threaded) in its interpreter on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # the Triton tests on CPU tensors need the interpreter; on a GPU, tests/kernels/test_triton_cuda.py runs the kernels
