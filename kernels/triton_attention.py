@@ -376,7 +376,6 @@ def _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, fn):
     return block_table.to(device=k_pages.device, dtype=torch.int32)  # a no-op when it already is
 
 
-
 def _blocks(rows: int, hd: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D): 16-row tiles for decode-sized row counts, 64 otherwise (tl.dot needs >= 16)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64

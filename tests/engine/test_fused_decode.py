@@ -52,7 +52,7 @@ def _close(got, want, rel):
 
 def _kv(cache):
     """The cache's K and V in position order: [layers, positions, kv_heads, hd] each."""
-    pool, P = cache.pool, cache.pool.page_size
+    pool = cache.pool
     pages = torch.tensor(cache.pages)
     k = pool.k[:, pages].permute(0, 1, 3, 2, 4).flatten(1, 2)[:, : cache.length]
     v = pool.v[:, pages].permute(0, 1, 3, 2, 4).flatten(1, 2)[:, : cache.length]
