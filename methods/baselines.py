@@ -41,7 +41,7 @@ class FullContext(Method, name="full"):
                Option("shared_prefix", bool, True, "prefill the prompt up to the question once per document"))
 
     def index(self, document: str) -> str:
-        return _check_document(document)
+        return document
 
     def reader_window(self) -> int | None:
         return self.config.window or None
@@ -77,7 +77,7 @@ class TopK(Method):
 
     def index(self, document: str) -> ChunkIndex:
         tok = self.engine.tokenizer
-        ids = tok.encode(_check_document(document))
+        ids = tok.encode(document)
         chunks = [tok.decode(ids[a:b]) for a, b in text_chunk_spans(ids, tok, self.config.chunk_tokens)]
         index = ChunkIndex(chunks, self.search_index(chunks))
         return index if self.config.kv_reuse == "off" else self.store_kv(index)
@@ -140,9 +140,3 @@ class DenseTopK(TopK, name="dense"):
         from .retrieval.embedder import Embedder
 
         return DenseIndex(chunks, self._embedder or Embedder.shared())
-
-
-def _check_document(document: str) -> str:
-    if not isinstance(document, str) or not document.strip():
-        raise ValueError("the document is empty: nothing to index")
-    return document

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -50,8 +51,21 @@ def read_index_file(path: str | Path, fmt: str, version: int, engine: Engine, wh
         raise IndexFileError(f"{path} is corrupt: its checksum does not match its contents")
     if data["model"] != model_id(engine):
         raise IndexFileError(f"{path} was built with model {data['model']['name']} (config "
-                             f"{data['model']['config'][:12]}), not the loaded {model_id(engine)['name']}")
+                             f"{data['model']['config'][:12]}), not the loaded {model_id(engine)['name']}: load "
+                             "that model (--model) or build the index again")
     return {k: v for k, v in data.items() if k not in ("format", "version", "model")}
+
+
+def saved_format(path: str | Path) -> str | None:
+    """The format an index file at `path` names in its header (e.g. "nodekv-pecan-index"), or None for any other
+    file: what lets a command refuse to read an index as a document, or to overwrite a file that is not one."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return None
+    found = re.match(rb'\{"format": "(nodekv-[a-z0-9-]+)"', head)  # json.dumps writes the header key first
+    return found.group(1).decode() if found else None
 
 
 def kv_path(index_path: str | Path) -> Path:

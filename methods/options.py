@@ -32,6 +32,8 @@ class Option:
         typed = self._typed(value)
         if typed is None:
             raise ValueError(f"{method} option {self.name} must be {self.type.__name__}, got {value!r}")
+        if typed != typed:  # NaN passes every bound (each comparison is false)
+            raise ValueError(f"{method} option {self.name} must be a number, got {value!r}")
         if self.choices and typed not in self.choices:
             raise ValueError(f"{method} option {self.name} must be one of {', '.join(map(str, self.choices))}, "
                              f"got {value!r}")

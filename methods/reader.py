@@ -178,12 +178,24 @@ class GrowingPrompt:
         return base.fork()
 
 
+def check_room(engine: Engine, spec: PromptSpec, window: int | None = None) -> int:
+    """The tokens a reader's prompt may take: the window (the model's, or `window` below it) less the answer's
+    `max_new_tokens`; a ValueError when that leaves none."""
+    model = engine.config.max_seq_len
+    window = min(model, window or model)
+    if window <= spec.max_new_tokens:
+        raise ValueError(f"an answer of up to {spec.max_new_tokens} tokens (max_new_tokens) leaves no room for a "
+                         f"prompt in a window of {window} tokens")
+    return window - spec.max_new_tokens
+
+
 class Reader:
     """Answers a question from a context in the dataset's prompt (`spec`); `window` caps the prompt plus the answer
     below the model's window (how a model with a shorter window reads)."""
 
     def __init__(self, engine: Engine, spec: PromptSpec, window: int | None = None):
         self.engine, self.spec, self.window = engine, spec, window
+        self.room = check_room(engine, spec, window)
         self._priors: dict[tuple, list[float]] = {}
 
     def prompt_spec(self, context: str | None) -> PromptSpec:
@@ -193,13 +205,19 @@ class Reader:
     def prompt_ids(self, context: str | None, question: str, options: Sequence[str] = ()) -> tuple[list[int], bool]:
         """The chat-templated prompt, cut in the middle so that it plus the answer fits the window. Returns (ids,
         truncated)."""
-        spec = self.prompt_spec(context)
-        ids = self.engine.tokenizer.chat([{"role": "user", "content": spec.render(context or "", question,
-                                                                                   tuple(options))}])
-        window = min(self.engine.config.max_seq_len, self.window or self.engine.config.max_seq_len)
-        room = window - spec.max_new_tokens
+        spec, room = self.prompt_spec(context), self.room
+
+        def chat(context_text: str) -> list[int]:
+            content = spec.render(context_text, question, tuple(options))
+            return self.engine.tokenizer.chat([{"role": "user", "content": content}])
+
+        ids = chat(context or "")
         if len(ids) <= room:
             return ids, False
+        bare = len(chat(""))
+        if bare > room:  # a middle cut would eat the instructions and the question, not the context
+            raise ValueError(f"the prompt takes {bare} tokens without its context, more than the {room} a window of "
+                             f"{room + spec.max_new_tokens} leaves beside the answer's {spec.max_new_tokens}")
         half = room // 2
         return ids[:half] + ids[len(ids) - (room - half):], True
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from nodekv import commands
+from nodekv.engine.config import PRESETS
 from nodekv.engine.models import DEFAULT_MODEL, MODELS
 from nodekv.methods.prompts import PROMPTS
 
@@ -20,17 +22,28 @@ DEVICE_HELP = "cpu, cuda (or cuda:N), or auto: CUDA when torch sees a GPU (defau
 MODEL_HELP = f"a registered name (`nodekv models`), HF directory or .gguf file (default: {DEFAULT_MODEL})"
 
 
-def methods_help(saving_only: bool = False) -> str:
-    """The registered methods (those that can save an index, with `saving_only`), each with its options."""
+def _first_sentence(doc: str | None) -> str:
+    """A docstring's first sentence, on one line (a full stop before a digit, as in "Alg. 1", ends none)."""
+    text = " ".join((doc or "").split())
+    end = re.search(r"\.\s(?!\d)", text)
+    return text[:end.start() + 1] if end else text
+
+
+def methods_help(which: str = "all") -> str:
+    """The registered methods with their options ("all"), those that can save an index ("saving"), or those that
+    export one, with the formats only ("exports": `graph` takes no options)."""
     from nodekv.methods import get, names
 
+    shown = [get(n) for n in names()]
+    if which == "exports":
+        lines = ["methods (--method NAME) and the formats -o writes:"]
+        return "\n".join(lines + [f"  {m.name:<13}{', '.join(f'{k} {v}' for k, v in m.exports.items())}"
+                                  for m in shown if m.exports])
     lines = ["methods (--method NAME; options: --option KEY=VALUE):"]
-    for name in names():
-        method_class = get(name)
-        if saving_only and not method_class.can_save:
+    for method_class in shown:
+        if which == "saving" and not method_class.can_save:
             continue
-        doc = (method_class.__doc__ or "").strip().split("\n")[0]
-        lines.append(f"  {name:<13}{doc}")
+        lines.append(f"  {method_class.name:<13}{_first_sentence(method_class.__doc__)}")
         for o in method_class.options:
             default = str(o.default).lower() if o.type is bool else o.default
             lines.append(f"      {f'{o.name}={default}':<22}{o.allowed()}; {o.help}")
@@ -47,8 +60,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _CommandParser(_Parser):
-    """A subcommand's parser; with `methods` ("all" or "saving"), its --help ends with those registered methods,
-    imported only then (so that a method plugin that fails to load cannot break other commands)."""
+    """A subcommand's parser; with `methods` ("all", "saving" or "exports": `methods_help`), its --help ends with
+    those registered methods, imported only then (so that a method plugin that fails to load cannot break other
+    commands)."""
 
     def __init__(self, *args, methods: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -56,7 +70,7 @@ class _CommandParser(_Parser):
 
     def format_help(self) -> str:
         text = super().format_help()
-        return text if self.methods is None else f"{text}\n{methods_help(self.methods == 'saving')}\n"
+        return text if self.methods is None else f"{text}\n{methods_help(self.methods)}\n"
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -170,14 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     ca.set_defaults(func=commands.calibrate)
 
     fl = sub.add_parser("flops", help="exact prefill FLOPs and the papers' conventions for a model")
-    fl.add_argument("--model", required=True, help="a preset (llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, "
-                                                   "smollm2-135m), a registered name or a model path")
+    fl.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}), a registered name or a "
+                                                   "model path")
     fl.add_argument("--tokens", type=int, required=True)
     fl.add_argument("--n-ctx", type=int, default=None, help="window for the per-token convention "
                                                             "(default: min(tokens, model context))")
     fl.set_defaults(func=commands.flops)
 
-    gr = sub.add_parser("graph", methods="saving", help="export a saved index for inspection (PECAN: HTML view, "
+    gr = sub.add_parser("graph", methods="exports", help="export a saved index for inspection (PECAN: HTML view, "
                                                           "GraphML)")
     gr.add_argument("index", help="an index file a method saved (DOCUMENT.<method>)")
     gr.add_argument("-o", "--export", action="append", required=True, metavar="FILE",
@@ -211,10 +225,19 @@ def check_counts(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """A ValueError naming an --option given twice (one would silently win)."""
+    keys = [key for key, _ in getattr(args, "option", [])]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"--option {', '.join(twice)} given more than once")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_counts(args)
+        check_options(args)
         return args.func(args)
     except ValueError as e:  # nodekv's input errors are ValueErrors with a message naming the problem
         print(f"error: {e}", file=sys.stderr)

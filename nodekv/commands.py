@@ -26,10 +26,42 @@ def _saved_by(path: str | Path | None) -> str | None:
 
 
 def _read_document(path: Path) -> str:
-    text = read_text(check_input(path, "document"))
-    if not text.strip():
-        raise ValueError(f"document {path} is empty (nothing to read)")
-    return text
+    from nodekv.methods.base import check_document
+
+    return check_document(read_text(check_input(path, "document")), f"document {path}")
+
+
+def _check_index_output(out: Path, name: str, doc: Path, exports: list[str]) -> None:
+    """Refuse an index or export path that is the document itself, an index file named for another method, or an
+    existing file neither named for this method nor a nodekv index (a rebuild replaces the method's own index;
+    nothing else is lost)."""
+    from nodekv.methods.index_file import saved_format
+
+    for path in (out, *map(Path, exports)):
+        if path.exists() and path.samefile(doc):
+            raise ValueError(f"the output {path} is the document itself; choose another file")
+    named_for = _saved_by(out)
+    if named_for not in (None, name):
+        raise ValueError(f"the output {out} is named like a {named_for} index, not a {name} one; name it "
+                         f"DOCUMENT.{name} (`ask` picks the method by that suffix)")
+    if out.exists() and named_for is None and saved_format(out) is None:
+        raise ValueError(f"the output {out} exists and is not a nodekv index: not overwriting it (remove it, or "
+                         "choose another -o)")
+
+
+def _check_saved_index(doc: Path, name: str) -> None:
+    """Refuse a saved index given as the document of a method that would read its JSON as text."""
+    from nodekv.methods.index_file import saved_format
+
+    found = saved_format(doc)
+    if found is None:
+        return
+    saver = _saved_by(doc)
+    if saver is not None:
+        raise ValueError(f"{doc} is a saved {saver} index, which {name} cannot read; ask it with --method {saver} "
+                         f"(or without --method), or give {name} the text file")
+    raise ValueError(f"{doc} is a saved nodekv index ({found}), not a text file; name it DOCUMENT.<method> after "
+                     "the method that saved it")
 
 
 def _check_exports(method_class: type, paths: list[str]) -> None:
@@ -55,6 +87,7 @@ def index(args: argparse.Namespace) -> int:
     doc = Path(args.document)
     text = _read_document(doc)
     out = check_output_file(args.output or f"{doc}.{name}")
+    _check_index_output(out, name, doc, args.export)
     eng = load_engine(args.model, threads=args.threads)
     method = method_class(eng, progress=True, **options)
     before, t = eng.flops.total, time.perf_counter()
@@ -104,6 +137,7 @@ def ask(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods import get
     from nodekv.methods.base import check_question
+    from nodekv.methods.index_file import kv_path
 
     check_question(args.question)
     resolve_device(args.device)
@@ -112,6 +146,13 @@ def ask(args: argparse.Namespace) -> int:
     method_class, options = get(name), dict(args.option)
     method_class.configure(**options)
     saved = method_class.can_save and _saved_by(doc) == name
+    if saved:  # a method built without an engine does no model work; its index key names what shapes an index
+        shaping = sorted(set(options) & set(method_class(None, **options).index_key()))
+        if shaping:
+            raise ValueError(f"{doc} is built already, and {', '.join(shaping)} would change how: rebuild it with "
+                             f"`nodekv index` and {' '.join(f'--option {k}=...' for k in shaping)}, or leave them out")
+    else:
+        _check_saved_index(doc, name)
     text = None if saved else _read_document(doc)
     t0 = time.perf_counter()
     eng = load_engine(args.model, dtype=args.dtype, threads=args.threads, precision=args.precision,
@@ -137,6 +178,9 @@ def ask(args: argparse.Namespace) -> int:
     tokens = answer.prompt_tokens + answer.generated_tokens
     print(f"time       load {t1 - t0:.1f}s, index {t2 - t1:.1f}s, answer {t3 - t2:.2f}s "
           f"({tokens / max(t3 - t2, 1e-9):,.0f} tok/s)")
+    if saved and getattr(method.config, "kv_reuse", None) == "off" and kv_path(doc).exists():
+        print(f"note       {kv_path(doc).name} holds the KV of this index's chunks: --option kv_reuse=blend reads "
+              "it rather than prefilling them")
     if args.trace:
         for line in method.trace_lines(index, answer.trace):
             print(line)

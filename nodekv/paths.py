@@ -104,11 +104,13 @@ def read_text(path: str | os.PathLike) -> str:
 
 def check_input(path: str | os.PathLike, what: str) -> Path:
     """`path` if it is an existing file, else a ValueError naming `what` it should be (e.g. "document")."""
-    path = Path(path)
+    path, article = Path(path), "an" if what[0] in "aeiou" else "a"
     if path.is_dir():
-        raise ValueError(f"{path} is a directory, not {'an' if what[0] in 'aeiou' else 'a'} {what} file")
-    if not path.is_file():
+        raise ValueError(f"{path} is a directory, not {article} {what} file")
+    if not path.exists():
         raise ValueError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{path} is a device, a pipe or a socket, not {article} {what} file")
     return path
 
 

@@ -41,6 +41,11 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "data" / "multihop").mkdir(parents=True)
     (tmp_path / "data" / "multihop" / "hotpotqa.jsonl").write_text("")
     (tmp_path / "run.jsonl").write_text("")
+    (tmp_path / "nul.txt").write_text("abc\0def")
+    saved = '{"format": "nodekv-topk-index", "version": 1}'  # a header is all the refusals read
+    (tmp_path / "saved.txt.bm25").write_text(saved)
+    (tmp_path / "renamed.json").write_text(saved)
+    os.mkfifo(tmp_path / "fifo")
     return tmp_path
 
 
@@ -57,6 +62,25 @@ CASES = [  # argv, the one line on stderr
     (["index", "latin.txt", "--method", "pecan"], "error: latin.txt is not UTF-8 text (byte 0xe9 at offset 1237)"),
     (["ask", "empty.txt", "q"], "error: document empty.txt is empty"),
     (["ask", "missing.pecan", "q"], "error: document missing.pecan does not exist"),
+    (["ask", "fifo", "q"], "error: fifo is a device, a pipe or a socket, not a document file"),
+    (["ask", "nul.txt", "q"], "error: document nul.txt holds NUL characters (the first at character 3)"),
+    (["index", "nul.txt", "--method", "bm25"], "error: document nul.txt holds NUL characters"),
+    (["ask", "--method", "full", "saved.txt.bm25", "q"],
+     "error: saved.txt.bm25 is a saved bm25 index, which full cannot read; ask it with --method bm25"),
+    (["ask", "--method", "pecan", "saved.txt.bm25", "q"], "error: saved.txt.bm25 is a saved bm25 index"),
+    (["ask", "renamed.json", "q"], "error: renamed.json is a saved nodekv index (nodekv-topk-index), not a text file"),
+    (["ask", "saved.txt.bm25", "q", "--option", "chunk_tokens=50", "--option", "k=2"],
+     "error: saved.txt.bm25 is built already, and chunk_tokens would change how: rebuild it with `nodekv index` and "
+     "--option chunk_tokens=..."),
+    (["ask", "--method", "bm25", "--option", "k=2", "--option", "k=1", "doc.txt", "q"],
+     "error: --option k given more than once"),
+    (["ask", "--method", "pecan", "--option", "t_p=NaN", "doc.txt", "q"], "error: PECAN option t_p must be a number, got nan"),
+    (["index", "doc.txt", "--method", "bm25", "-o", "doc.txt"], "error: the output doc.txt is the document itself"),
+    (["index", "doc.txt", "--method", "pecan", "--export", "doc.txt"], "error: pecan cannot export its index as"),
+    (["index", "doc.txt", "--method", "bm25", "-o", "doc.pecan"],
+     "error: the output doc.pecan is named like a pecan index, not a bm25 one"),
+    (["index", "doc.txt", "--method", "bm25", "-o", "run.jsonl"],
+     "error: the output run.jsonl exists and is not a nodekv index: not overwriting it"),
     ([*EVAL, "--limit", "-3"], "error: --limit must be >= 1, got -3"),
     ([*EVAL, "--limit", "0"], "error: --limit must be >= 1, got 0"),
     ([*EVAL, "--limit", "three"], "error: argument --limit: invalid int value: 'three' (see nodekv eval --help)"),
@@ -139,13 +163,54 @@ def test_the_python_api_refuses_a_limit_below_one():
     ({"device": "gpu"}, "device must be one of auto, cpu, cuda or cuda:<index>, got 'gpu'"),
     ({"backend": "fpga"}, "backend must be one of auto, torch, cpu, triton, got 'fpga'"),
     ({"backend": "cpu", "dtype": "bfloat16"}, "the cpu backend runs float32 CPU tensors only"),
+    ({"backend": "triton"}, r"the triton backend runs on CUDA, or on the CPU under Triton's interpreter"),
+    ({"page_size": 0}, "page_size must be an int >= 1, got 0"),
+    ({"kv_tokens": -5}, "kv_tokens must be an int >= 1, got -5"),
+    ({"threads": 0}, "threads must be an int >= 1, got 0"),
+    ({"threads": 1.5}, "threads must be an int >= 1, got 1.5"),
 ])
 def test_load_engine_refuses_bad_settings_before_reading_the_model(kwargs, message, monkeypatch):
     from nodekv.engine import engine
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # without it, Triton has no CPU to run on
     monkeypatch.setattr(engine, "load_checkpoint", lambda *a: pytest.fail("the model was read"))
     with pytest.raises(ValueError, match=message):
         engine.load_engine("no-such-model.gguf", **kwargs)
+
+
+def test_int8_on_auto_takes_the_cpu_where_a_gpu_is_seen(monkeypatch):
+    from nodekv.engine import engine
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args):
+        raise Loaded
+
+    monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine, "resolve_model", load)
+    with pytest.raises(Loaded):  # past every check, on the CPU
+        engine.load_engine("no-such-model.gguf", precision="int8")
+    with pytest.raises(ValueError, match="precision 'int8' runs float32 models on the CPU only"):
+        engine.load_engine("no-such-model.gguf", precision="int8", device="cuda")
+
+
+def test_an_empty_model_name_is_refused_by_name():
+    from nodekv.engine.models import resolve_model
+
+    with pytest.raises(ValueError, match="the model is an empty name; registered: qwen2.5-0.5b"):
+        resolve_model("")
+
+
+@pytest.mark.parametrize("name", names())
+def test_every_method_refuses_a_document_that_is_not_text_before_any_prefill(name):
+    method = get(name)(None)  # no engine: any model work would fail on it
+    for document, message in ((b"bytes", "the document must be text, got bytes"), (" \n", "the document is empty"),
+                              ("ab\0c", "the document holds NUL characters \\(the first at character 2\\)")):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            method.index(document)
+    with pytest.raises(ValueError, match="the document must be text, got NoneType"):
+        method.index(document=None)
 
 
 def test_not_utf8_names_the_file_byte_and_offset_past_the_first_read_chunk(tmp_path):

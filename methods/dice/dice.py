@@ -86,8 +86,6 @@ class Dice(Method, name="dice", title="DICE"):
     def index(self, document: str) -> DiceIndex:
         from ..retrieval.embedder import Embedder
 
-        if not isinstance(document, str) or not document.strip():
-            raise ValueError("the document is empty: nothing to index")
         chunks = word_chunks(document, self.config.chunk_words)
         search = DenseIndex if self.config.recall == "dense" else HybridIndex
         index = DiceIndex(chunks, search(chunks, self._embedder or Embedder.shared()))

@@ -118,8 +118,6 @@ class Gor(Method, name="gor", title="GoR"):
                            tau=c.tau, alpha=c.alpha, cl=c.cl, in_batch=c.in_batch, seed=c.seed)
 
     def chunks(self, document: str) -> list[str]:
-        if not isinstance(document, str) or not document.strip():
-            raise ValueError("the document is empty: nothing to index")
         tok, c = self.engine.tokenizer, self.config
         ids = tok.encode(document)
         return [tok.decode(ids[a:b]) for a, b in chunk_tokens(ids, c.chunk_tokens, c.chunk_overlap)]

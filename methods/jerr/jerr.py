@@ -97,8 +97,6 @@ class Jerr(Method, name="jerr", title="JERR"):
                                            "edge_tokens", "simhash_threshold")}
 
     def index(self, document: str) -> JerrIndex:
-        if not isinstance(document, str) or not document.strip():
-            raise ValueError("the document is empty: nothing to index")
         c, tok = self.config, self.engine.tokenizer
         ids = tok.encode(document)
         chunks = [tok.decode(ids[a:b]) for a, b in text_chunk_spans(ids, tok, c.chunk_tokens)]

@@ -44,8 +44,6 @@ class GraphBuilder:
 
     def build(self, document: str) -> tuple[Graph, list[str]]:
         """The graph of `document` and its build log (level sizes and every fallback taken)."""
-        if not isinstance(document, str) or not document.strip():
-            raise ValueError("the document is empty: nothing to index")
         tok, cfg = self.engine.tokenizer, self.config
         ids = tok.encode(document)
         graph, log = Graph(), []

@@ -185,6 +185,10 @@ def test_cli_models_lists_every_name(fake, capsys):
     assert capsys.readouterr().out.strip() == str(fake.cache / "fake.gguf")
     cli_main(["models"])
     assert str(fake.cache / "fake.gguf") in capsys.readouterr().out
+    _uninstall(fake, 4)  # the assembled file needs no parts: no install line for them
+    cli_main(["models"])
+    out = capsys.readouterr().out
+    assert str(fake.cache / "fake.gguf") in out and "fakepkg-part4" not in out
 
 
 @pytest.mark.model

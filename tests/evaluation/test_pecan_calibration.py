@@ -56,7 +56,7 @@ def test_a_stopped_calibration_resumes_from_its_logged_sweeps_and_refuses_anothe
         return {"r0": A, "r1": B, "r2": A}[record.id]
 
     monkeypatch.setattr(cal, "sweep", scripted_sweep)
-    engine = SimpleNamespace(path="/models/model-a.gguf")
+    engine = SimpleNamespace(path="/models/model-a.gguf", config=SimpleNamespace(max_seq_len=4096))
     run = dict(dataset="hotpotqa", dev=(0, 3), objective="f1", progress=False)
     with pytest.raises(KeyboardInterrupt):
         cal.calibrate(engine, out=tmp_path / "stopped", **run)
@@ -70,8 +70,9 @@ def test_a_stopped_calibration_resumes_from_its_logged_sweeps_and_refuses_anothe
     fresh = cal.calibrate(engine, out=tmp_path / "fresh", **run)
     assert {**resumed, "path": ""} == {**fresh, "path": ""}
     swept.clear()
+    other = SimpleNamespace(path="/models/model-b.gguf", config=SimpleNamespace(max_seq_len=4096))
     with pytest.raises(ValueError, match="another model"):
-        cal.calibrate(SimpleNamespace(path="/models/model-b.gguf"), out=tmp_path / "stopped", **run)
+        cal.calibrate(other, out=tmp_path / "stopped", **run)
     with pytest.raises(ValueError, match="another config"):
         cal.calibrate(engine, out=tmp_path / "stopped", options={"t_p": 0.3}, **run)
     assert swept == []

@@ -100,6 +100,7 @@ class LetterEmbedder:
 @dataclass
 class TinyConfig:
     layers: int = 1
+    max_seq_len: int = 4096
 
 
 def _engine():

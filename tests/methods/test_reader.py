@@ -48,6 +48,21 @@ def test_the_middle_is_cut_to_the_model_window_or_a_smaller_one():
     assert Reader(_ids_engine(50), spec, window=4096).prompt_ids(text, "q") == (ids, True)  # the model's is smaller
 
 
+def test_a_window_that_cannot_hold_the_answer_or_the_bare_prompt_is_refused():
+    spec, text = PromptSpec("{context}|{question}", max_new_tokens=10), "abcdefghij" * 10
+    for window in (5, 10):  # no room beside the answer: refused when the reader (and so the method) is made
+        with pytest.raises(ValueError, match=f"up to 10 tokens .* no room for a prompt in a window of {window}"):
+            Reader(_ids_engine(1000), spec, window=window)
+        with pytest.raises(ValueError, match="no room for a prompt"):
+            FullContext(_ids_engine(1000), prompt=spec, window=window)
+    with pytest.raises(ValueError, match="no room for a prompt in a window of 50"):
+        FullContext(_ids_engine(50), prompt=PromptSpec("{context}|{question}", max_new_tokens=64))
+    question = "why" * 5  # the prompt without its context: 16 ids, more than room 15 of a window of 25
+    assert Reader(_ids_engine(1000), spec, window=27).prompt_ids(text, question)[1]  # room 17: the context is cut
+    with pytest.raises(ValueError, match="the prompt takes 16 tokens without its context, more than the 15"):
+        Reader(_ids_engine(1000), spec, window=25).prompt_ids(text, question)
+
+
 def test_the_prompt_up_to_the_question_is_what_questions_share():
     spec, text = PromptSpec("{context}|{question}", max_new_tokens=10), "abcdefghij" * 10
     assert Reader(_ids_engine(1000), spec).shared_length(text, "why?") == 101  # the document and "|"
