@@ -149,7 +149,8 @@ def _lines(path: Path) -> list[dict]:
 
 
 def _runs(runs: Path, prefix: str) -> list[tuple[str, str, list[dict]]]:
-    """(label, dataset, good lines) of every run under `runs` whose label starts with `prefix`."""
+    """(label, dataset, good lines) of every run under `runs` whose method label starts with `prefix`; the label
+    is the method's, under the folder that holds the run (e.g. issue31/runs/full), as several studies hold one."""
     from nodekv.bench.results_page import run_files
 
     found = []
@@ -158,15 +159,17 @@ def _runs(runs: Path, prefix: str) -> list[tuple[str, str, list[dict]]]:
         if str(m.get("method", "")).startswith(prefix):
             rows = [r for r in _lines(f) if "error" not in r]
             if rows:
-                found.append((m["method"], m["dataset"], rows))
+                found.append((f"{f.parent.relative_to(runs)}/{m['method']}", m["dataset"], rows))
     return found
 
 
 def jerr_tokens(runs: Path) -> str:
+    """JERR's runs, and the BM25 and full-context runs on the datasets JERR ran on."""
     lines = ["| run | dataset | questions | tokens per query | with the index's share |", "|---|---|---|---|---|"]
-    for label, dataset, rows in _runs(runs, "jerr") + _runs(runs, "bm25") + _runs(runs, "full"):
-        if not all("query_tokens" in r for r in rows):
-            continue  # runs from before tokens were counted
+    jerr = _runs(runs, "jerr")
+    for label, dataset, rows in jerr + _runs(runs, "bm25") + _runs(runs, "full"):
+        if dataset not in {d for _, d, _ in jerr} or not all("query_tokens" in r for r in rows):
+            continue  # another dataset, or a run from before tokens were counted
         per_doc: dict[str, int] = {}
         for r in rows:
             per_doc[r["document"]] = per_doc.get(r["document"], 0) + 1
@@ -195,7 +198,7 @@ def gor_latency(repeats: int = 20) -> str:
 
     record = load_dataset("qmsum_general", limit=1).records[0]
     tok = Tokenizer.from_gguf(resolve_model("qwen2.5-0.5b"))
-    engine = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(layers=1), path=Path("qwen2.5-0.5b"))
+    engine = SimpleNamespace(tokenizer=tok, config=preset("qwen2.5-0.5b"), path=Path("qwen2.5-0.5b"))
     gor = Gor(engine, sampler=lambda draws: [f"What is said about {t.split('.')[0][:80]}? ({s})" for t, s in draws],
               responder=lambda q, materials: " ".join(m.split(".")[0] for m in materials), epochs=1)
     index = gor.index(record.document)
