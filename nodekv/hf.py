@@ -3,7 +3,7 @@
     import nodekv.hf
     nodekv.hf.register()                                      # attn_implementation="nodekv" now exists
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="nodekv")
-    mass = nodekv.hf.NodeMassCollector([0, 120, 300, 410])             # node boundaries over the prompt's tokens
+    mass = nodekv.hf.NodeMassCollector([0, 120, 300, 410])    # node boundaries over the prompt's tokens
     out = model(input_ids, node_mass=mass)                    # logits as with sdpa
     mass.mean()                                               # [B, T, N]: head- and layer-averaged mass per node
 
@@ -15,7 +15,7 @@ generated after the prompt) count as one more node.
 
 Limits, each refused with a message: causal decoder attention without padding (a padding or custom mask is
 refused), no dropout, the 1/√head_dim scale (Llama, Qwen2, Mistral), no sliding window or soft-capping. Needs
-transformers' AttentionInterface and AttentionMaskInterface; tested with transformers 5.23, the version installed.
+transformers' AttentionInterface and AttentionMaskInterface; tested with transformers 5.24, the version installed.
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def register() -> None:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError as e:
         raise ImportError(f"nodekv.hf needs transformers with AttentionInterface and AttentionMaskInterface "
-                          f"(tested with 5.23): {e}") from None
+                          f"(tested with 5.24): {e}") from None
 
     AttentionInterface.register(NAME, nodekv_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # None for plain causal attention: no mask is built
