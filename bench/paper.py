@@ -150,8 +150,10 @@ def _lines(path: Path) -> list[dict]:
 
 def _runs(runs: Path, prefix: str) -> list[tuple[str, str, list[dict]]]:
     """(label, dataset, good lines) of every run under `runs` whose method label starts with `prefix`; the label
-    is the method's, under the folder that holds the run (e.g. issue31/runs/full), as several studies hold one."""
+    is the method's under the folder that holds the run, with the model's registered name (e.g.
+    "issue31/runs/full, qwen2.5-1.5b"), as several studies on two models hold one."""
     from nodekv.bench.results_page import run_files
+    from nodekv.engine.models import model_name
 
     found = []
     for f in run_files(runs, runs / "report"):
@@ -159,7 +161,8 @@ def _runs(runs: Path, prefix: str) -> list[tuple[str, str, list[dict]]]:
         if str(m.get("method", "")).startswith(prefix):
             rows = [r for r in _lines(f) if "error" not in r]
             if rows:
-                found.append((f"{f.parent.relative_to(runs)}/{m['method']}", m["dataset"], rows))
+                label = f"{f.parent.relative_to(runs)}/{m['method']}, {model_name(m.get('model', ''))}"
+                found.append((label, m["dataset"], rows))
     return found
 
 
@@ -231,8 +234,8 @@ def dice_minutes(runs: Path) -> str:
             s = statistics.mean(r["wall_s"] for r in rows)
             lines.append(f"| {label} | {dataset} | {len(rows)} | {s:.1f} | {s * pt.DICE_RECORDS / 60:.0f} | "
                          f"{pt.DICE_MINUTES[dataset]} |")
-    lines.append("\nNot comparable: the paper runs Llama2-13B on an A40 over LongBench's long documents; ours is "
-                 "qwen2.5-0.5b on one (often shared) CPU core over ~1-3K-token distractor files.")
+    lines.append("\nNot comparable: the paper runs Llama2-13B on an A40 over LongBench's long documents; ours run "
+                 "the model named on one (often shared) CPU core over ~1-3K-token distractor files.")
     return "\n".join(lines)
 
 

@@ -27,14 +27,17 @@ def run_files(results: Path, out: Path) -> list[Path]:
 
 
 def quality_section(files: list[Path], out: Path) -> str:
+    from nodekv.engine.models import model_name
     from nodekv.evaluation.report import plot, primary_metric, summarize
 
     if not files:
         return "No evaluation runs found."
     summaries = [summarize(f) for f in files]
-    for s, f in zip(summaries, files):
-        s["method"] = f"{s['method']} ({f.parent.parent.name if f.parent.name == 'runs' else f.parent.name})"
-    lines = ["| dataset | run (folder) | n | metric | score | query TFLOPs (model) | query TFLOPs (8B) | "
+    for s, f in zip(summaries, files):  # studies on two models share the tables: each run names its folder and model
+        folder = f.parent.parent.name if f.parent.name == "runs" else f.parent.name
+        model = model_name(json.loads(f.with_suffix(".meta.json").read_text()).get("model", ""))
+        s["method"] = f"{s['method']} ({folder}, {model})"
+    lines = ["| dataset | run (folder, model) | n | metric | score | query TFLOPs (model) | query TFLOPs (8B) | "
              "index TFLOPs/doc (8B) | s/query |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for s in sorted(summaries, key=lambda s: (s["dataset"], -s.get(primary_metric(s), 0))):
         if not s["n"]:
@@ -45,7 +48,7 @@ def quality_section(files: list[Path], out: Path) -> str:
                      f"{s.get('index_tflops_doc_8b', 0):.1f} | {s['wall_s']:.1f} |")
     plotted = plot(summaries, out / "quality.png")
     return ("Each dataset's own metric (F1 for QA, accuracy for multiple choice, EM for variable tracking, ROUGE-L "
-            "for summaries) against query TFLOPs projected to Llama-3.1-8B; the folder each run comes from is in "
+            "for summaries) against query TFLOPs projected to Llama-3.1-8B; each run's folder and model are in "
             "brackets; s/query is wall time on a shared core, not a speed figure.\n\n"
             + ("![quality against query TFLOPs](quality.png)\n\n" if plotted else "") + "\n".join(lines))
 

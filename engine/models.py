@@ -110,6 +110,12 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def model_name(path: str | os.PathLike) -> str:
+    """How reports name the model of a file: its registered name (by file name), else the file's stem."""
+    name = Path(path).name
+    return next((n for n, spec in MODELS.items() if spec.filename == name), Path(path).stem)
+
+
 def model_file(spec: ModelSpec) -> Path:
     """The model's file: the installed file of a one-part model, else the assembled file in the cache directory,
     assembled and verified now if it is not there yet. ModelLoadError names missing or damaged packages."""

@@ -33,7 +33,8 @@ def _results(root):
              "query_flops_8b": 2 * 10 ** 13, "index_flops": 0, "index_flops_8b": 0, "wall_s": 3.0, "trace": []}
             for i, f in enumerate([1.0, 0.5])]
     (runs / "full-hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (runs / "full-hotpotqa.meta.json").write_text(json.dumps({"method": "full", "dataset": "hotpotqa"}))
+    meta = {"method": "full", "dataset": "hotpotqa", "model": "/cache/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"}
+    (runs / "full-hotpotqa.meta.json").write_text(json.dumps(meta))
     (root / "engine").mkdir()
     (root / "engine" / "engine.json").write_text(json.dumps(ENGINE))
     (root / "paper.md").write_text("## PECAN Table 1\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
@@ -42,7 +43,7 @@ def _results(root):
 def test_report_derives_the_numbers(tmp_path):
     _results(tmp_path)
     text = build(tmp_path, tmp_path / "report", tmp_path / "engine" / "engine.json", tmp_path / "paper.md")
-    assert "| hotpotqa | full (issue99) | 2 | f1 | 75.0 | 1.000 | 20.00 | 0.0 | 3.0 |" in text
+    assert "| hotpotqa | full (issue99, qwen2.5-1.5b) | 2 | f1 | 75.0 | 1.000 | 20.00 | 0.0 | 3.0 |" in text
     assert "| tiny | nodekv | 400 | 100.0 | 16.0 | 1.50 |" in text  # 400 / 4.0 s prefill, 8 / 0.5 s decode
     assert "| 4 | 20.0 | 2.00x |" in text  # 4 sessions x 10 tokens in 2 s against 10 tokens in 1 s
     assert "| 2,048 | 10.0% | 1.0 | not run | needs 3,072 |" in text
