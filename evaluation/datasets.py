@@ -88,23 +88,30 @@ def find_dataset_file(name: str, data_dir: Union[str, Path, None] = None) -> Pat
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
     root = Path(data_dir) if data_dir is not None else default_data_dir()
     if not root.is_dir():
-        raise DataNotFoundError(f"data directory {root} does not exist (set {ENV_DATA_DIR} to another one)")
+        problem = "is not a directory" if root.exists() else "does not exist"
+        raise DataNotFoundError(f"data directory {root} {problem} (set {ENV_DATA_DIR} to another one)")
     stem = FILES.get(name, name)
     hits = sorted(root.rglob(f"{stem}.jsonl"))
     if not hits:
         raise DataNotFoundError(f"dataset {name!r}: no {stem}.jsonl under {root}")
     if len(hits) > 1:
         raise ValueError(f"dataset {name!r}: several files under {root}: {', '.join(map(str, hits))}")
+    if not hits[0].is_file():
+        raise DataNotFoundError(f"dataset {name!r}: {hits[0]} is not a file")
     return hits[0]
 
 
 def check_dataset(name: str, data_dir: Union[str, Path, None] = None) -> None:
-    """An error naming the problem (unknown name, missing data directory or file) if `load_dataset(name, data_dir)`
-    cannot read the dataset: the CLI checks before a model loads."""
+    """An error naming the problem (unknown name, missing data directory or file, a file without one good record)
+    if `load_dataset(name, data_dir)` cannot give a run anything to do: the CLI checks before a model loads."""
     if is_variable_tracking(name):
         shape(name)
-    else:
-        find_dataset_file(name, data_dir)
+        return
+    path = find_dataset_file(name, data_dir)
+    loaded = load_dataset(name, data_dir, limit=1)  # reads up to the first good record
+    if not loaded.records:
+        first = f": the first, {loaded.problems[0][0]}, {loaded.problems[0][1]}" if loaded.problems else ""
+        raise ValueError(f"{path} has no usable record ({len(loaded.problems)} malformed{first})")
 
 
 # ---------------------------------------------------------------------------------------------- field checks
@@ -305,14 +312,17 @@ def load_dataset(name: str, data_dir: Union[str, Path, None] = None, limit: int 
     path = find_dataset_file(name, data_dir)
     parse = _PARSERS[name]
     result = LoadResult()
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:  # lines decoded one by one: a line that is not UTF-8 is one bad record
         for index, line in enumerate(f):
             if limit is not None and len(result.records) >= limit:
                 break
             if not line.strip():
                 continue
             try:
-                raw = json.loads(line)
+                raw = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                result.problems.append((str(index), f"not UTF-8 (byte 0x{e.object[e.start]:02x})"))
+                continue
             except json.JSONDecodeError as e:
                 result.problems.append((str(index), f"invalid JSON: {e}"))
                 continue

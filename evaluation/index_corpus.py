@@ -27,8 +27,9 @@ def check_request(method: str, directory: Path) -> None:
 
 
 def read_corpus(directory: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """({relative path: text} of every *.txt under `directory`, sorted; [(relative path, why skipped)]) — empty
-    files and files that are not UTF-8 are skipped, not fatal, so one bad file does not stop a corpus."""
+    """({relative path: text} of every *.txt under `directory`, sorted; [(relative path, why skipped)]) — files that
+    cannot be read, are not UTF-8 text, are empty or hold NUL characters are skipped, not fatal, so one bad file
+    does not stop a corpus."""
     texts, skipped = {}, []
     for path in sorted(p for p in directory.rglob("*.txt") if p.is_file()):
         name = str(path.relative_to(directory))
@@ -36,14 +37,17 @@ def read_corpus(directory: Path) -> tuple[dict[str, str], list[tuple[str, str]]]
             text = read_text(path)
         except NotUTF8Error as e:
             skipped.append((name, f"not UTF-8 (byte 0x{e.byte:02x} at offset {e.offset})"))
-            continue
-        if text.strip():
-            texts[name] = text
+        except OSError as e:
+            skipped.append((name, f"unreadable ({e.strerror})"))
         else:
-            skipped.append((name, "empty"))
+            why = "empty" if not text.strip() else "binary (NUL characters)" if "\0" in text else None
+            if why is None:
+                texts[name] = text
+            else:
+                skipped.append((name, why))
     if not texts:
-        raise ValueError(f"no non-empty *.txt files under {directory}" + (f" ({len(skipped)} skipped)" if skipped
-                                                                          else ""))
+        listed = "; ".join(f"{name}: {why}" for name, why in skipped[:3]) + ("; ..." if len(skipped) > 3 else "")
+        raise ValueError(f"no usable *.txt files under {directory}" + (f" ({listed})" if skipped else ""))
     return texts, skipped
 
 

@@ -140,8 +140,10 @@ def probe_auc(sweeps: list[list[Point]], right: float = 0.5) -> float | None:
 def check_objective(objective: str, target_nodes: float | None) -> None:
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown calibration objective {objective!r}; known: {', '.join(OBJECTIVES)}")
-    if objective == "nodes" and (target_nodes is None or target_nodes <= 0):
+    if objective == "nodes" and (target_nodes is None or not target_nodes > 0):  # not > 0: NaN too
         raise ValueError("the 'nodes' objective needs a positive target number of nodes (--target-nodes)")
+    if objective != "nodes" and target_nodes is not None:
+        raise ValueError(f"--target-nodes is the 'nodes' objective's; the {objective!r} objective does not use it")
 
 
 def choose(rows: list[dict], objective: str, target_nodes: float | None = None) -> dict:
@@ -159,7 +161,7 @@ def _swept(log: Path, settings: dict) -> dict[str, list[Point]]:
     config, then one line per dev record), by record id; a new log gets the header. Refused (ValueError, before any
     work) when they were made under another model or config: mixing them would choose t_p for neither."""
     settings = json.loads(json.dumps(settings))  # tuples as lists, as written
-    lines = read_json_lines(log)
+    lines = read_json_lines(log, cut_torn_tail=True)
     if not lines:
         log.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(log, json.dumps(settings) + "\n")

@@ -23,7 +23,10 @@ SWEEPS_SUFFIX = ".sweeps.jsonl"  # `nodekv calibrate`'s log of its dev records' 
 def _meta(path: Path) -> tuple[str, str, dict]:
     """A run file's (method, dataset, meta): from its meta file, else from its name (METHOD-DATASET.jsonl)."""
     meta_path = path.with_suffix(".meta.json")
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    try:
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    except ValueError as e:
+        raise ValueError(f"{meta_path} is not JSON ({e})") from None
     method, dataset = meta.get("method"), meta.get("dataset")
     if method is None:
         method, _, dataset = path.stem.rpartition("-")
@@ -31,7 +34,15 @@ def _meta(path: Path) -> tuple[str, str, dict]:
 
 
 def summarize(path: Path) -> dict:
-    """Means over a run file's answered records, with counts of failed and skipped ones."""
+    """Means over a run file's answered records, with counts of failed and skipped ones; a ValueError naming the
+    file when it does not read as a run (a dataset file, say)."""
+    try:
+        return _summarize(path)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path} does not read as a nodekv run file ({type(e).__name__}: {e})") from None
+
+
+def _summarize(path: Path) -> dict:
     rows = read_json_lines(path)
     ok = [r for r in rows if "error" not in r]
     method, dataset, meta = _meta(path)
@@ -353,6 +364,11 @@ def paired(files: list[Path], against: list[str]) -> str:
 def report(runs: list[Path], out_dir: Path, reference: str | None = None, against: list[str] | None = None) -> str:
     """Summaries of run files (or directories of them) as Markdown, written to out_dir/report.md (+ report.png);
     with `against`, each run's paired differences from those methods' runs."""
+    for p in runs:  # each named path is read, or refused by name: a typo never passes unseen beside a good one
+        if not p.exists():
+            raise FileNotFoundError(f"{p} does not exist")
+        if p.is_file() and p.suffix != ".jsonl":
+            raise ValueError(f"{p} is not a run file (a .jsonl; its .meta.json sits beside it)")
     files = sorted({f for p in runs for f in ([p] if p.is_file() else p.glob("*.jsonl"))
                     if not f.name.endswith(SWEEPS_SUFFIX)})
     if not files:

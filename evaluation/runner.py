@@ -17,6 +17,7 @@ calibration written since or a longer cross-fitted run is refused, not mixed in.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 import time
@@ -55,14 +56,27 @@ class RunConfig:
     def label(self) -> str:
         if self.name:
             return self.name
-        if self.match is not None:
-            return f"{self.method}-topx"
+        if self.match is not None:  # named after the reference: runs matched to two methods keep two files
+            return f"{self.method}-topx-{Path(self.match).stem.removesuffix(f'-{self.dataset}')}"
         parts = [f"top{v}" if k == "k" else f"{k}={v}" for k, v in sorted(self.options.items())]
         return "-".join([self.method, *parts])
+
+    def __post_init__(self):
+        label = self.label  # a run's index store and calibration are found beside it in <out>
+        if "/" in label or "\\" in label or label.startswith("."):
+            raise ValueError(f"the run's label {label!r} must be a plain file name (no '/', not starting with '.'); "
+                             "set --label")
 
     @property
     def path(self) -> Path:
         return Path(self.out) / f"{self.label}-{self.dataset}.jsonl"
+
+
+def check_top_x(method: str) -> None:
+    """A ValueError unless `method` picks k chunks (what --match matches)."""
+    if not issubclass(get(method), TopK):
+        top_k = " or ".join(n for n in names() if issubclass(get(n), TopK))
+        raise ValueError(f"--match picks k for {top_k}, not {method!r}")
 
 
 def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sample: int = 10) -> tuple[int, dict]:
@@ -73,9 +87,7 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
     `sample` records."""
     from ..engine.flops import forward_flops
 
-    if not issubclass(get(cfg.method), TopK):
-        top_k = " or ".join(n for n in names() if issubclass(get(n), TopK))
-        raise ValueError(f"--match picks k for {top_k}, not {cfg.method!r}")
+    check_top_x(cfg.method)
     if not reference.is_file():
         raise ValueError(f"reference run {reference} does not exist")
     ref = [r for r in read_json_lines(reference) if "error" not in r]
@@ -147,22 +159,24 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
         print(f"{cfg.label} {cfg.dataset}: {k}={options[k]} ({source})", file=sys.stderr)
     method = method_class(engine, prompt=prompt_for(cfg.dataset), **options)
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["id"] for r in read_json_lines(cfg.path)}
-    meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path),
-            "precision": engine.model.precision, "options": options, "config": asdict(method.config),
-            "option_sources": sources, **matched, "generation": {k: getattr(method.prompt, k) for k in
-                                                                  ("max_new_tokens", "stop", "repetition_penalty")},
-            "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
-    check_resumable(cfg.path, meta, bool(done), method_class.learns_across_documents)
-    write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
-    for rid, why in loaded.problems:
-        print(f"skipped record {rid}: {why}", file=sys.stderr)
-    store = IndexStore.for_method(cfg.path.parent / "indexes", engine, method)
-    indexes: dict[str, BuiltIndex] = {}  # doc hash -> its index and what building it cost
-    todo = [r for r in loaded.records if r.id not in done]
-    bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
-               desc=f"{cfg.label} {cfg.dataset}", disable=not progress)
-    with cfg.path.open("a") as out:
+    with cfg.path.open("a") as out:  # held to the end: the lock is on it, and the lines go to it
+        _lock(out, cfg.path)
+        done = {r["id"] for r in read_json_lines(cfg.path, cut_torn_tail=True)}
+        meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path),
+                "precision": engine.model.precision, "options": options, "config": asdict(method.config),
+                "option_sources": sources, **matched,
+                "generation": {k: getattr(method.prompt, k) for k in ("max_new_tokens", "stop", "repetition_penalty")},
+                "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
+        check_resumable(cfg.path, meta, bool(done), method_class.learns_across_documents)
+        write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
+        for rid, why in loaded.problems:
+            print(f"skipped record {rid}: {why}", file=sys.stderr)
+        store = IndexStore.for_method(cfg.path.parent / "indexes", engine, method)
+        indexes: dict[str, BuiltIndex] = {}  # doc hash -> its index and what building it cost
+        todo = [r for r in loaded.records if r.id not in done]
+        bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
+                   desc=f"{cfg.label} {cfg.dataset}", disable=not progress)
+
         def write(line: dict) -> None:
             out.write(json.dumps(line) + "\n")
             out.flush()
@@ -172,8 +186,8 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
             str(engine.path), next(name for name, d in DTYPES.items() if d == engine.model.dtype), cfg.method,
             options, str(store.root), cfg.dataset, engine.model.precision)
         if method_class.learns_across_documents:
-            # every fit needs all the indexes, each one independent work: with Ray they are built on the workers (one
-            # that fails there fails again in _cross_fit, which writes its error lines)
+            # every fit needs all the indexes, each one independent work: with Ray they are built on the workers
+            # (one that fails there fails again in _cross_fit, which writes its error lines)
             docs = {document_hash(r.document): r.document for r in loaded.records} if spec and todo else {}
             missing = {doc: text for doc, text in docs.items() if store.cost(doc) is None}
             if missing:
@@ -184,8 +198,18 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
         else:
             for record in todo:
                 write(evaluate_record(engine, method, record, indexes, store))
-    bar.close()
+        bar.close()
     return cfg.path
+
+
+def _lock(run_file, path: Path) -> None:
+    """Take the run file for this process alone (an advisory lock, released when the file closes), or a ValueError:
+    two runs appending to one file would answer every record twice."""
+    try:
+        fcntl.flock(run_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"{path} is being written by another nodekv eval: let it finish, or give this run another "
+                         "--label") from None
 
 
 FOLDS = 5  # documents are split into this many folds for methods that learn across documents

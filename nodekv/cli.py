@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=None, help="first N good records")
     ev.add_argument("--k", type=int, default=None, help="chunks retrieved by bm25/dense")
     ev.add_argument("--match", default=None, help="bm25/dense Top-X: pick k to match this run file's mean "
-                                                   "query FLOPs (output <method>-topx-<dataset>.jsonl)")
+                                                   "query FLOPs (output <method>-topx-<reference>-<dataset>.jsonl)")
     ev.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                     help="a method option, repeatable, e.g. --option attention=false (PECAN's ablations)")
     ev.add_argument("--label", default=None, help="the run's name (default: the method and its options)")

@@ -222,7 +222,7 @@ def evaluate(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods import get
     from nodekv.evaluation.datasets import DataNotFoundError, check_dataset
-    from nodekv.evaluation.runner import run
+    from nodekv.evaluation.runner import check_top_x, run
 
     try:
         cfg = run_config(args)
@@ -232,6 +232,7 @@ def evaluate(args: argparse.Namespace) -> int:
         check_dataset(cfg.dataset, cfg.data_dir)
         check_output_folder(cfg.out)
         if cfg.match is not None:
+            check_top_x(cfg.method)
             check_input(cfg.match, "reference run")
         if plan is not None and args.device not in ("auto", "cpu"):
             raise ValueError(f"--ray runs its workers on the CPU; drop --device {args.device} or --ray")
@@ -245,12 +246,16 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def run_config(args: argparse.Namespace):
-    """The RunConfig that `nodekv eval` arguments describe: --option pairs, then --k."""
+    """The RunConfig that `nodekv eval` arguments describe: --option pairs, then --k (one k, or --match's)."""
     from nodekv.evaluation.runner import RunConfig
 
     options = dict(args.option)
     if args.k is not None:
+        if options.get("k", args.k) != args.k:
+            raise ValueError(f"--k {args.k} and --option k={options['k']} disagree: give k once")
         options["k"] = args.k
+    if args.match is not None and "k" in options:
+        raise ValueError("--match picks k itself: drop --k and --option k")
     return RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options, args.match, args.label)
 
 

@@ -144,21 +144,28 @@ def check_output_folder(path: str | os.PathLike) -> Path:
     return path
 
 
-def read_json_lines(path: str | os.PathLike) -> list[dict]:
-    """The complete lines of a JSON-lines file appended to as work finishes (a run file, a calibration's sweeps);
-    a torn last line (killed mid-write) is cut off the file. A missing file has none."""
+def read_json_lines(path: str | os.PathLike, cut_torn_tail: bool = False) -> list[dict]:
+    """The lines of a JSON-lines file appended to as work finishes (a run file, a calibration's sweeps). A last line
+    without its newline is torn (its writer was killed mid-line): it is left out and, for the writer resuming
+    (`cut_torn_tail`), cut off the file in place, every other byte kept. Readers never write. Any other line that
+    is not a JSON object is a ValueError naming the file and the line: nothing is dropped from the middle. A
+    missing file has none."""
     path = Path(path)
     if not path.exists():
         return []
-    data, good = path.read_bytes(), []
-    for line in data.split(b"\n"):
+    data = path.read_bytes()
+    *lines, tail = data.split(b"\n")  # tail: b"" when the file ends with its newline
+    good = []
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            good.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    text = "".join(json.dumps(r) + "\n" for r in good)
-    if text.encode() != data:
-        write_atomic(path, text)  # a kill while cutting must not lose the lines kept
+            row = json.loads(line)
+        except ValueError as e:  # JSON or UTF-8
+            raise ValueError(f"{path}, line {number}, is not JSON ({e}): mend or remove that line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}, line {number}, is a JSON {type(row).__name__}, not an object")
+        good.append(row)
+    if tail.strip() and cut_torn_tail:
+        os.truncate(path, len(data) - len(tail))  # one call: a kill leaves the torn line or none, never less
     return good

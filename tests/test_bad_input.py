@@ -19,7 +19,7 @@ from nodekv.cli import main
 from nodekv.engine.config import preset
 from nodekv.methods import get, names
 from nodekv.methods.index_file import read_index_file, write_index_file
-from nodekv.paths import NotUTF8Error, atomic_path, read_text, write_atomic
+from nodekv.paths import NotUTF8Error, atomic_path, read_json_lines, read_text, write_atomic
 
 
 @pytest.fixture
@@ -33,14 +33,20 @@ def no_model(monkeypatch):
 
 @pytest.fixture
 def files(tmp_path, monkeypatch):
-    """A folder (the current one) with a document, a latin-1 file, an empty file and a data folder of hotpotqa."""
+    """A folder (the current one) with a document, a latin-1 file, an empty file, data folders of hotpotqa (one
+    record; none readable; empty), saved-index stand-ins and a FIFO."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "doc.txt").write_text("The mill was built in 1821.")
     (tmp_path / "latin.txt").write_bytes(b"x" * 1234 + "Caf\xe9".encode("latin-1"))
     (tmp_path / "empty.txt").write_text(" \n")
     (tmp_path / "data" / "multihop").mkdir(parents=True)
-    (tmp_path / "data" / "multihop" / "hotpotqa.jsonl").write_text("")
+    record = {"_id": "q1", "question": "Who built it?", "answer": "Ann", "context": [["Mill", ["Ann built it."]]]}
+    (tmp_path / "data" / "multihop" / "hotpotqa.jsonl").write_text(json.dumps(record) + "\n")
     (tmp_path / "run.jsonl").write_text("")
+    (tmp_path / "run.meta.json").write_text('{\n "method": "bm25",\n "dataset": "hotpotqa"\n}')
+    for folder, text in (("nul", b"\xe9\n"), ("empty", b"")):
+        (tmp_path / folder / "multihop").mkdir(parents=True)
+        (tmp_path / folder / "multihop" / "hotpotqa.jsonl").write_bytes(text)
     (tmp_path / "nul.txt").write_text("abc\0def")
     saved = '{"format": "nodekv-topk-index", "version": 1}'  # a header is all the refusals read
     (tmp_path / "saved.txt.bm25").write_text(saved)
@@ -105,7 +111,25 @@ CASES = [  # argv, the one line on stderr
     (["eval", "--method", "bm25", "--dataset", "hotpotqa", "--data-dir", "nowhere"],
      "error: data directory nowhere does not exist"),
     ([*EVAL, "--match", "nope.jsonl"], "error: reference run nope.jsonl does not exist"),
+    ([*EVAL, "--k", "3", "--option", "k=4"], "error: --k 3 and --option k=4 disagree: give k once"),
+    ([*EVAL, "--k", "3", "--match", "run.jsonl"], "error: --match picks k itself: drop --k and --option k"),
+    (["eval", "--method", "pecan", "--dataset", "hotpotqa", "--data-dir", "data", "--match", "run.jsonl"],
+     "error: --match picks k for bm25 or dense, not 'pecan'"),
+    (["eval", "report", "run.jsonl", "typo.jsonl"], "error: typo.jsonl does not exist"),
+    (["eval", "report", "run.meta.json"], "error: run.meta.json is not a run file (a .jsonl"),
+    (["eval", "report", "data/multihop/hotpotqa.jsonl"],
+     "error: data/multihop/hotpotqa.jsonl does not read as a nodekv run file (KeyError: 'index_flops')"),
+    ([*EVAL, "--label", "../elsewhere"], "error: the run's label '../elsewhere' must be a plain file name"),
+    ([*EVAL, "--data-dir", "doc.txt"], "error: data directory doc.txt is not a directory"),
+    ([*EVAL, "--data-dir", "nul"], "error: nul/multihop/hotpotqa.jsonl has no usable record (1 malformed: the "
+                                   "first, 0, not UTF-8 (byte 0xe9))"),
+    (["eval", "--method", "bm25", "--dataset", "hotpotqa", "--data-dir", "empty"],
+     "error: empty/multihop/hotpotqa.jsonl has no usable record (0 malformed)"),
     (["calibrate", "--dataset", "hotpotqa", "--data-dir", "nowhere"], "error: data directory nowhere does not exist"),
+    (["calibrate", "--dataset", "hotpotqa", "--data-dir", "data", "--objective", "f1", "--target-nodes", "5"],
+     "error: --target-nodes is the 'nodes' objective's; the 'f1' objective does not use it"),
+    (["calibrate", "--dataset", "hotpotqa", "--data-dir", "data", "--objective", "nodes", "--target-nodes", "nan"],
+     "error: the 'nodes' objective needs a positive target number of nodes"),
     (["calibrate", "--dataset", "hotpotqa", "--data-dir", "data", "--dev-start", "-1"],
      "error: --dev-start must be >= 0, got -1"),
 ]
@@ -211,6 +235,20 @@ def test_every_method_refuses_a_document_that_is_not_text_before_any_prefill(nam
             method.index(document)
     with pytest.raises(ValueError, match="the document must be text, got NoneType"):
         method.index(document=None)
+
+
+def test_a_json_lines_reader_never_writes_and_a_resuming_writer_cuts_only_a_torn_last_line(tmp_path):
+    path, good = tmp_path / "run.jsonl", '{"id": "a", "t": "caf\u00e9"}\n{"id":"b"}\n'  # kept byte for byte
+    path.write_text(good + '{"id": "c", "t')  # killed mid-line
+    assert [r["id"] for r in read_json_lines(path)] == ["a", "b"] and path.read_text() == good + '{"id": "c", "t'
+    assert [r["id"] for r in read_json_lines(path, cut_torn_tail=True)] == ["a", "b"] and path.read_text() == good
+    for text, message in (('{"id": "a"}\nGARBAGE\n{"id": "c"}\n', "line 2, is not JSON"),
+                          ('{"id": "a"}\n[1, 2]\n', "line 2, is a JSON list, not an object")):
+        path.write_text(text)
+        for cut in (False, True):  # nothing is dropped from the middle, by a reader or a writer
+            with pytest.raises(ValueError, match=f"run.jsonl, {message}"):
+                read_json_lines(path, cut_torn_tail=cut)
+            assert path.read_text() == text
 
 
 def test_not_utf8_names_the_file_byte_and_offset_past_the_first_read_chunk(tmp_path):

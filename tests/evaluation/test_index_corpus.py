@@ -28,11 +28,13 @@ def test_each_text_once_failures_apart_and_a_rerun_resumes(tmp_path, engine, sav
     (corpus / "broken.txt").write_text("FAIL now")
     (corpus / "empty.txt").write_text(" \n")
     (corpus / "latin1.txt").write_bytes("Caf\xe9".encode("latin-1"))
+    (corpus / "binary.txt").write_bytes(b"ab\0cd")
     (corpus / "notes.md").write_text("not a .txt file")
     argv = ["index-corpus", str(corpus), "--method", "test-saver", "--out", str(store)]
     assert cli_main(argv) == 1
     out = capsys.readouterr()
     assert "skipped empty.txt: empty" in out.err and "skipped latin1.txt: not UTF-8" in out.err
+    assert "skipped binary.txt: binary (NUL characters)" in out.err
     assert "4 files, 3 distinct documents, 0 already in" in out.out and out.out.count("indexed ") == 2
     assert "FAILED broken.txt: ValueError: this document asks to fail" in out.out and saver.built == 2
     rows = _manifest(store)
@@ -97,7 +99,7 @@ def test_index_corpus_refuses_what_it_cannot_do(tmp_path, engine, saver, capsys)
     assert cli_main(["index-corpus", str(tmp_path / "nowhere"), "--method", "test-saver"]) == 2
     assert "corpus directory" in capsys.readouterr().err
     assert cli_main(["index-corpus", str(tmp_path), "--method", "test-saver"]) == 2
-    assert "no non-empty *.txt files under" in capsys.readouterr().err
+    assert "no usable *.txt files under" in capsys.readouterr().err
     assert cli_main(["index-corpus", str(tmp_path), "--method", "full"]) == 2
     assert "full cannot save an index" in capsys.readouterr().err
     assert cli_main(["index-corpus", str(tmp_path), "--ray", "--workers", "0"]) == 2

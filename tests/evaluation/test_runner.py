@@ -3,6 +3,7 @@ document, malformed records skipped and counted, resume after a kill gives the u
 the report."""
 from __future__ import annotations
 
+import fcntl
 import json
 
 import pytest
@@ -71,6 +72,7 @@ def test_run_resume_and_report(tmp_path, capsys):
     (["--method", "pecan", "--option", "attention=false"], "pecan-attention=False", {"attention": False}),
     (["--method", "pecan", "--option", "t_p=0.4", "--option", "mode=fast", "--label", "p4"], "p4",
      {"t_p": 0.4, "mode": "fast"}),
+    (["--method", "bm25", "--match", "runs/pecan-hotpotqa.jsonl"], "bm25-topx-pecan", {}),  # the reference's label
 ])
 def test_options_and_labels(argv, label, options):
     from nodekv.cli import build_parser
@@ -78,6 +80,17 @@ def test_options_and_labels(argv, label, options):
 
     cfg = run_config(build_parser().parse_args(["eval", "--dataset", "hotpotqa", *argv]))
     assert (cfg.label, cfg.options, cfg.path.name) == (label, options, f"{label}-hotpotqa.jsonl")
+
+
+def test_a_run_file_has_one_writer_at_a_time(tmp_path, capsys):
+    data, run_file = tmp_path / "data", tmp_path / "out" / "bm25-top2-hotpotqa.jsonl"
+    _write_data(data)
+    run_file.parent.mkdir()
+    with run_file.open("a") as held:  # another eval appending to it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert _eval(data, tmp_path / "out") == 2
+    assert "is being written by another nodekv eval" in capsys.readouterr().err
+    assert run_file.read_text() == ""
 
 
 def test_missing_data_dir_exits_nonzero(tmp_path, capsys):
