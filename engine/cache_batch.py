@@ -32,13 +32,13 @@ class CacheBatch:
     def begin(self) -> torch.Tensor:
         """Make room in every cache (all or nothing: on an error no cache keeps what this call reserved); returns the
         absolute position of every row, int64 [sum(counts)]."""
-        starts = []
+        states, starts = [c.state() for c in self.caches], []
         try:
             for cache, n in zip(self.caches, self.counts):
                 starts.append(cache.begin(n))
         except BaseException:
-            for cache, start in zip(self.caches, starts):
-                cache.truncate(start)
+            for cache, state in zip(self.caches, states[:len(starts)]):
+                cache.restore(state)  # not truncate: a copy-on-write copy of a shared last page goes back too
             raise
         return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.counts)])
 

@@ -75,7 +75,7 @@ class Engine:
         if len(ids) != len(caches) or not caches:
             raise ValueError(f"run_batch needs one id sequence per cache, got {len(ids)} and {len(caches)} caches")
         tokens = [self._check_ids(i) for i in ids]
-        n_past = [c.length for c in caches]
+        n_past, states = [c.length for c in caches], [c.state() for c in caches]
         try:
             if len(caches) == 1:
                 outs = [self.model.forward(tokens[0], caches[0], logits)]
@@ -84,9 +84,9 @@ class Engine:
                 out = self.model.forward_batch(torch.cat(tokens), batch, logits)
                 outs = [None] * len(caches) if out is None else list(out.cpu().split(batch.kept))
         except BaseException:
-            for cache, n in zip(caches, n_past):
+            for cache, state in zip(caches, states):
                 if not cache.released:
-                    cache.truncate(n)  # gives back pages reserved for the failed tokens
+                    cache.restore(state)  # pages reserved for the failed tokens, and copies made on write, go back
             raise
         if len(caches) == 1 and outs[0] is not None:
             outs[0] = outs[0].cpu()  # one copy of the logits per forward off a GPU; a no-op on the CPU
@@ -144,7 +144,7 @@ class Engine:
         """Write a stored node's keys and values after what `cache` holds, each key rotated to its position there by
         the tables a prefill uses (no forward: no FLOPs). All or nothing."""
         check_fits(node, self.config)
-        n = len(node)
+        n, state = len(node), cache.state()
         start = cache.begin(n)
         try:
             cos, sin = self.model.rope(slice(start, start + n))
@@ -153,7 +153,7 @@ class Engine:
                 k = node.k[layer].to(self.device, self.model.dtype, copy=True)
                 cache.write(layer, self.model.ops.rope(k, cos, sin), node.v[layer])
         except BaseException:
-            cache.truncate(start)
+            cache.restore(state)
             raise
         cache.commit(n)
 
@@ -170,7 +170,12 @@ class Engine:
                              f"got {len(positions)} positions for {tokens.shape[0]} tokens")
         if layers is not None and not 1 <= layers <= self.config.n_layers:
             raise ValueError(f"layers must be in 1..{self.config.n_layers}, got {layers}")
-        out = self.model.recompute(tokens, torch.tensor(positions), cache, layers)
+        state = cache.state()
+        try:
+            out = self.model.recompute(tokens, torch.tensor(positions), cache, layers)
+        finally:
+            if layers is not None:  # a deviation puts the keys back; pages copied on write to do it go back too
+                cache.restore(state)
         count = partial(recompute_flops, positions=positions, layers=layers)
         self.flops.add(count(self.config), len(positions), count=count)
         return None if out is None else out.cpu()
@@ -206,9 +211,17 @@ class Engine:
             cache.release()
 
     def _check_ids(self, ids: Sequence[int]) -> torch.Tensor:
-        tokens = torch.as_tensor(ids, dtype=torch.long) if not isinstance(ids, torch.Tensor) else ids.long()
+        """int64 [T] of `ids`, or a ValueError: not a non-empty 1-D sequence of integers (a float or bool would be
+        cut to an id silently), or an id outside the vocabulary."""
+        try:
+            tokens = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"expected a 1-D sequence of token ids, got {type(ids).__name__}: {e}") from None
         if tokens.ndim != 1 or tokens.numel() == 0:
             raise ValueError(f"expected a non-empty 1-D sequence of token ids, got shape {list(tokens.shape)}")
+        if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+            raise ValueError(f"token ids must be integers, got {tokens.dtype}")
+        tokens = tokens.long()
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi

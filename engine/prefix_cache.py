@@ -32,7 +32,7 @@ class PrefixCache:
 
     def fork(self, ids: Sequence[int], node_id: Hashable = "prefix") -> "Session":
         """A new session whose first node, `node_id`, holds `ids` (prefilled here only the first time)."""
-        key = (tuple(int(i) for i in ids), node_id)
+        key = (tuple(self.engine._check_ids(ids).tolist()), node_id)  # bad ids fail before anything is evicted
         base = self._sessions.pop(key, None)
         if base is None:
             keep = len(key[0]) <= self.capacity

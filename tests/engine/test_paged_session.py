@@ -247,6 +247,46 @@ def test_bad_input_leaves_sessions_usable(hf_tiny):
     assert len(t) == 100 and t.cache.length == 100
 
 
+def test_a_refused_call_on_a_fork_gives_back_the_page_it_copied(hf_tiny):
+    """A fork whose last page is shared copies it on write; a call that fails after that copy (one batch member
+    out of pages) or that only looks (a key deviation) must leave the pool and the page table as they were."""
+    hf, path = hf_tiny
+    eng = tiny_engine(path, pages=8, page_size=4)
+    base = eng.session()
+    base.append(list(range(10)))  # 3 pages, the last one half full
+    fork, other = base.fork(), eng.session()
+    pages, free, refcount = list(fork.cache.pages), eng.pool.n_free, list(eng.pool.refcount)
+    with pytest.raises(PoolExhaustedError):
+        eng.append_batch([fork, other], [[1, 2, 3], list(range(40))])
+    assert (fork.cache.pages, eng.pool.n_free, eng.pool.refcount) == (pages, free, refcount)
+    fork.key_deviation([3, 9])
+    assert (fork.cache.pages, eng.pool.n_free, eng.pool.refcount) == (pages, free, refcount)
+    fork.append([1, 2, 3])  # and it still reads what it shares with `base`
+    ref = hf_logits(hf, list(range(10)) + [1, 2, 3])[-1]
+    assert (fork._last_logits() - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("ids", [[1.7, 2.9], [True, False], torch.tensor([1.0, 2.0]), "text"])
+def test_token_ids_that_are_not_integers_are_refused(hf_tiny, ids):
+    eng = tiny_engine(hf_tiny[1], pages=8, page_size=4)
+    s = eng.session()
+    with pytest.raises(ValueError, match="token ids must be integers|expected a 1-D sequence of token ids"):
+        s.append(ids)
+    assert s.tokens == [] and eng.pool.n_free == 8
+    s.append(torch.tensor([3, 4]))
+    assert s.tokens == [3, 4] and all(type(t) is int for t in s.tokens)
+
+
+def test_the_prefix_cache_checks_ids_before_it_evicts(hf_tiny):
+    eng = tiny_engine(hf_tiny[1], pages=8, page_size=4)
+    eng.prefixes.capacity = 12
+    eng.prefixes.fork([5] * 10).release()
+    held = eng.pool.n_free
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.prefixes.fork([7] * 6 + [eng.config.vocab_size])
+    assert eng.pool.n_free == held and eng.prefixes.tokens == 10  # the cached prefix is still there
+
+
 def test_dropped_and_with_sessions_give_pages_back(hf_tiny):
     _, path = hf_tiny
     eng = tiny_engine(path, pages=8, page_size=4)
