@@ -109,7 +109,9 @@ class Engine:
         stored alone holds none. A sequence longer than `window` (default: the model's) is cut at node boundaries
         into windows, each prefilled from an empty cache; a node longer than the window is refused before any
         work."""
-        nodes, window = [list(n) for n in nodes], window or self.config.max_seq_len
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 (None: the model's), got {window}")
+        nodes, window = [self._check_ids(n).tolist() for n in nodes], window or self.config.max_seq_len
         if any(len(n) > window for n in nodes):
             raise ValueError(f"a node of {max(map(len, nodes))} tokens does not fit a window of {window}")
         stored, group = [], []

@@ -86,6 +86,8 @@ class GenerationState:
                                                                                  vocab)]
         self.processors = penalty + list(logits_processors or [])
         self.allowed = None if allowed_tokens is None else _token_mask(allowed_tokens, vocab)
+        if isinstance(choices, str):  # iterating it would allow each of its characters
+            raise ValueError(f"choices must be a list of strings, got the one string {choices!r}")
         self.trie = None if choices is None else ChoiceTrie([tok.encode(c) for c in choices])
         self._trie_node = None if self.trie is None else self.trie.root
         self.logits, self.node_id = logits, node_id
@@ -207,6 +209,7 @@ def step(engine: ModelRunner, states: Sequence[GenerationState]) -> list[Generat
     check_one_engine(engine, [st.session for st in states])
     chosen: list[tuple[GenerationState, int]] = []
     outs, flops = [], []
+    draws = [(st.generator, st.generator.get_state()) for st in states if st.generator is not None and not st.done]
     try:
         for st in states:
             token = None if st.done else st.choose()
@@ -215,6 +218,10 @@ def step(engine: ModelRunner, states: Sequence[GenerationState]) -> list[Generat
         if chosen:
             outs, flops = engine.run_batch([[t] for _, t in chosen], [st.session.cache for st, _ in chosen],
                                            decode=True)
+    except BaseException:  # a seeded generation retried after this draws what it would have drawn
+        for generator, state in draws:
+            generator.set_state(state)
+        raise
     finally:  # collection targets are per forward
         for st, _ in chosen:
             st.session.cache.collect(None, None)

@@ -40,7 +40,13 @@ class StoredNode:
 
 
 def check_fits(node: StoredNode, config) -> None:
-    """ValueError unless `node` was stored by a model of `config`'s attention shape."""
+    """ValueError unless `node` holds at least one token, every token id is in `config`'s vocabulary and its keys
+    and values have that model's attention shape."""
+    if len(node) == 0:
+        raise ValueError("a stored node must hold at least one token")
+    bad = next((t for t in node.tokens if not (isinstance(t, int) and 0 <= t < config.vocab_size)), None)
+    if bad is not None:
+        raise ValueError(f"stored node token id {bad!r} is not in the vocabulary [0, {config.vocab_size})")
     want = (config.n_layers, len(node), config.n_kv_heads, config.head_dim)
     if tuple(node.k.shape) != want or tuple(node.v.shape) != want:
         raise ValueError(f"stored node of K {list(node.k.shape)} and V {list(node.v.shape)} does not fit this model: "
@@ -102,8 +108,13 @@ def as_stored(node: StoredNode, dtype: str) -> StoredNode:
 
 def write_node_store(path: str | Path, nodes: dict[str, StoredNode], model: dict, dtype: str = "float16") -> None:
     """Write `nodes` (id -> node) to one file, whole or not at all: a magic, a JSON header (format, version, the model
-    the nodes were computed with, dtype, and per node its tokens, byte ranges and SHA-256) and the tensors."""
+    the nodes were computed with, dtype, and per node its tokens, byte ranges and SHA-256) and the tensors. Ids are
+    kept as text: two ids with one text (1 and "1") are refused, not merged."""
     _check_dtype(dtype)
+    texts = [str(i) for i in nodes]
+    if len(set(texts)) != len(texts):
+        same = next(t for t in texts if texts.count(t) > 1)
+        raise ValueError(f"node ids are stored as text, and two of them read {same!r}")
     entries, blobs, offset = {}, [], 0
     for node_id, node in nodes.items():
         parts = [b for t in (node.k, node.v) for b in _encode(t, dtype)]

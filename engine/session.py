@@ -158,6 +158,8 @@ class Session:
         """Probabilities of single-token answers, normalised over `choices`, at the end of the session or after
         temporary `tokens` (e.g. a question) that are rolled back afterwards: the cache returns to the same
         length and the same pages."""
+        if isinstance(choices, str) or not choices:  # a string would be probed character by character
+            raise ValueError(f"choices must be a non-empty list of strings, got {choices!r}")
         ids = [self.engine.tokenizer.token_id(c) for c in choices]
         if len(set(ids)) != len(ids):
             raise ValueError(f"choices {list(choices)} map to repeated token ids {ids}")

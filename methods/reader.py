@@ -311,7 +311,7 @@ class Reader:
     def _reply(self, s: Session, options: Sequence[str]) -> tuple[str, int, list[float] | None]:
         """(answer text, tokens generated, letter probabilities or None) after the prompt in `s`."""
         if options:
-            probs = list(s.probe(LETTERS[:len(options)]).values())
+            probs = list(s.probe(list(LETTERS[:len(options)])).values())
             return LETTERS[max(range(len(probs)), key=lambda i: (probs[i], -i))], 0, probs
         gen = s.generate(self.spec.sampling)
         return gen.text.strip(), len(gen.ids), None
@@ -325,5 +325,5 @@ class Reader:
             ids, _ = self.prompt_ids(CONTENT_FREE, question, options)
             with self.engine.flops.scope("calibration"), self.engine.session() as s:
                 s.append(ids, node_id="prompt")
-                self._priors[key] = list(s.probe(LETTERS[:len(options)]).values())
+                self._priors[key] = list(s.probe(list(LETTERS[:len(options)])).values())
         return self._priors[key]

@@ -266,3 +266,26 @@ def test_a_failing_processor_leaves_the_sessions_as_they_were(tiny):
         eng.generate_batch([s, t], 5, collect=True, logits_processors=[fails_later])
     assert [(x.cache.state(), x.tokens, x.nodes) for x in (s, t)] == before
     assert not s.cache.collecting and not t.cache.collecting and s._generation is None
+
+
+def test_a_refused_step_draws_nothing_from_a_seeded_generation(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    alone = s.generate(6, temperature=1.0, seed=3).ids
+    state = s.start_generation(6, temperature=1.0, seed=3)
+    with pytest.raises(ValueError):
+        eng.step([state, state])  # one cache twice in one forward: refused after the tokens were chosen
+    while not state.done:
+        eng.step([state])
+    assert state.result.ids == alone
+
+
+def test_one_string_is_not_taken_for_its_characters(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    for op in (lambda: s.probe("Yes"), lambda: s.probe([]), lambda: s.generate(2, choices="Yes")):
+        with pytest.raises(ValueError, match="choices must be a (non-empty )?list of strings"):
+            op()
+    assert s.tokens == list(PROMPT) and s._generation is None

@@ -132,7 +132,7 @@ def test_a_node_of_another_shape_or_a_full_pool_leaves_the_session_unchanged(pai
     _, engine = pair
     node = engine.store_node(ids(9, 8))
     wrong = StoredNode(node.tokens, node.k[:1], node.v[:1])  # one layer: stored by another model
-    big = StoredNode(tuple(range(200)), torch.zeros(2, 200, 2, 16), torch.zeros(2, 200, 2, 16))
+    big = StoredNode(tuple(ids(200, 11)), torch.zeros(2, 200, 2, 16), torch.zeros(2, 200, 2, 16))
     hogs = [engine.session() for _ in range(2)]
     for h in hogs:
         h.append(ids(200, 10))  # 50 of the pool's 64 pages of 8
@@ -141,6 +141,13 @@ def test_a_node_of_another_shape_or_a_full_pool_leaves_the_session_unchanged(pai
         state, free = s.cache.state(), engine.pool.n_free
         with pytest.raises(ValueError, match="does not fit this model"):
             s.append_stored(wrong)
+        vocab = engine.config.vocab_size
+        with pytest.raises(ValueError, match=f"token id {vocab} is not in the vocabulary"):
+            s.append_stored(StoredNode((1, vocab), node.k[:, :2], node.v[:, :2]))
+        with pytest.raises(ValueError, match="at least one token"):
+            s.append_stored(StoredNode((), node.k[:, :0], node.v[:, :0]))
+        with pytest.raises(ValueError, match="non-empty"):
+            engine.store_nodes([[], [1]])
         with pytest.raises(PoolExhaustedError):
             s.append_stored(big)
         assert s.cache.state() == state and engine.pool.n_free == free and len(s.nodes) == 1
@@ -205,6 +212,15 @@ def test_reading_a_node_leaves_none_of_its_file_pages_resident(tmp_path):
     # default), all of them node b's; kept mapped, node a alone would be 1024 KiB
     assert mapped_resident_kib((tmp_path / "kv").resolve()) <= 128
     assert torch.equal(store.get("a").v, node.v)  # read again: mapped back in from the file
+
+
+def test_two_ids_with_one_text_are_refused_not_merged(pair, tmp_path):
+    from nodekv.engine.node_store import write_node_store
+
+    node = pair[1].store_node(ids(4, 3))
+    with pytest.raises(ValueError, match="two of them read '1'"):
+        write_node_store(tmp_path / "x.kv", {1: node, "1": node}, MODEL)
+    assert not (tmp_path / "x.kv").exists()
 
 
 def test_a_truncated_corrupt_or_foreign_store_is_refused_by_name(pair, tmp_path):
