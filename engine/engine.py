@@ -172,11 +172,11 @@ class Engine:
                              f"got {len(positions)} positions for {tokens.shape[0]} tokens")
         if layers is not None and not 1 <= layers <= self.config.n_layers:
             raise ValueError(f"layers must be in 1..{self.config.n_layers}, got {layers}")
-        state = cache.state()
+        state = None if layers is None else cache.state()  # a deviation leaves the cache as it was
         try:
             out = self.model.recompute(tokens, torch.tensor(positions), cache, layers)
         finally:
-            if layers is not None:  # a deviation puts the keys back; pages copied on write to do it go back too
+            if state is not None:  # it put the keys back; pages it copied on write to do so go back too
                 cache.restore(state)
         count = partial(recompute_flops, positions=positions, layers=layers)
         self.flops.add(count(self.config), len(positions), count=count)
