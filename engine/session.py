@@ -146,9 +146,9 @@ class Session:
         tokens), computed on temporary tokens that are rolled back afterwards, as `probe` does."""
         if isinstance(ids, str):
             ids = self.engine.tokenizer.encode(ids)
-        ids = list(ids)
-        if not ids:
+        if not len(ids):
             raise ValueError("score needs at least one token")
+        ids = self.engine._check_ids(ids).tolist()  # every id, the last too (it is scored, not run)
         first = self._last_logits()[None]
         rest = self._logits_after(ids[:-1], "all") if len(ids) > 1 else first[:0]
         logprobs = torch.log_softmax(torch.cat([first, rest]), dim=-1)

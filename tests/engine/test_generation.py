@@ -289,3 +289,12 @@ def test_one_string_is_not_taken_for_its_characters(tiny):
         with pytest.raises(ValueError, match="choices must be a (non-empty )?list of strings"):
             op()
     assert s.tokens == list(PROMPT) and s._generation is None
+
+
+def test_score_refuses_an_id_outside_the_vocabulary_even_the_last(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    with pytest.raises(ValueError, match=f"token id {eng.config.vocab_size} is outside the vocabulary"):
+        s.score([5, eng.config.vocab_size])
+    assert s.tokens == list(PROMPT)
