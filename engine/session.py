@@ -309,10 +309,11 @@ def append_batch(sessions: Sequence[Session], ids: Sequence[Sequence[int]],
     for s in sessions:
         s._check_idle()
     node_ids = [s._new_node_id(n) for s, n in zip(sessions, node_ids or [None] * len(sessions))]
-    ids = [sessions[0].engine._check_ids(x).tolist() for x in ids]  # Python ints in `tokens`, whatever came in
+    tokens = [sessions[0].engine._check_ids(x) for x in ids]  # checked and converted once, here
+    ids = [t.tolist() for t in tokens]  # Python ints in `Session.tokens`, whatever came in
     masses = [s._start_collecting(len(x)) if collect else None for s, x in zip(sessions, ids)]
     try:
-        logits, _ = sessions[0].engine.run_batch(ids, [s.cache for s in sessions])
+        logits, _ = sessions[0].engine.run_batch(tokens, [s.cache for s in sessions])
     finally:
         for s in sessions:
             s.cache.collect(None, None)
