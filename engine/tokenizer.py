@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -223,8 +225,9 @@ class Tokenizer:
     * `encode(text)` adds nothing (no BOS unless `add_bos=True`) and, like llama.cpp's plain tokenization,
       treats control tokens written in the text (``"<|im_end|>"``) as ordinary text; pass `parse_special=True`
       to turn them into their ids. User-defined added tokens are always matched whole.
-    * `chat(messages)` renders the chat template and encodes it with special tokens parsed, adding no BOS
-      beyond what the template writes -- the ids transformers' ``apply_chat_template(tokenize=True)`` gives.
+    * `chat(messages)` renders the chat template and encodes it with the template's control tokens parsed, adding
+      no BOS beyond what the template writes -- the ids transformers' ``apply_chat_template(tokenize=True)``
+      gives, except that control tokens written in a message's content stay text, as in `encode`.
     * `decode(ids)` is the inverse of `encode`: `decode(encode(x)) == x` (byte-level BPE always; SentencePiece
       vocabularies strip the dummy-prefix space only at the start, as llama.cpp does).
 
@@ -461,9 +464,44 @@ class Tokenizer:
 
     def chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
              **template_kwargs: Any) -> list[int]:
-        """Token ids of the rendered chat prompt, special tokens (``<|im_start|>``) parsed to their ids."""
-        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of the rendered chat prompt: the template's own control tokens (``<|im_start|>``) become their
+        ids. A control token's text inside a message's content stays text, as `encode` leaves it: a document that
+        quotes ``<|im_end|>`` cannot end the user's turn. (transformers and llama.cpp parse it; the ids differ from
+        theirs only for such content.)"""
+        hidden: list[str] = []
+        mark = f"\x00{secrets.randbelow(10 ** 12)}\x00"  # digits and NUL: no template filter changes it
+
+        def hide(match: re.Match) -> str:
+            hidden.append(match.group(0))
+            return f"{mark}{len(hidden) - 1}{mark}"
+
+        def hide_in(message: Any) -> Any:  # render_chat refuses what is not a message
+            if isinstance(message, Mapping) and isinstance(message.get("content"), str):
+                return dict(message, content=specials.sub(hide, message["content"]))
+            return message
+
+        specials = self._special_texts
+        safe = messages if specials is None or isinstance(messages, (Mapping, str)) else list(map(hide_in, messages))
+        text = self.render_chat(safe, add_generation_prompt, **template_kwargs)
+        if not hidden:  # the common case: one encode, exactly transformers' ids
+            return self._tok.encode(text, add_special_tokens=False).ids
+        # the text between the template's control tokens, content's own written back, is encoded with them as text
+        hidden_at = re.compile(re.escape(mark) + r"(\d+)" + re.escape(mark))
+        ids: list[int] = []
+        for k, piece in enumerate(specials.split(text)):
+            if k % 2:
+                ids.append(self._tok.token_to_id(piece))
+            elif piece:
+                ids += self._tok_text.encode(hidden_at.sub(lambda m: hidden[int(m.group(1))], piece),
+                                             add_special_tokens=False).ids
+        return ids
+
+    @cached_property
+    def _special_texts(self) -> "re.Pattern | None":
+        """The control tokens' texts, longest first (so one that contains another wins), as one capturing regex."""
+        added = self._tok.get_added_tokens_decoder()
+        texts = sorted({added[i].content for i in self.special_ids}, key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
 
     def decode_stream(self, skip_special: bool = False, context: Sequence[int] = ()) -> "DecodeStream":
         """A DecodeStream over this tokenizer (see DecodeStream)."""
