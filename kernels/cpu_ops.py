@@ -18,6 +18,8 @@ import torch
 
 from nodekv import _C
 
+from .reference import check_block_table
+
 if TYPE_CHECKING:
     from .quant import QuantWeight
 
@@ -316,11 +318,8 @@ def _index(name: str, t, fn: str) -> None:
 def _explain_tables(fn, status, k_pages, block_table, end, node_bounds):
     """The C++ side found a table entry wrong (before writing anything)."""
     if status == 1:
-        n_pages, page = k_pages.shape[1], k_pages.shape[3]
-        used = block_table[: -(-end // page)]
-        bad = int(((used < 0) | (used >= n_pages)).nonzero()[0, 0])
-        raise ValueError(f"{fn}: block_table[{bad}] = {int(used[bad])} is not a page of the pool's {n_pages}")
-    if status == 2:
+        check_block_table(block_table, end, k_pages, fn)
+    elif status == 2:
         b = node_bounds.tolist()
         raise ValueError(f"{fn}: node_bounds must rise strictly from 0 to end={end}, got "
                          f"{b if len(b) <= 12 else b[:6] + ['...'] + b[-6:]}")

@@ -38,7 +38,7 @@ def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, ep
 # Layout shared by every backend (torch reference, C++ `cpu_ops`, Triton):
 #   k_pages, v_pages  [layers, n_pages, kv_heads, page_size, head_dim], the model dtype
 #   block_table       int32 [>= ceil(end / page_size)]: key position s lives in page block_table[s // page_size]
-#                     at row s % page_size
+#                     at row s % page_size (entries are page ids of the pool: `check_block_table`)
 #   node_bounds       int32 [N + 1], 0 = b[0] < b[1] < ... < b[N] = end: key node j holds positions [b[j], b[j+1])
 #                     (here and in Triton the last node may go on past end: b[N] >= end; `check_node_bounds`)
 # Queries are the last n positions before `end`; query i (position end - n + i) sees keys [0, end - n + i].
@@ -59,6 +59,19 @@ def check_node_bounds(node_bounds: torch.Tensor, end: int, fn: str) -> None:
         if b[0] != 0 or b[-1] < end or any(x >= y for x, y in zip(b, b[1:])):
             raise ValueError(f"{fn}: node_bounds must rise strictly from 0 to at least end={end}, got "
                              f"{b if len(b) <= 12 else b[:6] + ['...'] + b[-6:]}")
+
+
+def check_block_table(block_table: torch.Tensor, end: int, pages: torch.Tensor, fn: str) -> None:
+    """A ValueError naming the entry unless, on the CPU, the block_table entries that hold positions [0, end) are
+    pages of `pages` [layers, n_pages, ...]. A CUDA tensor's values are trusted, as node_bounds' are: reading them
+    would cost a device sync per call (caches build their tables from the pool's own page ids). Unchecked, a
+    negative id would index from the end of the pool and read another sequence's keys."""
+    if block_table.device.type == "cpu":
+        n_pages, used = pages.shape[1], block_table[: -(-end // pages.shape[3])]
+        bad = ((used < 0) | (used >= n_pages)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"{fn}: block_table[{i}] = {int(used[i])} is not a page of the pool's {n_pages}")
 
 
 def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_table: torch.Tensor, end: int,
@@ -88,7 +101,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     mass (float32 [n, N]) += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k]: the attention mass of every query
     on every key node, summed over heads (callers divide by heads × layers). Without mass this is torch's SDPA on the
     gathered keys; with it, queries run in chunks so at most SCORE_CHUNK_BYTES of scores exist at once."""
-    if mass is not None:  # checked before anything is written
+    check_block_table(block_table, end, k_pages, "paged_attention")  # checked before anything is written
+    if mass is not None:
         if node_bounds is None:
             raise ValueError("paged_attention: mass needs node_bounds")
         check_node_bounds(node_bounds, end, "paged_attention")

@@ -75,7 +75,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .reference import check_node_bounds
+from .reference import check_block_table, check_node_bounds
 
 __all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "sdpa_prefill", "write_kv"]
 
@@ -123,6 +123,7 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_tab
     if T == 0:
         return
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "write_kv")
+    check_block_table(block_table, end, k_pages, "write_kv")
     if v.shape != k.shape:
         raise ValueError(f"write_kv: v {tuple(v.shape)} != k {tuple(k.shape)}")
     k, v = _last_contig(k), _last_contig(v)
@@ -448,6 +449,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     n, H, hd = q.shape
     Hkv = k_pages.shape[2]
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
+    check_block_table(block_table, end, k_pages, "paged_attention")
     if q.device != k_pages.device:
         raise ValueError(f"paged_attention: q on {q.device}, pages on {k_pages.device}")
     if H % Hkv:
@@ -602,6 +604,9 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         raise ValueError(f"decode_attention: k_new and v_new must be [{B}, {Hkv}, {hd}], got {tuple(k_new.shape)} "
                          f"and {tuple(v_new.shape)}")
     _check_pages(k_pages, v_pages, block_tables[0], max_end, Hkv, hd, "decode_attention")  # pages, table width
+    if ends.device.type == "cpu":  # each row's entries up to its own end (the padding past it is never read)
+        for table, end in zip(block_tables, ends.tolist()):
+            check_block_table(table, end, k_pages, "decode_attention")
     if H % Hkv or hd > 256 or not 0 <= layer < k_pages.shape[0]:
         raise ValueError(f"decode_attention: {H} heads over {Hkv} kv heads, head_dim {hd}, layer {layer}: unsupported")
     tables = block_tables.to(device=k_pages.device, dtype=torch.int32)

@@ -269,3 +269,35 @@ def test_node_bounds_that_do_not_cover_the_keys_are_refused(backend, bounds):
         BACKENDS[backend](case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new,
                           case.v_new, bounds, torch.zeros(3, max(1, bounds.shape[0] - 1)))
     assert torch.equal(case.k_pages, pages)  # refused before the new keys were written
+
+
+@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("bad_page", [-1, 10_000])
+def test_page_ids_outside_the_pool_are_refused(backend, bad_page):
+    """A block-table entry that is not a page of the pool is refused with a line naming it before any work, by every
+    backend: a negative id would otherwise index from the pool's end (torch) or read outside it (Triton)."""
+    case = make_case(3, 3, 150, 4, 2, 16, 8, 2)
+    table = case.block_table.clone()
+    table[5] = bad_page
+    pages = case.k_pages.clone()
+    with pytest.raises(ValueError, match=rf"block_table\[5\] = {bad_page} is not a page of the pool's"):
+        BACKENDS[backend](case.q, case.k_pages, case.v_pages, case.layer, table, case.end, case.k_new, case.v_new,
+                          case.node_bounds, torch.zeros(3, 2))
+    assert torch.equal(case.k_pages, pages)
+
+
+@needs_triton_interpreter
+def test_triton_decode_attention_refuses_a_page_outside_the_pool():
+    """A row's entries up to its own end must be pages of the pool (the -1 padding past it is never read)."""
+    from nodekv.kernels import triton_attention
+
+    ends = [37, 9]
+    cases, k_pages, v_pages, tables = make_batch(ends, 4, 2, 32, 8)
+    tables[1, 1] = k_pages.shape[1]
+    pages = k_pages.clone()
+    with pytest.raises(ValueError, match=r"decode_attention: block_table\[1\] = \d+ is not a page of the pool's"):
+        triton_attention.decode_attention(
+            torch.cat([c.q for c in cases]), k_pages, v_pages, cases[0].layer, tables,
+            torch.tensor(ends, dtype=torch.int32), max(ends), torch.cat([c.k_new for c in cases]),
+            torch.cat([c.v_new for c in cases]))
+    assert torch.equal(k_pages, pages)
