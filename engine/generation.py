@@ -113,7 +113,11 @@ class GenerationState:
         if self.processors or self.allowed is not None or self.trie is not None:
             logits = logits.clone()  # the session keeps the model's logits of its last node
             for fn in self.processors:
+                shape = logits.shape
                 logits = fn(list(self.ids), logits)
+                if not isinstance(logits, torch.Tensor) or logits.shape != shape:
+                    got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+                    raise ValueError(f"logits processor {fn!r} returned {got}, not logits of shape {tuple(shape)}")
             mask = self._mask()
             if mask is not None:
                 logits = logits.masked_fill(~mask, float("-inf"))
@@ -155,11 +159,12 @@ class GenerationState:
             self._finish("length")
 
     def cancel(self) -> None:
-        """Stop here and put the session back as it was before the generation (a finished one loses its node too)."""
+        """Stop here and put the session back as it was before the generation (a finished one loses its node too,
+        while it is still the session's last: a ValueError once other nodes follow it)."""
         if self._cancelled:
             return
-        self._cancelled = True
         self.settle(self, None, None, None)
+        self._cancelled = True
 
     def _mask(self) -> torch.Tensor | None:
         """bool [vocab]: the tokens the constraints allow next (None: any)."""

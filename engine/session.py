@@ -3,6 +3,7 @@ decoded, truncated to a node, forked (sharing pages) and released; optionally it
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass
 from functools import partial
 from typing import Collection, Hashable, Sequence
@@ -85,13 +86,12 @@ class Session:
         attention mass; `token_mass` of a node then has one row per token of it repaired here, in order (replacing
         what it had). On error the session is unchanged."""
         self._check_idle()
-        positions = list(positions)
+        positions = self._cached_positions(positions, "repair")
         if not positions:
             return
         mass = self._start_collecting(0, len(positions)) if collect else None
         try:
-            self.engine.recompute([self.tokens[p] for p in positions if 0 <= p < len(self.tokens)], positions,
-                                  self.cache)
+            self.engine.recompute([self.tokens[p] for p in positions], positions, self.cache)
         finally:
             self.cache.collect(None, None)
         if mass is not None:
@@ -106,9 +106,10 @@ class Session:
         first layer after it): ||k_context - k_cached|| / ||k_cached||. Costs the first layer + 1 layers' forward of
         those tokens; the cache is left as it was. The tokens to `repair` are those that deviate most."""
         self._check_idle()
-        positions = list(positions)
-        return self.engine.recompute([self.tokens[p] for p in positions if 0 <= p < len(self.tokens)], positions,
-                                     self.cache, layers=layer + 1)
+        positions = self._cached_positions(positions, "measure")
+        if not positions:
+            return torch.zeros(0)
+        return self.engine.recompute([self.tokens[p] for p in positions], positions, self.cache, layers=layer + 1)
 
     def generate(self, params: SamplingParams | int = SamplingParams(), /, *,
                  logits_processors: Sequence[LogitsProcessor] = (), allowed_tokens: Collection[int] | None = None,
@@ -240,6 +241,11 @@ class Session:
                            mass: torch.Tensor | None, nodes_before: int) -> None:
         """The end of `state` (its `settle`): finished, its tokens become a node; cancelled (ids None), the session
         goes back to its `nodes_before` nodes."""
+        if ids is None and not self.cache.released:
+            own = nodes_before + (state.result is not None and state.result.node_id is not None)
+            if len(self.nodes) > own:
+                raise ValueError(f"cannot cancel the generation of node {state.node_id!r}: nodes "
+                                 f"{[s.node_id for s in self.nodes[own:]]} were appended after it (truncate instead)")
         if self._generation is state:
             self._generation = None
         if ids is None:
@@ -270,6 +276,21 @@ class Session:
         mass = torch.zeros(n_tokens if n_queries is None else n_queries, len(bounds) - 1, device=device)
         self.cache.collect(torch.tensor(bounds, dtype=torch.int32, device=device), mass)
         return mass
+
+    def _cached_positions(self, positions: Sequence[int], action: str) -> list[int]:
+        """`positions` as ints, or a ValueError naming the first that is not an integer or not a cached position."""
+        out = []
+        for p in positions:
+            try:  # ints of any kind (numpy's, a one-element integer tensor), not a float, not a bool
+                if isinstance(p, bool):
+                    raise TypeError
+                out.append(operator.index(p))
+            except TypeError:
+                raise ValueError(f"cannot {action} position {p!r}: positions must be integers") from None
+            if not 0 <= out[-1] < len(self.tokens):
+                raise ValueError(f"cannot {action} position {out[-1]}: the session holds positions "
+                                 f"0..{len(self.tokens) - 1}")
+        return out
 
     def _node_at(self, position: int) -> int:
         """The index of the node holding cached `position`."""

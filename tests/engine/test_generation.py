@@ -11,6 +11,7 @@ import torch
 
 from conftest import tiny_engine
 from nodekv.engine.flops import forward_flops
+from nodekv.engine.sampling import SamplingParams
 
 PROMPT = [5, 17, 3, 99, 42, 8, 8, 61]
 EOS = 100
@@ -298,3 +299,38 @@ def test_score_refuses_an_id_outside_the_vocabulary_even_the_last(tiny):
     with pytest.raises(ValueError, match=f"token id {eng.config.vocab_size} is outside the vocabulary"):
         s.score([5, eng.config.vocab_size])
     assert s.tokens == list(PROMPT)
+
+
+def test_cancelling_a_finished_generation_drops_only_its_own_node(tiny):
+    """A finished generation's cancel takes its node back while it is the session's last; once another node follows,
+    it refuses (before, it dropped the later node too)."""
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT, node_id="prompt")
+    state = s.start_generation(3, node_id="reply")
+    while not state.done:
+        eng.step([state])
+    s.append([4, 5], node_id="after")
+    before = (list(s.tokens), [n.node_id for n in s.nodes])
+    with pytest.raises(ValueError, match=r"cannot cancel the generation of node 'reply': nodes \['after'\]"):
+        state.cancel()
+    assert (s.tokens, [n.node_id for n in s.nodes]) == before
+    s.truncate("reply")
+    state.cancel()
+    assert s.tokens == list(PROMPT) and [n.node_id for n in s.nodes] == ["prompt"]
+
+
+def test_a_processor_that_returns_other_than_logits_is_refused(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    for wrong, got in ((lambda ids, logits: logits[None], r"\(1, \d+\)"), (lambda ids, logits: None, "NoneType")):
+        with pytest.raises(ValueError, match=f"logits processor .* returned {got}, not logits of shape"):
+            s.generate(3, logits_processors=[wrong])
+        assert s.tokens == list(PROMPT) and s._generation is None
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 64, 1.5, True, "7"])
+def test_a_seed_torch_cannot_take_is_refused(seed):
+    with pytest.raises(ValueError, match="seed must be an int in \\[0, 2\\*\\*64\\) or None"):
+        SamplingParams(seed=seed)

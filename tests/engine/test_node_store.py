@@ -312,9 +312,15 @@ def test_a_partial_repair_rewrites_only_its_positions_and_bad_ones_are_refused(p
         s.append(ids(6, 26))
         s.append_stored(node)
         k0, v0 = cached_kv(s, 0, len(s))
-        for bad in ([9, 7], [6, 30], [-1, 8]):
-            with pytest.raises(ValueError, match="one increasing position per token"):
+        for bad, match in (([9, 7], "one increasing position per token"),
+                           ([6, 30], "cannot repair position 30: the session holds positions 0..25"),
+                           ([-1, 8], "cannot repair position -1"), ([6.0], "positions must be integers"),
+                           ([True], "positions must be integers")):
+            with pytest.raises(ValueError, match=match):
                 s.repair(bad)
+        with pytest.raises(ValueError, match="cannot measure position 26"):
+            s.key_deviation([26])
+        assert s.key_deviation([]).shape == (0,)
         assert torch.equal(cached_kv(s, 0, len(s))[0], k0)
         s.repair([6, 7, 8])  # the node's first three tokens (the rule that repairs each node's start)
         k1, v1 = cached_kv(s, 0, len(s))
