@@ -4,7 +4,8 @@
 root's ``../shared/data``; the environment variable ``NODEKV_DATA_DIR`` overrides it) and returns a
 ``LoadResult``: the good ``Record``s and a list of ``(id, reason)`` problems for the records it skipped
 (invalid JSON, missing or empty question/document/answer, wrong types). A malformed record never stops a
-run; a missing data directory or dataset file raises ``DataNotFoundError`` naming the path.
+run; a missing data directory or dataset file raises ``DataNotFoundError`` naming the path, and two good records
+with one id a ``ValueError`` naming the id and both lines (runs key their answers by id).
 
 Documents are built as LongBench builds them: multi-paragraph sets are joined as
 ``"Passage 1:\\n<title>\\n<text>\\n\\nPassage 2:\\n..."`` (sentences of a paragraph joined with one space).
@@ -102,13 +103,14 @@ def find_dataset_file(name: str, data_dir: Union[str, Path, None] = None) -> Pat
 
 
 def check_dataset(name: str, data_dir: Union[str, Path, None] = None) -> None:
-    """An error naming the problem (unknown name, missing data directory or file, a file without one good record)
-    if `load_dataset(name, data_dir)` cannot give a run anything to do: the CLI checks before a model loads."""
+    """An error naming the problem (unknown name, missing data directory or file, a file without one good record,
+    a record id twice) if `load_dataset(name, data_dir)` cannot give a run anything to do: the CLI checks before a
+    model loads."""
     if is_variable_tracking(name):
         shape(name)
         return
     path = find_dataset_file(name, data_dir)
-    loaded = load_dataset(name, data_dir, limit=1)  # reads up to the first good record
+    loaded = load_dataset(name, data_dir)  # the whole file, for its ids (the largest shared file takes 0.04 s)
     if not loaded.records:
         first = f": the first, {loaded.problems[0][0]}, {loaded.problems[0][1]}" if loaded.problems else ""
         raise ValueError(f"{path} has no usable record ({len(loaded.problems)} malformed{first})")
@@ -312,6 +314,7 @@ def load_dataset(name: str, data_dir: Union[str, Path, None] = None, limit: int 
     path = find_dataset_file(name, data_dir)
     parse = _PARSERS[name]
     result = LoadResult()
+    lines: dict[str, int] = {}  # record id -> its line: a run resumes by id, so two records may not share one
     with path.open("rb") as f:  # lines decoded one by one: a line that is not UTF-8 is one bad record
         for index, line in enumerate(f):
             if limit is not None and len(result.records) >= limit:
@@ -334,6 +337,10 @@ def load_dataset(name: str, data_dir: Union[str, Path, None] = None, limit: int 
                     if isinstance(item, Record):
                         if limit is not None and len(result.records) >= limit:
                             break
+                        if item.id in lines:
+                            raise ValueError(f"{path} has the record id {item.id!r} twice (lines {lines[item.id]} "
+                                             f"and {index + 1}): a run keys its answers by id")
+                        lines[item.id] = index + 1
                         result.records.append(item)
                     else:
                         result.problems.append(item)

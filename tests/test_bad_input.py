@@ -34,7 +34,7 @@ def no_model(monkeypatch):
 @pytest.fixture
 def files(tmp_path, monkeypatch):
     """A folder (the current one) with a document, a latin-1 file, an empty file, data folders of hotpotqa (one
-    record; none readable; empty), saved-index stand-ins and a FIFO."""
+    record; none readable; empty; one id twice), saved-index stand-ins and a FIFO."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "doc.txt").write_text("The mill was built in 1821.")
     (tmp_path / "latin.txt").write_bytes(b"x" * 1234 + "Caf\xe9".encode("latin-1"))
@@ -44,7 +44,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "data" / "multihop" / "hotpotqa.jsonl").write_text(json.dumps(record) + "\n")
     (tmp_path / "run.jsonl").write_text("")
     (tmp_path / "run.meta.json").write_text('{\n "method": "bm25",\n "dataset": "hotpotqa"\n}')
-    for folder, text in (("nul", b"\xe9\n"), ("empty", b"")):
+    for folder, text in (("nul", b"\xe9\n"), ("empty", b""), ("twice", f"{json.dumps(record)}\n\n".encode() * 2)):
         (tmp_path / folder / "multihop").mkdir(parents=True)
         (tmp_path / folder / "multihop" / "hotpotqa.jsonl").write_bytes(text)
     (tmp_path / "nul.txt").write_text("abc\0def")
@@ -132,6 +132,9 @@ CASES = [  # argv, the one line on stderr
      "error: the 'nodes' objective needs a positive target number of nodes"),
     (["calibrate", "--dataset", "hotpotqa", "--data-dir", "data", "--dev-start", "-1"],
      "error: --dev-start must be >= 0, got -1"),
+    (["calibrate", "--dataset", "hotpotqa", "--data-dir", "twice"],
+     "error: twice/multihop/hotpotqa.jsonl has the record id 'q1' twice (lines 1 and 3): a run keys its answers by id"),
+    ([*EVAL[:-1], "twice"], "error: twice/multihop/hotpotqa.jsonl has the record id 'q1' twice (lines 1 and 3)"),
 ]
 
 

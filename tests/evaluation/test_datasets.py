@@ -130,6 +130,19 @@ def test_malformed_records_are_reported_and_skipped(tmp_path):
     assert [r.id for r in res.records] == ["good"] and res.problems == []
 
 
+def test_a_record_id_twice_is_refused_by_id_and_lines(tmp_path):
+    """Runs key their answers by record id: a second record under one id would be skipped or counted twice."""
+    from nodekv.evaluation.datasets import check_dataset
+
+    _write(tmp_path / "multihop" / "hotpotqa.jsonl", [_hotpot("a"), _hotpot("b"), "", _hotpot("a")])
+    path = tmp_path / "multihop" / "hotpotqa.jsonl"
+    with pytest.raises(ValueError, match=f"^{path} has the record id 'a' twice \\(lines 1 and 4\\)"):
+        load_dataset("hotpotqa", tmp_path)
+    with pytest.raises(ValueError, match="'a' twice"):
+        check_dataset("hotpotqa", tmp_path)  # the CLI's check before a model loads reads the whole file
+    assert [r.id for r in load_dataset("hotpotqa", tmp_path, limit=2).records] == ["a", "b"]
+
+
 def test_malformed_leval_and_qmsum(tmp_path):
     opts = "Which?\n\n (A) one\n (B) two \n (C) three"
     _write(tmp_path / "quality.jsonl", [
