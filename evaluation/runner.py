@@ -128,19 +128,21 @@ def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bo
     if "model" in old:
         old["model"], new["model"] = Path(old["model"]).name, Path(new["model"]).name
     keys = RESUMED_AS_WRITTEN + (("records",) if across_documents else ())
-    changed = [key for key in keys if key in old and old[key] != new[key]]
-    if changed:
-        detail = "; ".join(_difference(old[key], new[key]) if isinstance(new[key], dict) else
-                           f"{key} {old[key]} now {new[key]}" + (" (the folds are dealt over the run's records)"
+    changes: dict[str, str] = {}  # one line per changed setting or option
+    for key in (key for key in keys if key in old and old[key] != new[key]):
+        if isinstance(new[key], dict):  # an option is in both options and config: the config's typed value wins
+            changes.update(_differences(old[key], new[key]))
+        else:
+            changes[key] = f"{key} {old[key]} now {new[key]}" + (" (the folds are dealt over the run's records)"
                                                                  if key == "records" else "")
-                           for key in changed)
-        raise ValueError(f"{path} was written under other settings ({detail}): resume it with the code and "
-                         "options that wrote it, or give this run another --label")
+    if changes:
+        raise ValueError(f"{path} was written under other settings; resume it with the code and options that wrote "
+                         "it, or give this run another --label:" + "".join(f"\n  {line}" for line in changes.values()))
 
 
-def _difference(old: dict, new: dict) -> str:
+def _differences(old: dict, new: dict) -> dict[str, str]:
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    return ", ".join(f"{k}={old.get(k, '(unset)')} now {new.get(k, '(unset)')}" for k in keys)
+    return {k: f"{k}={old.get(k, '(unset)')} now {new.get(k, '(unset)')}" for k in keys}
 
 
 def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:

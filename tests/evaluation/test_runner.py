@@ -142,3 +142,20 @@ def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
     meta_path.write_text(json.dumps(meta))
     assert _eval(data, tmp_path, "--label", "run") == 0
     assert len(path.read_text().splitlines()) == 3
+
+
+def test_a_resume_refusal_names_each_changed_setting_once(tmp_path):
+    """An option is kept twice in a run's meta (as given, and in the method config): a change is named once, on a
+    line of its own."""
+    from nodekv.evaluation.runner import check_resumable
+
+    path = tmp_path / "run-hotpotqa.jsonl"
+    path.with_suffix(".meta.json").write_text(json.dumps(
+        {"model": "/a/m.gguf", "precision": "exact", "options": {"k": 2}, "config": {"k": 2, "chunk_tokens": 200}}))
+    new = {"model": "/b/m.gguf", "precision": "int8", "options": {"k": 3}, "config": {"k": 3, "chunk_tokens": 300}}
+    with pytest.raises(ValueError) as refused:
+        check_resumable(path, new, resuming=True)
+    assert str(refused.value).splitlines() == [
+        f"{path} was written under other settings; resume it with the code and options that wrote it, or give this "
+        "run another --label:", "  precision exact now int8", "  k=2 now 3", "  chunk_tokens=200 now 300"]
+
