@@ -11,9 +11,10 @@ are dealt into 5 folds and the method is fit on the other folds' documents befor
 document trains the model that answers it (`fit_s` in its lines); with --ray the documents are indexed on the
 workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
-file is the same as an uninterrupted run's. A run file is resumed only under the model, precision, options and method
-config that wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a
-calibration written since or a longer cross-fitted run is refused, not mixed in.
+file is the same as an uninterrupted run's; records whose lines are errors are tried again, their new lines put in
+the error lines' places. A run file is resumed only under the model, precision, options and method config that
+wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration
+written since or a longer cross-fitted run is refused, not mixed in.
 """
 from __future__ import annotations
 
@@ -147,7 +148,9 @@ def _differences(old: dict, new: dict) -> dict[str, str]:
 
 def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:
     """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path. With `ray`, the
-    records run as Ray tasks (`ray_tasks`), the lines the same."""
+    records run as Ray tasks (`ray_tasks`), the lines the same. Records whose lines are errors are tried again: their
+    new lines are kept till the run ends and then take the error lines' places, the file replaced whole (a run
+    killed before that leaves the error lines, and tries them again when resumed)."""
     loaded = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit)
     matched = {}
     if cfg.match is not None:
@@ -163,25 +166,34 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     with cfg.path.open("a") as out:  # held to the end: the lock is on it, and the lines go to it
         _lock(out, cfg.path)
-        done = {r["id"] for r in read_json_lines(cfg.path, cut_torn_tail=True)}
+        lines = read_json_lines(cfg.path, cut_torn_tail=True)
         meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path),
                 "precision": engine.model.precision, "options": options, "config": asdict(method.config),
                 "option_sources": sources, **matched,
                 "generation": {k: getattr(method.prompt, k) for k in ("max_new_tokens", "stop", "repetition_penalty")},
                 "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
-        check_resumable(cfg.path, meta, bool(done), method_class.learns_across_documents)
+        check_resumable(cfg.path, meta, bool(lines), method_class.learns_across_documents)
         write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
         for rid, why in loaded.problems:
             print(f"skipped record {rid}: {why}", file=sys.stderr)
+        done = {r["id"] for r in lines if "error" not in r}
+        todo = [r for r in loaded.records if r.id not in done]
+        errored = {r["id"] for r in lines if "error" in r} & {r.id for r in todo}
+        if errored:
+            print(f"{cfg.label} {cfg.dataset}: retrying {len(errored)} record(s) whose lines are errors",
+                  file=sys.stderr)
+        retried: dict[str, dict] = {}  # id -> the line that replaces its error line when the run ends
         store = IndexStore.for_method(cfg.path.parent / "indexes", engine, method)
         indexes: dict[str, BuiltIndex] = {}  # doc hash -> its index and what building it cost
-        todo = [r for r in loaded.records if r.id not in done]
         bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
                    desc=f"{cfg.label} {cfg.dataset}", disable=not progress)
 
         def write(line: dict) -> None:
-            out.write(json.dumps(line) + "\n")
-            out.flush()
+            if line["id"] in errored:
+                retried[line["id"]] = line
+            else:
+                out.write(json.dumps(line) + "\n")
+                out.flush()
             bar.update()
 
         spec = None if ray is None else WorkerSpec(
@@ -201,6 +213,9 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
             for record in todo:
                 write(evaluate_record(engine, method, record, indexes, store))
         bar.close()
+        if retried:  # each in its error line's place, the file replaced whole: never one id on two lines
+            write_atomic(cfg.path, "".join(json.dumps(retried.get(r["id"], r)) + "\n"
+                                           for r in read_json_lines(cfg.path)))
     return cfg.path
 
 

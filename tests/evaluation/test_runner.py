@@ -159,3 +159,35 @@ def test_a_resume_refusal_names_each_changed_setting_once(tmp_path):
         f"{path} was written under other settings; resume it with the code and options that wrote it, or give this "
         "run another --label:", "  precision exact now int8", "  k=2 now 3", "  chunk_tokens=200 now 300"]
 
+
+
+def test_a_resumed_run_retries_its_error_lines_in_their_places(tmp_path, engine, saver, capsys):
+    """A record whose line is an error is answered again when the run resumes, its new line in the error line's
+    place (the file written whole, each id once); a run with no error lines rewrites nothing."""
+    def write_data(broken: str):
+        records = [{"_id": f"q{i}", "question": "How many words?", "answer": "3",
+                    "context": [["T", [f"{text} document number {i}."]]]}
+                   for i, text in enumerate(["A", broken, "C"], 1)]
+        (tmp_path / "data" / "multihop").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / "multihop" / "hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def lines():
+        return [json.loads(x) for x in (tmp_path / "runs" / "test-saver-hotpotqa.jsonl").read_text().splitlines()]
+
+    argv = ["eval", "--method", "test-saver", "--dataset", "hotpotqa", "--data-dir", str(tmp_path / "data"),
+            "--out", str(tmp_path / "runs"), "--model", str(engine.path)]
+    write_data("FAIL")
+    assert cli_main(argv) == 0
+    first = lines()
+    assert [(r["id"], "error" in r) for r in first] == [("q1", False), ("q2", True), ("q3", False)]
+    capsys.readouterr()
+    write_data("B")  # mended
+    assert cli_main(argv) == 0
+    assert "test-saver hotpotqa: retrying 1 record(s) whose lines are errors" in capsys.readouterr().err
+    retried = lines()
+    assert [r["id"] for r in retried] == ["q1", "q2", "q3"] and retried[1]["prediction"] == "7"
+    assert [retried[0], retried[2]] == [first[0], first[2]] and "error" not in retried[1]
+    written = (tmp_path / "runs" / "test-saver-hotpotqa.jsonl").stat()
+    assert cli_main(argv) == 0
+    assert "retrying" not in capsys.readouterr().err
+    assert (tmp_path / "runs" / "test-saver-hotpotqa.jsonl").stat().st_ino == written.st_ino  # not rewritten
