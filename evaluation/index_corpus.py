@@ -15,15 +15,16 @@ from ..methods.registry import get
 from ..paths import NotUTF8Error, read_text, write_atomic
 
 
-def check_request(method: str, directory: Path) -> None:
-    """A ValueError naming the problem if `method` cannot store indexes or `directory` is not a directory (checked
-    before a model loads)."""
+def check_request(method: str, directory: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The corpus under `directory` (`read_corpus`), or a ValueError naming the problem if `method` cannot store
+    indexes, `directory` is not a directory or holds no usable text file (checked before a model loads)."""
     if not get(method).can_save:
         raise ValueError(f"{method} cannot save an index, so it has nothing to store for a corpus")
     if directory.is_file():
         raise ValueError(f"{directory} is a file, not a corpus directory")
     if not directory.is_dir():
         raise ValueError(f"corpus directory {directory} does not exist")
+    return read_corpus(directory)
 
 
 def read_corpus(directory: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
@@ -58,8 +59,7 @@ def index_corpus(engine: Engine, method: str, options: dict, directory: Path, st
     tokens; or the error that stopped its index); returns its path and how many documents failed. Files with the
     same text share one index; a document that fails does not stop the others; one that another process is
     building (another `index-corpus` on the same store) is left to it and waited for last."""
-    check_request(method, directory)
-    texts, skipped = read_corpus(directory)
+    texts, skipped = check_request(method, directory)
     for name, why in skipped:
         print(f"skipped {name}: {why}", file=sys.stderr)
     store_method = get(method)(engine, **options)

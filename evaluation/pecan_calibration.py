@@ -20,6 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..engine.engine import Engine
+from ..engine.models import resolve_model
 from .datasets import Record, load_dataset
 from .metrics import score
 from .index_store import IndexStore
@@ -156,21 +157,55 @@ def choose(rows: list[dict], objective: str, target_nodes: float | None = None) 
     return min(rows, key=lambda r: (-r["f1"] / r["query_tflops"], -r["f1"], r["t_p"]))
 
 
-def _swept(log: Path, settings: dict) -> dict[str, list[Point]]:
-    """The sweeps a calibration that was stopped already wrote to `log` (a header line with the model file and PECAN
-    config, then one line per dev record), by record id; a new log gets the header. Refused (ValueError, before any
-    work) when they were made under another model or config: mixing them would choose t_p for neither."""
-    settings = json.loads(json.dumps(settings))  # tuples as lists, as written
-    lines = read_json_lines(log, cut_torn_tail=True)
-    if not lines:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(log, json.dumps(settings) + "\n")
-        return {}
-    if lines[0] != settings:
+def _sweep_settings(model: str | Path, config: object) -> dict:
+    """What a calibration's sweeps are made under, as its log's header holds it: the model file's name and the PECAN
+    config (tuples as lists, as written)."""
+    return json.loads(json.dumps({"model": Path(str(model)).name, "config": asdict(config)}))
+
+
+def _logged(log: Path, settings: dict, cut_torn_tail: bool = False) -> list[dict]:
+    """The lines of a calibration's sweep log (`read_json_lines`): a header line with its settings, then one line per
+    dev record. Refused (ValueError, before any work) when the header names other settings: mixing sweeps made under
+    another model or config would choose t_p for neither."""
+    lines = read_json_lines(log, cut_torn_tail)
+    if lines and lines[0] != settings:
         changed = sorted(k for k in set(lines[0]) | set(settings) if lines[0].get(k) != settings.get(k))
         raise ValueError(f"{log} holds sweeps made under another {' and '.join(changed)}: calibrate into another "
                          "--out, or delete it to sweep again")
+    return lines
+
+
+def _swept(log: Path, settings: dict) -> dict[str, list[Point]]:
+    """The sweeps a calibration that was stopped already wrote to `log` (`_logged`), by record id; a new log gets
+    the header."""
+    lines = _logged(log, settings, cut_torn_tail=True)
+    if not lines:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(log, json.dumps(settings) + "\n")
     return {line["id"]: [Point(**p) for p in line["points"]] for line in lines[1:]}
+
+
+def dev_records(dataset: str, data_dir: str | None, dev: tuple[int, int]) -> list[Record]:
+    """The dev records `dev` = (first, count) of `dataset` (fewer where the file ends first), or a ValueError naming
+    the problem (a start past the last record, among others)."""
+    first, count = dev
+    if first < 0 or count < 1:
+        raise ValueError(f"dev records must be a start >= 0 and a count >= 1, got {dev}")
+    records = load_dataset(dataset, data_dir, first + count).records
+    if len(records) <= first:
+        raise ValueError(f"the dev records start at index {first} (--dev-start), but {dataset} has {len(records)} "
+                         "record(s)")
+    return records[first:]
+
+
+def check_calibration(dataset: str, dev: tuple[int, int], out: str | Path, data_dir: str | None, options: dict,
+                      model: str | None) -> None:
+    """Refuse (ValueError) before `model` (as `load_engine` takes it) loads what `calibrate` would refuse after: bad
+    PECAN options, a dev range without records, sweeps logged under another model or config."""
+    config = Pecan.configure(**options)
+    dev_records(dataset, data_dir, dev)
+    _logged(calibration_path(out, dataset, config.prompt_style).with_suffix(SWEEPS_SUFFIX),
+            _sweep_settings(resolve_model(model), config))
 
 
 def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str = "f1-per-tflop",
@@ -183,17 +218,12 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
     calibration file, `.sweeps.jsonl`, with the seconds it took), so a stopped calibration resumes where it stopped
     and another objective over the same records costs no model work."""
     check_objective(objective, target_nodes)
-    first, count = dev
-    if first < 0 or count < 1:
-        raise ValueError(f"dev records must be a start >= 0 and a count >= 1, got {dev}")
-    records = load_dataset(dataset, data_dir, first + count).records[first:]
-    if not records:
-        raise ValueError(f"{dataset} has no records from index {first} on to calibrate with")
+    records = dev_records(dataset, data_dir, dev)
     options = dict(options or {})
     method = Pecan(engine, prompt=prompt_for(dataset), **options)
     path = calibration_path(out, dataset, method.config.prompt_style)
     log = path.with_suffix(SWEEPS_SUFFIX)
-    swept = _swept(log, {"model": Path(str(engine.path)).name, "config": asdict(method.config)})
+    swept = _swept(log, _sweep_settings(engine.path, method.config))
     store = IndexStore.for_method(Path(out) / "indexes", engine, method)
     sweeps = []
     with log.open("a") as written:

@@ -14,7 +14,7 @@ Killing a run and starting it again skips the records already written (a torn la
 file is the same as an uninterrupted run's; records whose lines are errors are tried again, their new lines put in
 the error lines' places. A run file is resumed only under the model, precision, options and method config that
 wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration
-written since or a longer cross-fitted run is refused, not mixed in.
+written since or a longer cross-fitted run is refused, not mixed in, and before the model loads (`check_run`).
 """
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..engine.engine import DTYPES, Engine
+from ..engine.models import resolve_model
 from ..methods.base import Method
 from ..methods.baselines import TopK
 from ..methods.prompts import prompt_for
 from ..methods.registry import get, names
-from ..paths import read_json_lines, write_atomic
-from .datasets import load_dataset
+from ..paths import check_input, read_json_lines, write_atomic
+from .datasets import LoadResult, load_dataset
 from .eval_line import evaluate_record
 from .index_store import BuiltIndex, IndexStore, document_hash
 from .pecan_calibration import with_calibration
@@ -89,11 +90,7 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
     from ..engine.flops import forward_flops
 
     check_top_x(cfg.method)
-    if not reference.is_file():
-        raise ValueError(f"reference run {reference} does not exist")
-    ref = [r for r in read_json_lines(reference) if "error" not in r]
-    if not ref:
-        raise ValueError(f"reference run {reference} has no answered records to match")
+    ref = _answered(reference)
     target = sum(r["query_flops"] for r in ref) / len(ref)
     gen = round(sum(len(engine.tokenizer.encode(r["prediction"])) + 1 for r in ref) / len(ref))
     records = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit).records[:sample]
@@ -109,6 +106,14 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
             predicted[k] += (forward_flops(c, n) + sum(forward_flops(c, 1, n + i) for i in range(gen))) / len(records)
     k = min(predicted, key=lambda k: (abs(predicted[k] - target), k))
     return k, {"matched_to": str(reference), "target_query_flops": target, "predicted_query_flops": predicted[k]}
+
+
+def _answered(reference: Path) -> list[dict]:
+    """The answered lines of a Top-X reference run file, or a ValueError naming what it lacks."""
+    ref = [r for r in read_json_lines(check_input(reference, "reference run")) if "error" not in r]
+    if not ref:
+        raise ValueError(f"reference run {reference} has no answered records to match")
+    return ref
 
 
 RESUMED_AS_WRITTEN = ("model", "precision", "options", "config")  # what a resumed run file must keep
@@ -146,6 +151,38 @@ def _differences(old: dict, new: dict) -> dict[str, str]:
     return {k: f"{k}={old.get(k, '(unset)')} now {new.get(k, '(unset)')}" for k in keys}
 
 
+def _run_meta(cfg: RunConfig, model: str, precision: str, loaded: LoadResult) -> dict:
+    """What a run of cfg over `loaded` on the model file `model` at `precision` is written and resumed under (its
+    .meta.json, less a Top-X run's match): the options with where each comes from (a calibration's t_p when one holds
+    for this model, `with_calibration`), the method config, the generation settings and the records."""
+    method_class = get(cfg.method)
+    defaults = with_calibration(method_class, method_class.dataset_defaults(cfg.dataset), cfg.dataset,
+                                cfg.path.parent, cfg.options, model)
+    options = {**{k: v for k, (v, _) in defaults.items()}, **cfg.options}
+    prompt = prompt_for(cfg.dataset)
+    return {"method": cfg.label, "dataset": cfg.dataset, "model": model, "precision": precision, "options": options,
+            "config": asdict(method_class.configure(**options)),
+            "option_sources": {k: "--option" if k in cfg.options else source for k, (_, source) in defaults.items()},
+            "generation": {k: getattr(prompt, k) for k in ("max_new_tokens", "stop", "repetition_penalty")},
+            "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
+
+
+def check_run(cfg: RunConfig, model: str | None, precision: str) -> None:
+    """Refuse (ValueError) before `model` (as `load_engine` takes it) loads what `run` would refuse after: a run file
+    that does not read as JSON lines, that another eval is writing, or that was written under other settings
+    (`check_resumable`); a Top-X reference run without answers. A Top-X run (--match) picks its k on the model, so
+    its settings are checked only then."""
+    lines = read_json_lines(cfg.path)
+    if cfg.path.is_file():
+        with cfg.path.open("a") as run_file:  # the lock is let go at once: `run` takes it for the run
+            _lock(run_file, cfg.path)
+    if cfg.match is not None:
+        _answered(Path(cfg.match))
+    else:
+        meta = _run_meta(cfg, str(resolve_model(model)), precision, load_dataset(cfg.dataset, cfg.data_dir, cfg.limit))
+        check_resumable(cfg.path, meta, bool(lines), get(cfg.method).learns_across_documents)
+
+
 def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:
     """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path. With `ray`, the
     records run as Ray tasks (`ray_tasks`), the lines the same. Records whose lines are errors are tried again: their
@@ -155,23 +192,15 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     matched = {}
     if cfg.match is not None:
         cfg.options["k"], matched = match_k(engine, cfg, Path(cfg.match))
-    method_class = get(cfg.method)
-    defaults = with_calibration(method_class, method_class.dataset_defaults(cfg.dataset), cfg.dataset,
-                                cfg.path.parent, cfg.options, str(engine.path))
-    options = {**{k: v for k, (v, _) in defaults.items()}, **cfg.options}
-    sources = {k: "--option" if k in cfg.options else source for k, (_, source) in defaults.items()}
-    for k, source in sources.items():
+    meta = {**_run_meta(cfg, str(engine.path), engine.model.precision, loaded), **matched}
+    options, method_class = meta["options"], get(cfg.method)
+    for k, source in meta["option_sources"].items():
         print(f"{cfg.label} {cfg.dataset}: {k}={options[k]} ({source})", file=sys.stderr)
     method = method_class(engine, prompt=prompt_for(cfg.dataset), **options)
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     with cfg.path.open("a") as out:  # held to the end: the lock is on it, and the lines go to it
         _lock(out, cfg.path)
         lines = read_json_lines(cfg.path, cut_torn_tail=True)
-        meta = {"method": cfg.label, "dataset": cfg.dataset, "model": str(engine.path),
-                "precision": engine.model.precision, "options": options, "config": asdict(method.config),
-                "option_sources": sources, **matched,
-                "generation": {k: getattr(method.prompt, k) for k in ("max_new_tokens", "stop", "repetition_penalty")},
-                "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
         check_resumable(cfg.path, meta, bool(lines), method_class.learns_across_documents)
         write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
         for rid, why in loaded.problems:

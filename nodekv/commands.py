@@ -122,10 +122,10 @@ def index_corpus(args: argparse.Namespace) -> int:
     from nodekv.evaluation.index_corpus import index_corpus as run
 
     options = dict(args.option)
-    check_request(args.method, Path(args.directory))  # bad requests, options and paths fail before the model loads
-    get(args.method).configure(**options)
+    get(args.method).configure(**options)  # bad options, paths, requests and corpora fail before the model loads
     out = Path("runs/indexes") if args.out is None else check_output_folder(args.out)  # the default is made
     plan = _ray_plan(args)
+    check_request(args.method, Path(args.directory))  # last: it reads the whole corpus
     manifest, failed = run(load_engine(args.model, threads=args.threads), args.method, options,
                            Path(args.directory), out, plan)
     print(f"wrote {manifest}" + (f"; {failed} document(s) failed (their lines say why), a rerun tries them again"
@@ -222,7 +222,7 @@ def evaluate(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods import get
     from nodekv.evaluation.datasets import DataNotFoundError, check_dataset
-    from nodekv.evaluation.runner import check_top_x, run
+    from nodekv.evaluation.runner import check_run, check_top_x, run
 
     try:
         cfg = run_config(args)
@@ -233,9 +233,9 @@ def evaluate(args: argparse.Namespace) -> int:
         check_output_folder(cfg.out)
         if cfg.match is not None:
             check_top_x(cfg.method)
-            check_input(cfg.match, "reference run")
         if plan is not None and args.device not in ("auto", "cpu"):
             raise ValueError(f"--ray runs its workers on the CPU; drop --device {args.device} or --ray")
+        check_run(cfg, args.model, args.precision)
         engine = load_engine(args.model, threads=args.threads, precision=args.precision, device=args.device)
         path = run(engine, cfg, ray=plan)
     except (DataNotFoundError, ValueError) as e:
@@ -262,16 +262,16 @@ def run_config(args: argparse.Namespace):
 def calibrate(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.evaluation.datasets import DataNotFoundError, check_dataset
-    from nodekv.evaluation.pecan_calibration import calibrate, check_objective
-    from nodekv.methods.pecan.pecan import Pecan
+    from nodekv.evaluation.pecan_calibration import calibrate, check_calibration, check_objective
 
     try:
         check_objective(args.objective, args.target_nodes)  # bad requests, data and paths fail before the model loads
         if args.dev_start < 0:
             raise ValueError(f"--dev-start must be >= 0, got {args.dev_start}")
-        Pecan.configure(**dict(args.option))
         check_dataset(args.dataset, args.data_dir)
         check_output_folder(args.out)
+        check_calibration(args.dataset, (args.dev_start, args.dev), args.out, args.data_dir, dict(args.option),
+                          args.model)
         result = calibrate(load_engine(args.model, threads=args.threads), args.dataset, (args.dev_start, args.dev),
                            args.objective, args.target_nodes, args.out, args.data_dir, dict(args.option))
     except (DataNotFoundError, ValueError) as e:

@@ -132,9 +132,13 @@ CASES = [  # argv, the one line on stderr
      "error: the 'nodes' objective needs a positive target number of nodes"),
     (["calibrate", "--dataset", "hotpotqa", "--data-dir", "data", "--dev-start", "-1"],
      "error: --dev-start must be >= 0, got -1"),
+    (["calibrate", "--dataset", "hotpotqa", "--data-dir", "data", "--dev-start", "1"],
+     "error: the dev records start at index 1 (--dev-start), but hotpotqa has 1 record(s)"),
     (["calibrate", "--dataset", "hotpotqa", "--data-dir", "twice"],
      "error: twice/multihop/hotpotqa.jsonl has the record id 'q1' twice (lines 1 and 3): a run keys its answers by id"),
     ([*EVAL[:-1], "twice"], "error: twice/multihop/hotpotqa.jsonl has the record id 'q1' twice (lines 1 and 3)"),
+    ([*EVAL, "--match", "run.jsonl"], "error: reference run run.jsonl has no answered records to match"),
+    (["index-corpus", "data", "--method", "bm25"], "error: no usable *.txt files under data"),
 ]
 
 
@@ -149,6 +153,30 @@ def test_the_cli_refuses_bad_input_in_one_line_before_any_model_work(argv, messa
     assert status == 2 and time.perf_counter() - t < 5
     err = capsys.readouterr().err
     assert err.startswith(message.format(tmp=files)) and err.count("\n") == 1, err
+
+
+def test_files_written_under_other_settings_are_refused_before_the_model_loads(files, no_model, capsys):
+    """A run file resumed, or a calibration's sweeps extended, under other settings: refused by what changed, with
+    the files left as they were."""
+    from dataclasses import asdict
+
+    config = asdict(get("bm25").configure())
+    run, meta = files / "runs" / "bm25-hotpotqa.jsonl", files / "runs" / "bm25-hotpotqa.meta.json"
+    run.parent.mkdir()
+    run.write_text('{"id": "q1", "error": "ValueError: x"}\n')
+    meta.write_text(json.dumps({"options": {"k": config["k"] + 1}, "config": {**config, "k": config["k"] + 1}}))
+    sweeps = files / "runs" / "pecan-calibration-hotpotqa-paper.sweeps.jsonl"
+    sweeps.write_text(json.dumps({"model": "other.gguf", "config": {}}) + "\n")
+    written = {path: path.read_bytes() for path in (run, meta, sweeps)}
+    assert main([*EVAL, "--model", "smollm2-135m"]) == 2
+    assert capsys.readouterr().err == (f"error: {run.relative_to(files)} was written under other settings; resume it "
+                                       "with the code and options that wrote it, or give this run another --label:\n"
+                                       f"  k={config['k'] + 1} now {config['k']}\n")
+    assert main(["calibrate", "--dataset", "hotpotqa", "--data-dir", "data", "--dev-start", "0", "--dev", "1",
+                 "--model", "smollm2-135m"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {sweeps.relative_to(files)} holds sweeps made under another "
+                                              "config and model")
+    assert {path: path.read_bytes() for path in written} == written
 
 
 @pytest.mark.parametrize("name", names())

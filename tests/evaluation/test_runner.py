@@ -82,10 +82,13 @@ def test_options_and_labels(argv, label, options):
     assert (cfg.label, cfg.options, cfg.path.name) == (label, options, f"{label}-hotpotqa.jsonl")
 
 
-def test_a_run_file_has_one_writer_at_a_time(tmp_path, capsys):
+def test_a_run_file_has_one_writer_at_a_time(tmp_path, capsys, monkeypatch):
+    import nodekv
+
     data, run_file = tmp_path / "data", tmp_path / "out" / "bm25-top2-hotpotqa.jsonl"
     _write_data(data)
     run_file.parent.mkdir()
+    monkeypatch.setattr(nodekv, "load_engine", lambda *a, **k: pytest.fail("refused only after the model loaded"))
     with run_file.open("a") as held:  # another eval appending to it
         fcntl.flock(held, fcntl.LOCK_EX)
         assert _eval(data, tmp_path / "out") == 2
@@ -158,7 +161,6 @@ def test_a_resume_refusal_names_each_changed_setting_once(tmp_path):
     assert str(refused.value).splitlines() == [
         f"{path} was written under other settings; resume it with the code and options that wrote it, or give this "
         "run another --label:", "  precision exact now int8", "  k=2 now 3", "  chunk_tokens=200 now 300"]
-
 
 
 def test_a_resumed_run_retries_its_error_lines_in_their_places(tmp_path, engine, saver, capsys):
