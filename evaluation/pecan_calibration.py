@@ -16,6 +16,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterable
 
 from tqdm import tqdm
 
@@ -40,10 +41,11 @@ def calibration_path(runs: str | Path, dataset: str, prompt_style: str) -> Path:
 
 
 def with_calibration(method_class: type, defaults: dict, dataset: str, runs: Path, options: dict,
-                     model: str | None) -> dict:
+                     model: str | None, ids: Iterable[str] = ()) -> dict:
     """A method's `defaults` for `dataset`, with PECAN's t_p taken from `nodekv calibrate`'s file in the run directory
     `runs` when there is one made for this dataset, model, prompt style, patience and index options (explicit
-    options win over both, in the runner). A file made for other settings is named in the default's source."""
+    options win over both, in the runner). A file made for other settings is named in the default's source, and so
+    are the run's record `ids` that were the calibration's dev records (t_p was chosen on them: not held out)."""
     if not issubclass(method_class, Pecan):
         return defaults
     run = Pecan.configure(**{k: v for k, v in options.items() if k != "t_p"})
@@ -59,6 +61,11 @@ def with_calibration(method_class: type, defaults: dict, dataset: str, runs: Pat
         why = f"{path} was made for another {', '.join(differ)}"
         return {k: (v, f"{source}; {why}") for k, (v, source) in defaults.items()}
     source = f"calibrated on {len(calibration['dev_ids'])} dev records ({path})"
+    dev_ids = set(calibration["dev_ids"])
+    dev = [i for i in ids if i in dev_ids]
+    if dev:
+        source += (f"; warning: {len(dev)} of this run's records were among them ({', '.join(dev[:3])}"
+                   f"{', ...' if len(dev) > 3 else ''}), so their scores are not held out")
     return {**defaults, "t_p": (calibration["t_p"], source)}
 
 

@@ -157,7 +157,7 @@ def _run_meta(cfg: RunConfig, model: str, precision: str, loaded: LoadResult) ->
     for this model, `with_calibration`), the method config, the generation settings and the records."""
     method_class = get(cfg.method)
     defaults = with_calibration(method_class, method_class.dataset_defaults(cfg.dataset), cfg.dataset,
-                                cfg.path.parent, cfg.options, model)
+                                cfg.path.parent, cfg.options, model, [r.id for r in loaded.records])
     options = {**{k: v for k, (v, _) in defaults.items()}, **cfg.options}
     prompt = prompt_for(cfg.dataset)
     return {"method": cfg.label, "dataset": cfg.dataset, "model": model, "precision": precision, "options": options,

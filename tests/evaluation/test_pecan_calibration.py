@@ -107,8 +107,8 @@ def test_eval_takes_t_p_from_a_calibration_that_holds_for_the_run(tmp_path):
     from nodekv.evaluation.pecan_calibration import calibration_path, with_calibration
     from nodekv.methods.pecan import Pecan
 
-    def defaults(dataset, options, model):
-        return with_calibration(Pecan, Pecan.dataset_defaults(dataset), dataset, tmp_path, options, model)
+    def defaults(dataset, options, model, ids=()):
+        return with_calibration(Pecan, Pecan.dataset_defaults(dataset), dataset, tmp_path, options, model, ids)
 
     def write(style, options, model="m.gguf", t_p=0.31):
         calibration_path(tmp_path, "hotpotqa", style).write_text(json.dumps(
@@ -120,6 +120,10 @@ def test_eval_takes_t_p_from_a_calibration_that_holds_for_the_run(tmp_path):
     assert defaults("hotpotqa", {}, "m.gguf")["t_p"][0] == 0.5  # made for another style
     t_p, source = defaults("hotpotqa", {"prompt_style": "restate", "attention": "false"}, "m.gguf")["t_p"]
     assert t_p == 0.31 and "calibrated on 2 dev records" in source  # ablations of the search share it
+    assert "warning" not in source
+    t_p, source = defaults("hotpotqa", {"prompt_style": "restate"}, "m.gguf", ["z", "b"])["t_p"]
+    assert t_p == 0.31 and source.endswith("; warning: 1 of this run's records were among them (b), so their scores "
+                                           "are not held out")  # an eval over a dev record
     for run, model, why in [({"prompt_style": "restate", "batch_tokens": 1024}, "m.gguf", "batch_tokens"),
                             ({"prompt_style": "restate", "t_n": 2}, "m.gguf", "t_n"),
                             ({"prompt_style": "restate"}, "other.gguf", "model")]:
