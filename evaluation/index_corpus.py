@@ -11,6 +11,7 @@ from typing import Callable
 from ..engine.engine import DTYPES, Engine
 from .index_store import IndexStore, document_hash
 from .ray_tasks import RayPlan, WorkerSpec, index_on_ray
+from ..methods.base import check_document
 from ..methods.registry import get
 from ..paths import NotUTF8Error, read_text, write_atomic
 
@@ -41,11 +42,10 @@ def read_corpus(directory: Path) -> tuple[dict[str, str], list[tuple[str, str]]]
         except OSError as e:
             skipped.append((name, f"unreadable ({e.strerror})"))
         else:
-            why = "empty" if not text.strip() else "binary (NUL characters)" if "\0" in text else None
-            if why is None:
-                texts[name] = text
-            else:
-                skipped.append((name, why))
+            try:
+                texts[name] = check_document(text, "it")
+            except ValueError as e:  # the rule every method's index applies
+                skipped.append((name, str(e)))
     if not texts:
         listed = "; ".join(f"{name}: {why}" for name, why in skipped[:3]) + ("; ..." if len(skipped) > 3 else "")
         raise ValueError(f"no usable *.txt files under {directory}" + (f" ({listed})" if skipped else ""))

@@ -33,8 +33,8 @@ def test_each_text_once_failures_apart_and_a_rerun_resumes(tmp_path, engine, sav
     argv = ["index-corpus", str(corpus), "--method", "test-saver", "--out", str(store)]
     assert cli_main(argv) == 1
     out = capsys.readouterr()
-    assert "skipped empty.txt: empty" in out.err and "skipped latin1.txt: not UTF-8" in out.err
-    assert "skipped binary.txt: binary (NUL characters)" in out.err
+    assert "skipped empty.txt: it is empty" in out.err and "skipped latin1.txt: not UTF-8" in out.err
+    assert "skipped binary.txt: it holds NUL characters (the first at character" in out.err
     assert "4 files, 3 distinct documents, 0 already in" in out.out and out.out.count("indexed ") == 2
     assert "FAILED broken.txt: ValueError: this document asks to fail" in out.out and saver.built == 2
     rows = _manifest(store)
