@@ -25,6 +25,7 @@ class PagedKVCache:
         self.length = 0
         self.released = False
         self._table: torch.Tensor | None = None
+        self._held: list[int] = []  # pages `hold` keeps alive for a later `restore`
         # node-mass collection for the next forward: key node bounds int32 [N+1] and float32 [T, N] accumulator
         self._bounds: torch.Tensor | None = None
         self._mass: torch.Tensor | None = None
@@ -141,6 +142,22 @@ class PagedKVCache:
         self.truncate(length)
         del self.pages[len(pages):]
 
+    def hold(self) -> tuple[int, list[int]]:
+        """`state()`, still fit to `restore` after forwards in between (a generation's steps): the shared last page a
+        write would copy gets one more reference, so that no other owner can change or free it, until `let_go`
+        (or `release`). A page no one else holds is not held: nothing copies it, and holding it would."""
+        if self._held:
+            raise RuntimeError("this cache already holds a state")
+        state = self.state()
+        self._held = [p for p in self.pages[self.length // self.pool.page_size:] if self.pool.refcount[p] > 1]
+        self.pool.share(self._held)
+        return state
+
+    def let_go(self) -> None:
+        """Drop what `hold` kept."""
+        held, self._held = self._held, []
+        self.pool.free(held)
+
     def fork(self) -> "PagedKVCache":
         """A cache holding the same tokens on the same pages (shared until one of them writes)."""
         self.check_live()
@@ -152,6 +169,7 @@ class PagedKVCache:
     def release(self) -> None:
         """Give every page back to the pool; the cache is unusable afterwards."""
         self.check_live()
+        self.let_go()
         self.pool.free(self.pages)
         self.pages, self.length, self.released, self._table = [], 0, True, None
 

@@ -136,9 +136,14 @@ class Session:
         """A generation to advance with `Engine.step` alongside other sessions' (arguments as for `generate`)."""
         self._check_idle()
         params = SamplingParams.of(params, **sampling)
-        state = GenerationState(self, params, self._last_logits(), self._new_node_id(node_id),
-                                partial(self._settle_generation, nodes_before=len(self.nodes)), logits_processors,
-                                allowed_tokens, choices, collect)
+        before = self.cache.hold()  # a cancel goes back to these very pages
+        try:
+            state = GenerationState(self, params, self._last_logits(), self._new_node_id(node_id),
+                                    partial(self._settle_generation, nodes_before=len(self.nodes), before=before),
+                                    logits_processors, allowed_tokens, choices, collect)
+        except BaseException:
+            self.cache.let_go()
+            raise
         self._generation = state
         return state
 
@@ -238,9 +243,10 @@ class Session:
             raise RuntimeError("this session has a generation in progress: step it to its end or cancel it first")
 
     def _settle_generation(self, state: GenerationState, ids: list[int] | None, logits: torch.Tensor | None,
-                           mass: torch.Tensor | None, nodes_before: int) -> None:
+                           mass: torch.Tensor | None, nodes_before: int, before: tuple[int, list[int]]) -> None:
         """The end of `state` (its `settle`): finished, its tokens become a node; cancelled (ids None), the session
-        goes back to its `nodes_before` nodes."""
+        goes back to its `nodes_before` nodes, on the cache's pages `before` while the generation still runs (a
+        shared last page it copied on write goes back: `PagedKVCache.hold`)."""
         if ids is None and not self.cache.released:
             own = nodes_before + (state.result is not None and state.result.node_id is not None)
             if len(self.nodes) > own:
@@ -251,9 +257,12 @@ class Session:
         if ids is None:
             if not self.cache.released:
                 self.cache.collect(None, None)
+                if state.result is None:
+                    self.cache.restore(before)
                 self._keep_nodes(nodes_before)
         elif ids:
             self._add_node(state.node_id, ids, logits, mass)
+        self.cache.let_go()
 
     def _keep_nodes(self, keep: int) -> None:
         """Drop every node after the first `keep` and the KV positions past them."""

@@ -334,3 +334,34 @@ def test_a_processor_that_returns_other_than_logits_is_refused(tiny):
 def test_a_seed_torch_cannot_take_is_refused(seed):
     with pytest.raises(ValueError, match="seed must be an int in \\[0, 2\\*\\*64\\) or None"):
         SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_a_fork_whose_generation_fails_gives_back_the_page_it_copied(tiny, fail_at):
+    """A fork shares its prefix's partly filled last page; the first step copies it on write. When a later step
+    fails, the fork goes back to the shared page (before, it kept the copy) and every refcount is as it was."""
+    _, eng = tiny
+    prefix = eng.session()
+    prefix.append(PROMPT[:5])  # page size 8: one partly filled page
+    fork = prefix.fork()
+    before = (fork.cache.state(), eng.pool.refcount[:], eng.pool.n_free)
+
+    def fails(ids, logits):
+        if len(ids) == fail_at:
+            raise RuntimeError("processor failed")
+        return logits
+
+    with pytest.raises(RuntimeError, match="processor failed"):
+        fork.generate(5, logits_processors=[fails])
+    assert (fork.cache.state(), eng.pool.refcount, eng.pool.n_free) == before
+    state = fork.start_generation(5)  # a cancel mid-way, and a release mid-way, give everything back too
+    eng.step([state])
+    state.cancel()
+    assert (fork.cache.state(), eng.pool.refcount, eng.pool.n_free) == before
+    with pytest.raises(ValueError, match="choices must be a list"):  # refused as it starts: nothing held
+        fork.start_generation(5, choices="Yes")
+    assert (fork.cache.state(), eng.pool.refcount, eng.pool.n_free) == before
+    eng.step([fork.start_generation(5)])
+    fork.release()
+    prefix.release()
+    assert eng.pool.n_free == eng.pool.n_pages
