@@ -42,8 +42,15 @@ def summarize(path: Path) -> dict:
         raise ValueError(f"{path} does not read as a nodekv run file ({type(e).__name__}: {e})") from None
 
 
+def current_lines(rows: list[dict]) -> list[dict]:
+    """A run file's lines less each error line whose record another line answers: a resumed run appends its retry of
+    a failed record at once (so a kill loses none of it) and drops the error line when it ends."""
+    answered = {r.get("id") for r in rows if "error" not in r}
+    return [r for r in rows if "error" not in r or r.get("id") not in answered]
+
+
 def _summarize(path: Path) -> dict:
-    rows = read_json_lines(path)
+    rows = current_lines(read_json_lines(path))
     ok = [r for r in rows if "error" not in r]
     method, dataset, meta = _meta(path)
     docs: dict[str, tuple[int, int]] = {}

@@ -11,8 +11,8 @@ are dealt into 5 folds and the method is fit on the other folds' documents befor
 document trains the model that answers it (`fit_s` in its lines); with --ray the documents are indexed on the
 workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
-file is the same as an uninterrupted run's; records whose lines are errors are tried again, their new lines put in
-the error lines' places. A run file is resumed only under the model, precision, options and method config that
+file is the same as an uninterrupted run's; records whose lines are errors are tried again, and their error lines dropped
+once the run ends. A run file is resumed only under the model, precision, options and method config that
 wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration
 written since or a longer cross-fitted run is refused, not mixed in, and before the model loads (`check_run`).
 """
@@ -36,6 +36,7 @@ from ..methods.registry import get, names
 from ..paths import check_input, read_json_lines, write_atomic
 from .datasets import LoadResult, load_dataset
 from .eval_line import evaluate_record
+from .report import current_lines
 from .index_store import BuiltIndex, IndexStore, document_hash
 from .pecan_calibration import with_calibration
 from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray, index_on_ray
@@ -185,9 +186,9 @@ def check_run(cfg: RunConfig, model: str | None, precision: str) -> None:
 
 def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:
     """Evaluate cfg.method on cfg.dataset, appending to (and resuming) cfg.path; returns the path. With `ray`, the
-    records run as Ray tasks (`ray_tasks`), the lines the same. Records whose lines are errors are tried again: their
-    new lines are kept till the run ends and then take the error lines' places, the file replaced whole (a run
-    killed before that leaves the error lines, and tries them again when resumed)."""
+    records run as Ray tasks (`ray_tasks`), the lines the same. Records whose lines are errors are tried again: each
+    new line is appended as it comes, and once the run ends the error lines it answers are dropped, the file replaced
+    whole (until then readers skip them: `report.current_lines`)."""
     loaded = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit)
     matched = {}
     if cfg.match is not None:
@@ -200,7 +201,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     with cfg.path.open("a") as out:  # held to the end: the lock is on it, and the lines go to it
         _lock(out, cfg.path)
-        lines = read_json_lines(cfg.path, cut_torn_tail=True)
+        lines = current_lines(read_json_lines(cfg.path, cut_torn_tail=True))
         check_resumable(cfg.path, meta, bool(lines), method_class.learns_across_documents)
         write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
         for rid, why in loaded.problems:
@@ -211,18 +212,14 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
         if errored:
             print(f"{cfg.label} {cfg.dataset}: retrying {len(errored)} record(s) whose lines are errors",
                   file=sys.stderr)
-        retried: dict[str, dict] = {}  # id -> the line that replaces its error line when the run ends
         store = IndexStore.for_method(cfg.path.parent / "indexes", engine, method)
         indexes: dict[str, BuiltIndex] = {}  # doc hash -> its index and what building it cost
         bar = tqdm(total=len(loaded.records), initial=len(loaded.records) - len(todo), unit="rec",
                    desc=f"{cfg.label} {cfg.dataset}", disable=not progress)
 
         def write(line: dict) -> None:
-            if line["id"] in errored:
-                retried[line["id"]] = line
-            else:
-                out.write(json.dumps(line) + "\n")
-                out.flush()
+            out.write(json.dumps(line) + "\n")
+            out.flush()
             bar.update()
 
         spec = None if ray is None else WorkerSpec(
@@ -242,9 +239,10 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
             for record in todo:
                 write(evaluate_record(engine, method, record, indexes, store))
         bar.close()
-        if retried:  # each in its error line's place, the file replaced whole: never one id on two lines
-            write_atomic(cfg.path, "".join(json.dumps(retried.get(r["id"], r)) + "\n"
-                                           for r in read_json_lines(cfg.path)))
+        rows = read_json_lines(cfg.path)
+        kept = current_lines(rows)
+        if len(kept) < len(rows):  # retries answered: their error lines go, the file replaced whole
+            write_atomic(cfg.path, "".join(json.dumps(r) + "\n" for r in kept))
     return cfg.path
 
 

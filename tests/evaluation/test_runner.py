@@ -163,9 +163,13 @@ def test_a_resume_refusal_names_each_changed_setting_once(tmp_path):
         "run another --label:", "  precision exact now int8", "  k=2 now 3", "  chunk_tokens=200 now 300"]
 
 
-def test_a_resumed_run_retries_its_error_lines_in_their_places(tmp_path, engine, saver, capsys):
-    """A record whose line is an error is answered again when the run resumes, its new line in the error line's
-    place (the file written whole, each id once); a run with no error lines rewrites nothing."""
+def test_a_resumed_run_retries_its_error_lines_and_a_kill_keeps_the_retries(tmp_path, engine, saver, capsys,
+                                                                             monkeypatch):
+    """A record whose line is an error is answered again when the run resumes: its new line is appended at once, so
+    a run killed before it ends keeps it (the report already skips the error line it answers), and the run that
+    ends drops the error line (the file written whole, each id once); a run with no error lines rewrites nothing."""
+    from nodekv.evaluation import report, runner
+
     def write_data(broken: str):
         records = [{"_id": f"q{i}", "question": "How many words?", "answer": "3",
                     "context": [["T", [f"{text} document number {i}."]]]}
@@ -173,8 +177,10 @@ def test_a_resumed_run_retries_its_error_lines_in_their_places(tmp_path, engine,
         (tmp_path / "data" / "multihop").mkdir(parents=True, exist_ok=True)
         (tmp_path / "data" / "multihop" / "hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
+    run_file = tmp_path / "runs" / "test-saver-hotpotqa.jsonl"
+
     def lines():
-        return [json.loads(x) for x in (tmp_path / "runs" / "test-saver-hotpotqa.jsonl").read_text().splitlines()]
+        return [json.loads(x) for x in run_file.read_text().splitlines()]
 
     argv = ["eval", "--method", "test-saver", "--dataset", "hotpotqa", "--data-dir", str(tmp_path / "data"),
             "--out", str(tmp_path / "runs"), "--model", str(engine.path)]
@@ -182,14 +188,29 @@ def test_a_resumed_run_retries_its_error_lines_in_their_places(tmp_path, engine,
     assert cli_main(argv) == 0
     first = lines()
     assert [(r["id"], "error" in r) for r in first] == [("q1", False), ("q2", True), ("q3", False)]
+    assert report.summarize(run_file)["errors"] == 1
     capsys.readouterr()
     write_data("B")  # mended
-    assert cli_main(argv) == 0
-    assert "test-saver hotpotqa: retrying 1 record(s) whose lines are errors" in capsys.readouterr().err
-    retried = lines()
-    assert [r["id"] for r in retried] == ["q1", "q2", "q3"] and retried[1]["prediction"] == "7"
-    assert [retried[0], retried[2]] == [first[0], first[2]] and "error" not in retried[1]
-    written = (tmp_path / "runs" / "test-saver-hotpotqa.jsonl").stat()
-    assert cli_main(argv) == 0
+
+    def killed(path, *args, write=runner.write_atomic):
+        if path == run_file:
+            raise KeyboardInterrupt
+        return write(path, *args)
+
+    with monkeypatch.context() as m:  # killed as it ends, before the error line is dropped
+        m.setattr(runner, "write_atomic", killed)
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(engine, runner.RunConfig("test-saver", "hotpotqa", data_dir=str(tmp_path / "data"),
+                                                out=tmp_path / "runs"), progress=False)
+    assert "retrying 1 record(s) whose lines are errors" in capsys.readouterr().err
+    assert [(r["id"], "error" in r) for r in lines()] == [("q1", False), ("q2", True), ("q3", False), ("q2", False)]
+    summary = report.summarize(run_file)
+    assert (summary["n"], summary["errors"]) == (3, 0)
+    assert cli_main(argv) == 0  # nothing left to answer; the run that ends drops the answered error line
     assert "retrying" not in capsys.readouterr().err
-    assert (tmp_path / "runs" / "test-saver-hotpotqa.jsonl").stat().st_ino == written.st_ino  # not rewritten
+    retried = lines()
+    assert [r["id"] for r in retried] == ["q1", "q3", "q2"] and retried[2]["prediction"] == "7"
+    assert retried[:2] == [first[0], first[2]]
+    written = run_file.stat()
+    assert cli_main(argv) == 0
+    assert run_file.stat().st_ino == written.st_ino  # not rewritten
