@@ -87,3 +87,61 @@ def test_refusals():
         _run(model, "nodekv", ids, node_mass=mass)
     with pytest.raises(ValueError, match="no attention has been collected"):
         nodekv_hf.NodeMassCollector([0, 6]).mean()
+
+
+@pytest.mark.parametrize("bounds, match", [([0, 2.7, 10], "must be ints, got 2.7"), ("0123", "got the string"),
+                                           ([False, True], "must be ints, got False"), (5, "got int"),
+                                           ([0, float("nan")], "must be ints, got nan")])
+def test_bounds_that_are_not_ints_are_refused(bounds, match):
+    with pytest.raises(ValueError, match=match):
+        nodekv_hf.NodeMassCollector(bounds)
+
+
+def test_refused_forwards_leave_no_mass_that_reads_as_whole():
+    """Bounds past the keys, a node_mass that is no collector, a forward with gradients, a layer refused after
+    others collected: each refused with a line, and a collector that saw a failed forward says so."""
+    model = tiny_hf_model()
+    ids = torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="node bounds run to 20, past this forward's 12 keys"):
+        _run(model, "nodekv", ids, node_mass=nodekv_hf.NodeMassCollector([0, 6, 20]))
+    with pytest.raises(ValueError, match="node_mass must be a nodekv.hf.NodeMassCollector, got list"):
+        _run(model, "nodekv", ids, node_mass=[0, 6, 12])
+    mass = nodekv_hf.NodeMassCollector([0, 6, 12])
+    model.set_attn_implementation("nodekv")
+    with pytest.raises(ValueError, match="inference only"):
+        model(ids, node_mass=mass)  # grad enabled: the kernel would drop the projections' gradients
+    with pytest.raises(ValueError, match="the forward this collector was passed to failed"):
+        mass.mean()
+    mass.reset()
+    model.model.layers[1].self_attn.sliding_window = 4  # the second layer is refused after the first collected
+    with pytest.raises(ValueError, match="sliding-window"):
+        _run(model, "nodekv", ids, node_mass=mass)
+    with pytest.raises(ValueError, match="failed \\(ValueError: nodekv attention does not support sliding"):
+        mass.mean()
+
+
+def test_a_forward_begins_where_its_first_attention_layer_comes_again():
+    """A hybrid model's first attention layer need not be layer 0: the collector knows a forward by its first layer
+    seen again, not by an index."""
+    q = torch.randn(1, 2, 4, 16)
+    kv = torch.randn(1, 2, 4, 16)
+    first, second = torch.nn.Module(), torch.nn.Module()
+    first.layer_idx, second.layer_idx = 1, 3
+    mass = nodekv_hf.NodeMassCollector([0, 2, 4])
+    with torch.no_grad():
+        for layer in (first, second):
+            nodekv_hf.nodekv_attention(layer, q, kv, kv, None, node_mass=mass)
+        assert mass.layers == 2
+        with pytest.raises(ValueError, match="reset"):
+            nodekv_hf.nodekv_attention(first, q, kv, kv, None, node_mass=mass)
+    torch.testing.assert_close(mass.mean().sum(-1), torch.ones(1, 4))
+
+
+def test_an_encoder_is_refused():
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64)).eval()
+    model.set_attn_implementation("nodekv")
+    with torch.no_grad(), pytest.raises(ValueError, match="this layer is not causal"):
+        model(torch.randint(0, 50, (1, 8)))
