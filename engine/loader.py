@@ -80,18 +80,32 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     raise ModelLoadError(f"model path {str(path)!r} does not exist (expected a HF directory or a .gguf file)")
 
 
-# ---------------------------------------------------------------- Hugging Face directory
-def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
-    from safetensors import SafetensorError, safe_open
+def model_config(path: str | os.PathLike) -> ModelConfig:
+    """A HF directory's or .gguf file's model config, read without its weights (what a command checks its
+    arguments against before it loads them)."""
+    path = Path(path)
+    if path.is_dir():
+        return _hf_config(path)
+    if path.is_file():
+        return gguf_config(path)
+    raise ModelLoadError(f"model path {str(path)!r} does not exist (expected a HF directory or a .gguf file)")
 
+
+# ---------------------------------------------------------------- Hugging Face directory
+def _hf_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path} has no config.json")
     try:
-        config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+        return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
 
+
+def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    config = _hf_config(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

@@ -67,7 +67,8 @@ class Method(ABC):
     options as `options = (Option(...), ...)`. `Method(engine, **options)` checks and types them into
     `self.config`, a dataclass with one field per option (`Config`). `prompt` is the dataset's prompt (None: the
     method's own), `progress` asks for progress bars while indexing. A method that can save its indexes sets
-    `can_save` and overrides `save_index` / `load_index`; the CLI names its index files DOCUMENT.<name>. A method
+    `can_save` and overrides `save_index` / `load_index`; the CLI names its index files DOCUMENT.<name>, and checks
+    those of a method that names its `index_file_format` (`index_file`) before a model loads. A method
     that learns from other documents (GoR's GAT) sets `learns_across_documents` and overrides `fit`."""
 
     name: ClassVar[str] = ""
@@ -75,6 +76,7 @@ class Method(ABC):
     options: ClassVar[tuple[Option, ...]] = ()
     Config: ClassVar[type]                      # made from `options` for each subclass
     can_save: ClassVar[bool] = False
+    index_file_format: ClassVar[str | None] = None  # the header of its saved indexes, if it writes `index_file`s
     learns_across_documents: ClassVar[bool] = False  # `nodekv eval` calls fit() with the other documents first
     exports: ClassVar[dict[str, str]] = {}      # file suffix -> what `export` writes in that format
 
@@ -99,7 +101,7 @@ class Method(ABC):
         self.engine, self.prompt, self.progress = engine, prompt, progress
         self.config = self.configure(**options)
         if engine is not None:  # an answer budget the window cannot hold fails now, not after an index is built
-            check_room(engine, self.answer_prompt, self.reader_window())
+            check_room(engine.config.max_seq_len, self.answer_prompt, self.reader_window())
 
     @classmethod
     def configure(cls, **options: Any) -> Any:

@@ -17,6 +17,8 @@ from .prompts import PromptSpec
 from .reader import KV_REUSE_OPTIONS, Repair, kv_index_key, store_kv_nodes
 from .retrieval import BM25Index, DenseIndex, text_chunk_spans
 
+_FORMAT, _VERSION = "nodekv-topk-index", 1  # a Top-k index file's header
+
 
 class ClosedBook(Method, name="closed-book"):
     """The question alone in the prompt, never reading the document: the floor a method that reads must beat, and
@@ -65,7 +67,7 @@ class TopK(Method):
     the passages as they were written). Subclasses pick the retriever (`search_index`). A saved index is an index
     file with the chunks and, with `kv_reuse`, a node store beside it (FILE.kv) holding their KV."""
 
-    can_save = True
+    can_save, index_file_format = True, _FORMAT
 
     options = (Option("k", int, 5, "chunks retrieved", low=1),
                Option("chunk_tokens", int, 300, "tokens per chunk", low=1),
@@ -116,9 +118,6 @@ class TopK(Method):
             return self.reader.read(context, question, options, chosen, trace)
         return self.reader.read_stored([index.stored[i] for i in chosen], question, options, chosen, trace,
                                        Repair.of(self.config), context)
-
-
-_FORMAT, _VERSION = "nodekv-topk-index", 1
 
 
 class BM25TopK(TopK, name="bm25"):

@@ -37,23 +37,43 @@ def write_index_file(path: str | Path, fmt: str, version: int, engine: Engine, b
 def read_index_file(path: str | Path, fmt: str, version: int, engine: Engine, what: str) -> dict:
     """The body of an index file written by `write_index_file` with `engine`'s model; `what` names the kind of
     file in errors (e.g. "PECAN index")."""
-    path = Path(path)
+    data = _read_checked(Path(path), fmt, version, what)
+    _check_model(Path(path), data, model_id(engine))
+    return {k: v for k, v in data.items() if k not in ("format", "version", "model")}
+
+
+def check_index_file(path: str | Path, fmt: str, model: str | Path, what: str) -> None:
+    """Before a model loads: an IndexFileError for an index file that `read_index_file` will refuse for being
+    unreadable, of another format than `fmt`, corrupt, or built with a model file of another name than `model`'s (a
+    model of the same name whose config differs, or another format version, is refused at the read)."""
+    data = _read_checked(Path(path), fmt, None, what)
+    _check_model(Path(path), data, {"name": Path(model).name})
+
+
+def _read_checked(path: Path, fmt: str | None, version: int | None, what: str) -> dict:
+    """An index file's data, its checksum checked (the key dropped), its format `fmt` and its version `version`
+    (None: any)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise IndexFileError(f"{path} is not a readable {what}: {e}") from e
     if not isinstance(data, dict) or data.get("format") != fmt:
         raise IndexFileError(f"{path} is not a {what} file (no '{fmt}' header)")
-    if data.get("version") != version:
+    if version is not None and data.get("version") != version:
         raise IndexFileError(f"{path} has {what} format version {data.get('version')}, this nodekv reads {version}")
     checksum = data.pop("checksum", None)
     if checksum != _checksum(data):
         raise IndexFileError(f"{path} is corrupt: its checksum does not match its contents")
-    if data["model"] != model_id(engine):
-        raise IndexFileError(f"{path} was built with model {data['model']['name']} (config "
-                             f"{data['model']['config'][:12]}), not the loaded {model_id(engine)['name']}: load "
-                             "that model (--model) or build the index again")
-    return {k: v for k, v in data.items() if k not in ("format", "version", "model")}
+    return data
+
+
+def _check_model(path: Path, data: dict, model: dict) -> None:
+    """Refuse an index built with another model than `model` (its keys: the name, and the config hash if given)."""
+    built = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if any(built.get(k) != v for k, v in model.items()):
+        raise IndexFileError(f"{path} was built with model {built.get('name')} (config "
+                             f"{str(built.get('config'))[:12]}), not {model['name']}: load that model (--model) or "
+                             "build the index again")
 
 
 def saved_format(path: str | Path) -> str | None:

@@ -178,10 +178,9 @@ class GrowingPrompt:
         return base.fork()
 
 
-def check_room(engine: Engine, spec: PromptSpec, window: int | None = None) -> int:
-    """The tokens a reader's prompt may take: the window (the model's, or `window` below it) less the answer's
-    `max_new_tokens`; a ValueError when that leaves none."""
-    model = engine.config.max_seq_len
+def check_room(model: int, spec: PromptSpec, window: int | None = None) -> int:
+    """The tokens a reader's prompt may take: the window (the model's `model` tokens, or `window` below it) less the
+    answer's `max_new_tokens`; a ValueError when that leaves none."""
     window = min(model, window or model)
     if window <= spec.max_new_tokens:
         raise ValueError(f"an answer of up to {spec.max_new_tokens} tokens (max_new_tokens) leaves no room for a "
@@ -195,7 +194,7 @@ class Reader:
 
     def __init__(self, engine: Engine, spec: PromptSpec, window: int | None = None):
         self.engine, self.spec, self.window = engine, spec, window
-        self.room = check_room(engine, spec, window)
+        self.room = check_room(engine.config.max_seq_len, spec, window)
         self._priors: dict[tuple, list[float]] = {}
 
     def prompt_spec(self, context: str | None) -> PromptSpec:

@@ -40,6 +40,7 @@ def _check_index_output(out: Path, name: str, doc: Path, exports: list[str]) -> 
     for path in (out, *map(Path, exports)):
         if path.exists() and path.samefile(doc):
             raise ValueError(f"the output {path} is the document itself; choose another file")
+    _check_export_targets(exports, out, "index -o")
     named_for = _saved_by(out)
     if named_for not in (None, name):
         raise ValueError(f"the output {out} is named like a {named_for} index, not a {name} one; name it "
@@ -47,6 +48,26 @@ def _check_index_output(out: Path, name: str, doc: Path, exports: list[str]) -> 
     if out.exists() and named_for is None and saved_format(out) is None:
         raise ValueError(f"the output {out} exists and is not a nodekv index: not overwriting it (remove it, or "
                          "choose another -o)")
+
+
+def _check_export_targets(exports: list[str], keep: Path, what: str) -> None:
+    """Refuse an --export path that is `keep` (the index being written or read, `what`) or given twice: one write
+    would replace the other."""
+    targets = [Path(path).resolve() for path in exports]
+    for path, target in zip(exports, targets):
+        if target == keep.resolve():
+            raise ValueError(f"--export {path} is the same file as the {what}: it would replace it; choose another")
+        if targets.count(target) > 1:
+            raise ValueError(f"--export {path} is given twice")
+
+
+def _check_built_index(path: Path, method_class: type, model: str | None) -> None:
+    """Refuse, before the model loads, a saved index the method would refuse once it had: unreadable, of another
+    format, corrupt, or built with another model file (for a method that saves `index_file`s)."""
+    from nodekv.methods.index_file import check_index_file
+
+    if method_class.index_file_format is not None:
+        check_index_file(path, method_class.index_file_format, resolve_model(model), f"{method_class.name} index")
 
 
 def _check_saved_index(doc: Path, name: str) -> None:
@@ -135,30 +156,36 @@ def index_corpus(args: argparse.Namespace) -> int:
 
 def ask(args: argparse.Namespace) -> int:
     from nodekv import load_engine
+    from nodekv.engine.loader import model_config
     from nodekv.methods import get
     from nodekv.methods.base import check_question
     from nodekv.methods.index_file import kv_path
+    from nodekv.methods.reader import check_room
 
     check_question(args.question)
     resolve_device(args.device)
     doc = check_input(args.document, "document")
-    name = args.method or _saved_by(doc) or "full"
+    name = args.method if args.method is not None else _saved_by(doc) or "full"
     method_class, options = get(name), dict(args.option)
-    method_class.configure(**options)
+    prompt = replace(prompt_for(args.prompt), max_new_tokens=args.max_new_tokens)
+    unloaded = method_class(None, prompt=prompt, **options)  # a method made without an engine does no model work
     saved = method_class.can_save and _saved_by(doc) == name
-    if saved:  # a method built without an engine does no model work; its index key names what shapes an index
-        shaping = sorted(set(options) & set(method_class(None, **options).index_key()))
+    if saved:  # its index key names what shapes an index
+        shaping = sorted(set(options) & set(unloaded.index_key()))
         if shaping:
             raise ValueError(f"{doc} is built already, and {', '.join(shaping)} would change how: rebuild it with "
                              f"`nodekv index` and {' '.join(f'--option {k}=...' for k in shaping)}, or leave them out")
     else:
         _check_saved_index(doc, name)
     text = None if saved else _read_document(doc)
+    # last, the checks against the model's file (a registered model is assembled on first use)
+    check_room(model_config(resolve_model(args.model)).max_seq_len, unloaded.answer_prompt, unloaded.reader_window())
+    if saved:
+        _check_built_index(doc, method_class, args.model)
     t0 = time.perf_counter()
     eng = load_engine(args.model, dtype=args.dtype, threads=args.threads, precision=args.precision,
                       device=args.device)
     t1 = time.perf_counter()
-    prompt = replace(prompt_for(args.prompt), max_new_tokens=args.max_new_tokens)
     method = method_class(eng, prompt=prompt, **options)
     before = eng.flops.total
     with eng.flops.scope("index"):
@@ -190,14 +217,15 @@ def ask(args: argparse.Namespace) -> int:
 def flops(args: argparse.Namespace) -> int:
     from nodekv.engine.config import preset
     from nodekv.engine.flops import format_report
-    from nodekv.engine.loader import load_checkpoint
+    from nodekv.engine.loader import model_config
 
     try:
         config, name = preset(args.model), args.model
     except ValueError:
-        if args.model not in MODELS and not Path(args.model).exists():
+        looks_like_a_path = Path(args.model).suffix == ".gguf" or "/" in args.model
+        if args.model not in MODELS and not Path(args.model).exists() and not looks_like_a_path:
             raise
-        config, name = load_checkpoint(resolve_model(args.model)).config, args.model
+        config, name = model_config(resolve_model(args.model)), args.model
     print(format_report(config, name, args.tokens, args.n_ctx))
     return 0
 
@@ -319,6 +347,8 @@ def graph(args: argparse.Namespace) -> int:
                          f"{', '.join(n for n in names() if get(n).can_save)}")
     method_class = get(name)
     _check_exports(method_class, args.export)
+    _check_export_targets(args.export, path, "index")
+    _check_built_index(path, method_class, args.model)
     method = method_class(load_engine(args.model, threads=args.threads))
     index = method.load_index(path)
     for out in args.export:

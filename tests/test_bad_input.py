@@ -18,7 +18,7 @@ import nodekv
 from nodekv.cli import main
 from nodekv.engine.config import preset
 from nodekv.methods import get, names
-from nodekv.methods.index_file import read_index_file, write_index_file
+from nodekv.methods.index_file import _checksum, read_index_file, write_index_file
 from nodekv.paths import NotUTF8Error, atomic_path, read_json_lines, read_text, write_atomic
 
 
@@ -51,6 +51,9 @@ def files(tmp_path, monkeypatch):
     saved = '{"format": "nodekv-topk-index", "version": 1}'  # a header is all the refusals read
     (tmp_path / "saved.txt.bm25").write_text(saved)
     (tmp_path / "renamed.json").write_text(saved)
+    other = {"format": "nodekv-topk-index", "version": 1, "model": {"name": "other.gguf", "config": "0" * 64}}
+    (tmp_path / "other.txt.bm25").write_text(json.dumps({**other, "checksum": _checksum(other)}))
+    (tmp_path / "view.html").write_text("{}")
     os.mkfifo(tmp_path / "fifo")
     return tmp_path
 
@@ -139,6 +142,23 @@ CASES = [  # argv, the one line on stderr
     ([*EVAL[:-1], "twice"], "error: twice/multihop/hotpotqa.jsonl has the record id 'q1' twice (lines 1 and 3)"),
     ([*EVAL, "--match", "run.jsonl"], "error: reference run run.jsonl has no answered records to match"),
     (["index-corpus", "data", "--method", "bm25"], "error: no usable *.txt files under data"),
+    (["ask", "other.txt.bm25", "q", "--model", "smollm2-135m"],
+     "error: other.txt.bm25 was built with model other.gguf (config 000000000000), not "
+     "SmolLM2-135M-Instruct.Q4_1.gguf: load that model (--model) or build the index again"),
+    (["graph", "doc.txt.pecan", "-o", "x.html", "--model", "smollm2-135m"],
+     "error: doc.txt.pecan is not a pecan index file (no 'nodekv-pecan-index' header)"),
+    (["ask", "doc.txt", "q", "--model", "smollm2-135m", "--max-new-tokens", "100000000"],
+     "error: an answer of up to 100000000 tokens (max_new_tokens) leaves no room for a prompt in a window of"),
+    (["ask", "doc.txt", "q", "--model", "smollm2-135m", "--option", "window=10"],
+     "error: an answer of up to 64 tokens (max_new_tokens) leaves no room for a prompt in a window of 10 tokens"),
+    (["ask", "--method", "", "doc.txt", "q"], "error: unknown method ''"),
+    (["index", "doc.txt", "--method", "pecan", "-o", "x.html", "--export", "x.html"],
+     "error: --export x.html is the same file as the index -o: it would replace it"),
+    (["index", "doc.txt", "--method", "pecan", "--export", "a.html", "--export", "a.html"],
+     "error: --export a.html is given twice"),
+    (["graph", "view.html", "--method", "pecan", "-o", "view.html"],
+     "error: --export view.html is the same file as the index: it would replace it"),
+    (["flops", "--model", "missing.gguf", "--tokens", "10"], "error: model 'missing.gguf' is neither a registered name"),
 ]
 
 

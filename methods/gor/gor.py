@@ -31,7 +31,7 @@ from ...engine.engine import Engine
 from ..base import Answer, Method
 from ..reader import KV_REUSE_OPTIONS, Repair, kv_index_key, store_kv_nodes
 from .gor_graph import RecordGraph, build_records, engine_responder, engine_sampler, simulate_queries
-from .gor_store import GorIndex, load, save
+from .gor_store import FORMAT, GorIndex, load, save
 from .gor_train import GraphData, TrainConfig, bertscore_ranking, idf_weights, train_gat
 from ..options import Option
 from ..prompts import PromptSpec
@@ -51,7 +51,7 @@ class Gor(Method, name="gor", title="GoR"):
     `embedder` replaces the packaged MiniLM; `sampler` and `responder` replace the engine's query simulation and
     RAG responses (tests script them)."""
 
-    can_save = True
+    can_save, index_file_format = True, FORMAT
     learns_across_documents = True
     options = (
         Option("chunk_tokens", int, 256, "LLM tokens per chunk", low=1),

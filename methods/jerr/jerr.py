@@ -56,7 +56,7 @@ class Jerr(Method, name="jerr", title="JERR"):
 
     `lm` replaces the engine-backed LLM calls (`jerr_lm.JerrLM`; tests script it)."""
 
-    can_save = True
+    can_save, index_file_format = True, FORMAT
     exports = {".graphml": "the entity DAG as GraphML", ".html": "the entity DAG drawn in an HTML page"}
     options = (
         Option("chunk_tokens", int, 2000, "LLM tokens per chunk", low=1),

@@ -26,7 +26,7 @@ from ..base import Answer, Method, chat_pieces
 from ..options import Option
 from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Z_SCALES, next_node, positional_relevance
-from .pecan_store import PecanIndex, load, save, to_graphml, to_html
+from .pecan_store import FORMAT, PecanIndex, load, save, to_graphml, to_html
 from ..prompts import PromptSpec
 from ..reader import KV_REUSE_OPTIONS, READER_OPTION, GrowingPrompt, Reader, Repair, kv_index_key, store_kv_nodes
 
@@ -86,7 +86,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
                "placed, the summary points prefilled (short, and a point stored after the whole document carries "
                "all of it into the Yes/No probe)", choices=("all", "chunks")),
     )
-    can_save = True
+    can_save, index_file_format = True, FORMAT
     exports = {".graphml": "the graph as GraphML", ".html": "the graph drawn in an HTML page"}
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False,
