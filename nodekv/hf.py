@@ -15,9 +15,10 @@ forward, the kernel also adds each query token's attention on every node's keys,
 generated after the prompt) count as one more node.
 
 Limits, each refused with a message: causal self-attention without padding (a padding or custom mask, an encoder's
-or a cross-attention layer are refused), inference only (no gradients, no dropout), the 1/√head_dim scale (Llama,
-Qwen2, Mistral), no sliding window or soft-capping. A collector passed to a forward that failed holds nothing. Needs
-transformers' AttentionInterface and AttentionMaskInterface; tested with transformers 5.24, the version installed.
+or a cross-attention layer are refused), inference only (no gradients, no dropout, no attention maps), the
+1/√head_dim scale (Llama, Qwen2, Mistral), no sliding window or soft-capping. A collector passed to a forward that
+failed holds nothing. Needs transformers' AttentionInterface and AttentionMaskInterface; tested with transformers
+5.24, the version installed.
 """
 from __future__ import annotations
 
@@ -156,6 +157,9 @@ def _check(module, query: torch.Tensor, attention_mask, dropout: float, scaling:
     if torch.is_grad_enabled() and query.requires_grad:
         raise ValueError("nodekv attention runs inference only (its kernel keeps no gradient): run the model under "
                          "torch.no_grad() or torch.inference_mode()")
+    if kwargs.get("output_attentions"):
+        raise ValueError("nodekv attention returns no attention maps (output_attentions=True): pass a "
+                         "NodeMassCollector for per-node mass, or load the model with attn_implementation=\"eager\"")
     if dropout:
         raise ValueError(f"nodekv attention runs inference only: dropout must be 0, got {dropout}")
     if scaling is not None and abs(scaling - dim ** -0.5) > 1e-6 * dim ** -0.5:

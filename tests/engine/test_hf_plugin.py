@@ -106,6 +106,8 @@ def test_refused_forwards_leave_no_mass_that_reads_as_whole():
         _run(model, "nodekv", ids, node_mass=nodekv_hf.NodeMassCollector([0, 6, 20]))
     with pytest.raises(ValueError, match="node_mass must be a nodekv.hf.NodeMassCollector, got list"):
         _run(model, "nodekv", ids, node_mass=[0, 6, 12])
+    with pytest.raises(ValueError, match="returns no attention maps"):
+        _run(model, "nodekv", ids, output_attentions=True)
     mass = nodekv_hf.NodeMassCollector([0, 6, 12])
     model.set_attn_implementation("nodekv")
     with pytest.raises(ValueError, match="inference only"):
