@@ -43,10 +43,13 @@ def summarize(path: Path) -> dict:
 
 
 def current_lines(rows: list[dict]) -> list[dict]:
-    """A run file's lines less each error line whose record another line answers: a resumed run appends its retry of
-    a failed record at once (so a kill loses none of it) and drops the error line when it ends."""
+    """A run file's lines, one per record: its answer, or its last error line while it has none. A resumed run
+    appends its retry of a failed record at once (so a kill loses none of it) and drops the lines it replaced when
+    it ends."""
     answered = {r.get("id") for r in rows if "error" not in r}
-    return [r for r in rows if "error" not in r or r.get("id") not in answered]
+    last_error = {r.get("id"): i for i, r in enumerate(rows) if "error" in r}
+    return [r for i, r in enumerate(rows)
+            if "error" not in r or (r.get("id") not in answered and last_error[r.get("id")] == i)]
 
 
 def _summarize(path: Path) -> dict:

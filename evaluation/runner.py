@@ -11,10 +11,10 @@ are dealt into 5 folds and the method is fit on the other folds' documents befor
 document trains the model that answers it (`fit_s` in its lines); with --ray the documents are indexed on the
 workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
-file is the same as an uninterrupted run's; records whose lines are errors are tried again, and their error lines dropped
-once the run ends. A run file is resumed only under the model, precision, options and method config that
-wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration
-written since or a longer cross-fitted run is refused, not mixed in, and before the model loads (`check_run`).
+file is the same as an uninterrupted run's; records whose lines are errors are tried again, their error lines dropped
+once the run ends. A run file is resumed only under the model, precision, options and method config that wrote it
+(`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration written
+since or a longer cross-fitted run is refused, not mixed in, and before the model loads (`check_run`).
 """
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ from ..methods.registry import get, names
 from ..paths import check_input, read_json_lines, write_atomic
 from .datasets import LoadResult, load_dataset
 from .eval_line import evaluate_record
-from .report import current_lines
 from .index_store import BuiltIndex, IndexStore, document_hash
 from .pecan_calibration import with_calibration
 from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray, index_on_ray
+from .report import current_lines
 
 
 @dataclass
