@@ -247,22 +247,27 @@ class Session:
         """The end of `state` (its `settle`): finished, its tokens become a node; cancelled (ids None), the session
         goes back to its `nodes_before` nodes, on the cache's pages `before` while the generation still runs (a
         shared last page it copied on write goes back: `PagedKVCache.hold`)."""
+        running = self._generation is state  # it holds the cache's pages `before` until here
         if ids is None and not self.cache.released:
+            if not running and self._generation is not None:
+                raise ValueError(f"cannot cancel the finished generation of node {state.node_id!r} while another "
+                                 "generation runs in this session")
             own = nodes_before + (state.result is not None and state.result.node_id is not None)
             if len(self.nodes) > own:
                 raise ValueError(f"cannot cancel the generation of node {state.node_id!r}: nodes "
                                  f"{[s.node_id for s in self.nodes[own:]]} were appended after it (truncate instead)")
-        if self._generation is state:
+        if running:
             self._generation = None
         if ids is None:
             if not self.cache.released:
                 self.cache.collect(None, None)
-                if state.result is None:
+                if running:
                     self.cache.restore(before)
                 self._keep_nodes(nodes_before)
         elif ids:
             self._add_node(state.node_id, ids, logits, mass)
-        self.cache.let_go()
+        if running:
+            self.cache.let_go()
 
     def _keep_nodes(self, keep: int) -> None:
         """Drop every node after the first `keep` and the KV positions past them."""

@@ -316,6 +316,10 @@ def test_cancelling_a_finished_generation_drops_only_its_own_node(tiny):
         state.cancel()
     assert (s.tokens, [n.node_id for n in s.nodes]) == before
     s.truncate("reply")
+    running = s.start_generation(2)
+    with pytest.raises(ValueError, match="cannot cancel the finished generation of node 'reply' while another"):
+        state.cancel()
+    running.cancel()
     state.cancel()
     assert s.tokens == list(PROMPT) and [n.node_id for n in s.nodes] == ["prompt"]
 
