@@ -10,7 +10,10 @@ Markdown. Every piece runs in its own process at the same thread count:
 - one node appended to a cached prompt, probed and rolled back, against prefilling the whole prompt again (here).
 
 The 8K prefills alone take 8 minutes here (on both models they would be 13): SmolLM2 stops at 2K so that the run
-stays under 15 minutes on a quiet 2-core machine. `--quick` runs every piece small (a smoke test).
+stays under 15 minutes on a quiet 2-core machine. `--quick` runs every piece small (a smoke test): its numbers are
+not measurements, so its files go to build/engine_suite-quick unless --out says otherwise (never over the committed
+results by default) and say "quick": true. Every piece's file and engine.json are written together, and only once
+every piece has succeeded: a failed run leaves the previous results as they were.
 
     nodekv bench engine_suite [--out results/engine] [--threads 2] [--quick]
 """
@@ -22,10 +25,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from nodekv.paths import results_dir, write_atomic
+from nodekv.bench import count, models, output_folder
+from nodekv.bench.engine_speed import ENGINES as SPEED_ENGINES
+from nodekv.paths import base, results_dir, write_atomic
 
 MODELS = ("qwen2.5-0.5b", "smollm2-135m")
 ENGINES = "nodekv,hf,llama-cpp"
@@ -35,6 +41,7 @@ FULL = {"rounds": "512:512,2048:2048,8192:8192", "other_rounds": "512:512,2048:2
         "batches": "1,2,4,8", "batch_rounds": "1", "mass_tokens": "2048", "append": (512, 2048)}
 QUICK = {"rounds": "64:64,128:128", "other_rounds": "64:64,128:128", "decode": "4", "repeats": "1",
          "batches": "1,2", "batch_rounds": "1", "mass_tokens": "256", "append": (64, 128)}
+QUICK_OUT = "engine_suite-quick"  # --quick's default folder under build/ (git-ignored)
 NODE = 300  # tokens per appended node, as PECAN's information points run
 
 
@@ -70,16 +77,28 @@ def append_vs_prefill(model: str, lengths: tuple[int, ...], threads: int, repeat
     return rows
 
 
-def _run(module: str, args: list[str], json_path: Path, threads: int) -> dict | None:
-    """Run `nodekv.bench.<module>` with --json (its Markdown goes straight to our output as it is printed); its
-    JSON, or None if it failed."""
+class PieceFailed(Exception):
+    """A piece's child process failed: the run stops, and nothing is written."""
+
+
+def _run(module: str, args: list[str], json_path: Path, threads: int) -> dict:
+    """Run `nodekv.bench.<module>` with --json (its Markdown and its errors go straight to our output as they are
+    printed); its JSON, or PieceFailed."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     proc = subprocess.run([sys.executable, "-m", f"nodekv.bench.{module}", *args, "--json", str(json_path)], env=env)
     print(flush=True)
     if proc.returncode != 0:
-        print(f"{module} failed (exit {proc.returncode})", flush=True)
-        return None
+        raise PieceFailed(f"{module} failed (exit {proc.returncode}; its error is above)")
     return json.loads(json_path.read_text())
+
+
+def _names(known):
+    """An argparse type for a comma-separated list of names from `known`."""
+    def names(text: str) -> str:
+        if unknown := sorted(set(text.split(",")) - set(known)):
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+        return text
+    return names
 
 
 def _lap(started: float, laps: dict[str, float]) -> float:
@@ -89,19 +108,37 @@ def _lap(started: float, laps: dict[str, float]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="nodekv bench engine_suite", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=results_dir("engine"), help="folder for engine.json")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=output_folder, default=None,
+                   help=f"folder for engine.json (default: results/engine; with --quick, build/{QUICK_OUT})")
+    p.add_argument("--threads", type=count, default=2)
     p.add_argument("--quick", action="store_true", help="every piece small: checks that the run works")
-    p.add_argument("--models", default=",".join(MODELS), type=lambda s: s.split(","),
+    p.add_argument("--models", default=",".join(MODELS), type=models,
                    help="comma-separated: the speed table's models; the first also runs the batch and append rows")
-    p.add_argument("--engines", default=None, help=f"for the speed table (default: {ENGINES})")
+    p.add_argument("--engines", default=None, type=_names(SPEED_ENGINES),
+                   help=f"for the speed table (default: {ENGINES})")
     p.add_argument("--append-child", help=argparse.SUPPRESS)  # internal: the append measurement's process
     args = p.parse_args()
     cfg = QUICK if args.quick else FULL
     if args.append_child:
         print(json.dumps(append_vs_prefill(args.append_child, cfg["append"], args.threads)))
         return
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out or (base() / "build" / QUICK_OUT if args.quick else results_dir("engine"))
+    with tempfile.TemporaryDirectory(prefix="engine_suite-") as pieces:
+        try:
+            result = run_suite(args, cfg, Path(pieces))
+        except PieceFailed as e:
+            print(f"error: {e}; nothing written to {out}", file=sys.stderr)
+            sys.exit(1)
+        out.mkdir(parents=True, exist_ok=True)
+        for piece in sorted(Path(pieces).glob("*.json")):  # the pieces' own files, beside engine.json as before
+            write_atomic(out / piece.name, piece.read_bytes())
+    write_atomic(out / "engine.json", json.dumps(result, indent=1))
+    laps = ", ".join(f"{k} {v:.1f}" for k, v in result["minutes"].items())
+    print(f"\nwhole run {result['seconds'] / 60:.1f} min ({laps}); results in {out / 'engine.json'}")
+
+
+def run_suite(args: argparse.Namespace, cfg: dict, pieces: Path) -> dict:
+    """Every piece in turn, each child writing its JSON into `pieces`; engine.json's contents, or PieceFailed."""
     started = time.perf_counter()
     result = {"date": datetime.date.today().isoformat(), "threads": args.threads, "quick": args.quick, "speed": {},
               "minutes": {}}
@@ -112,32 +149,33 @@ def main() -> None:
             "--model", model, "--threads", str(args.threads), "--engines", engines,
             "--rounds", cfg["rounds" if model == args.models[0] else "other_rounds"], "--decode", cfg["decode"],
             "--repeats", cfg["repeats"]],
-            args.out / f"speed-{model}.json", args.threads)
+            pieces / f"speed-{model}.json", args.threads)
         result["minutes"][model] = _lap(started, result["minutes"])
     print("# batched decode\n", flush=True)
     result["batch"] = _run("batch", ["--model", args.models[0], "--threads", str(args.threads), "--batches",
-                                     cfg["batches"], "--rounds", cfg["batch_rounds"]], args.out / "batch.json",
+                                     cfg["batches"], "--rounds", cfg["batch_rounds"]], pieces / "batch.json",
                            args.threads)
     result["minutes"]["batch"] = _lap(started, result["minutes"])
     print("# node mass\n", flush=True)
     result["node_mass"] = _run("node_mass", ["--tokens", cfg["mass_tokens"], "--threads", str(args.threads)],
-                               args.out / "node_mass.json", args.threads)
+                               pieces / "node_mass.json", args.threads)
     result["minutes"]["node mass"] = _lap(started, result["minutes"])
     proc = subprocess.run([sys.executable, "-m", "nodekv.bench.engine_suite", "--append-child", args.models[0],
                            "--threads", str(args.threads), *(["--quick"] if args.quick else [])],
                           capture_output=True, text=True)
-    result["append"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no error output"])[-1]
+        raise PieceFailed(f"the append measurement failed (exit {proc.returncode}): {last}")
+    result["append"] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"# one {NODE}-token node appended, probed and rolled back vs the whole prompt prefilled again "
           f"({args.models[0]})\n\n| cached tokens | append + probe + roll back s | prefill again s | speed-up |\n"
           "|---:|---:|---:|---:|")
-    for row in result["append"] or []:
+    for row in result["append"]:
         print(f"| {row['cached']:,} | {row['append_s']:.3f} | {row['prefill_s']:.3f} | "
               f"{row['prefill_s'] / row['append_s']:.1f}x |")
     result["minutes"]["append"] = _lap(started, result["minutes"])
     result["seconds"] = time.perf_counter() - started
-    write_atomic(args.out / "engine.json", json.dumps(result, indent=1))
-    laps = ", ".join(f"{k} {v:.1f}" for k, v in result["minutes"].items())
-    print(f"\nwhole run {result['seconds'] / 60:.1f} min ({laps}); results in {args.out / 'engine.json'}")
+    return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""The benchmarks refuse bad arguments before any work, and a failed run leaves the results it would replace."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nodekv.bench import engine_suite
+
+
+def _main(module, monkeypatch, *argv) -> int:
+    """`module.main()` as `python -m` would run it: its exit status (0 when it returns)."""
+    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
+    try:
+        module.main()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    return 0
+
+
+def _fake_children(monkeypatch, fail: str | None = None) -> None:
+    """engine_suite's children, instant: each writes a small JSON where --json says; the `fail` module exits 1."""
+    def run(cmd, **kwargs):
+        module = cmd[2].rsplit(".", 1)[-1]
+        if module == fail:
+            return subprocess.CompletedProcess(cmd, 1, "", "error: it broke\n")
+        if "--json" in cmd:
+            open(cmd[cmd.index("--json") + 1], "w").write(json.dumps({"piece": module}))
+        return subprocess.CompletedProcess(cmd, 0, "[]\n", "")
+    monkeypatch.setattr(engine_suite.subprocess, "run", run)
+
+
+@pytest.mark.parametrize("argv", [["--models", "smollm2"], ["--threads", "0"], ["--engines", "foo"],
+                                  ["--out", "afile"], ["--out", "nodir/sub"]])
+def test_engine_suite_refuses_bad_arguments_before_any_piece(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    _fake_children(monkeypatch, fail="engine_speed")  # a piece started would say "failed", not "argument"
+    # an --out of its own first: without the checks, the pieces would run and write there, not into results/
+    assert _main(engine_suite, monkeypatch, "--quick", "--models", "smollm2-135m", "--out", "o", *argv) == 2
+    assert f"error: argument {argv[0]}" in capsys.readouterr().err
+
+
+def test_engine_suite_failed_piece_keeps_the_previous_results(tmp_path, monkeypatch, capsys):
+    (tmp_path / "engine.json").write_text("previous")
+    (tmp_path / "node_mass.json").write_text("previous")
+    _fake_children(monkeypatch, fail="node_mass")
+    assert _main(engine_suite, monkeypatch, "--quick", "--models", "smollm2-135m", "--out", str(tmp_path)) == 1
+    assert "node_mass failed" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine.json", "node_mass.json"]
+    assert {p.read_text() for p in tmp_path.iterdir()} == {"previous"}
+
+
+def test_engine_suite_quick_writes_under_build_and_says_quick(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_suite, "base", lambda: tmp_path)
+    monkeypatch.setattr(engine_suite, "results_dir", lambda *parts: tmp_path.joinpath("results", *parts))
+    _fake_children(monkeypatch)
+    assert _main(engine_suite, monkeypatch, "--quick", "--models", "smollm2-135m") == 0
+    out = tmp_path / "build" / engine_suite.QUICK_OUT
+    assert json.loads((out / "engine.json").read_text())["quick"] is True
+    assert json.loads((out / "batch.json").read_text()) == {"piece": "batch"}
+    assert not (tmp_path / "results").exists()
+
