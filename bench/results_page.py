@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from nodekv.bench import input_file, output_folder
 from nodekv.paths import atomic_path, results_dir, write_atomic
 
 ENGINE_LABELS = {"nodekv": "nodekv", "hf": "HF sdpa", "hf-eager": "HF eager", "llama-cpp": "llama.cpp"}
@@ -81,6 +82,9 @@ def engine_section(engine: dict, out: Path) -> str:
     lines += [f"| {m} | {ENGINE_LABELS.get(e, e)} | {t:,} | {p:,.1f} | {d:,.1f} | {g:.2f} |"
               for m, e, t, p, d, g in rows]
     text = "\n".join(lines)
+    if engine.get("quick"):  # shown, not refused: a smoke run's page is how one previews the report
+        text = ("**A `--quick` smoke run: these numbers check that the benchmark runs; they are not measurements.**"
+                "\n\n" + text)
     if _plot_engine(rows, out):
         text = "![tokens/s against prompt length](speed.png)\n\n![memory against prompt length](memory.png)\n\n" + text
     peaks = [f"{m}: fp32 {run['fp32_peak_gflops']:.0f} GFLOP/s" for m, run in engine["speed"].items() if run]
@@ -169,7 +173,7 @@ def markdown_to_html(text: str) -> str:
 def build(results: Path, out: Path, engine_json: Path, paper_md: Path) -> str:
     """Write out/report.md, out/index.html and the plots; returns the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
-    engine = json.loads(engine_json.read_text()) if engine_json.exists() else {}
+    engine = read_engine(engine_json) if engine_json.exists() else {}
     runs = [run for run in (engine.get("speed") or {}).values() if run]
     machine = (f"Measured on {runs[0]['cpu']}, {engine['threads']} threads, torch {runs[0]['torch']}, "
                f"{engine['date']}." if runs else "No engine benchmark yet: the machine is not recorded.")
@@ -187,13 +191,38 @@ def build(results: Path, out: Path, engine_json: Path, paper_md: Path) -> str:
     return text
 
 
+def read_engine(path: Path) -> dict:
+    """An engine_suite engine.json, or a ValueError naming the file and what is wrong with it."""
+    try:
+        engine = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"the engine benchmark {path} is not JSON ({e})") from None
+    if not isinstance(engine, dict) or not isinstance(engine.get("speed"), dict):
+        raise ValueError(f"the engine benchmark {path} is not an engine.json of `nodekv bench engine_suite` "
+                         "(it has no \"speed\" table)")
+    return engine
+
+
+def _folder(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is not a folder" if path.exists() else f"{path} does not exist")
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="nodekv bench results_page", description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", type=Path, default=results_dir(), help="where the runs are")
-    p.add_argument("--out", type=Path, default=None, help="default: RESULTS/report")
-    p.add_argument("--engine", type=Path, default=None, help="default: RESULTS/engine/engine.json")
-    p.add_argument("--paper", type=Path, default=None, help="default: RESULTS/paper.md")
+    p.add_argument("--results", type=_folder, default=results_dir(), help="where the runs are")
+    p.add_argument("--out", type=output_folder, default=None, help="default: RESULTS/report")
+    p.add_argument("--engine", type=input_file("engine benchmark"), default=None,
+                   help="default: RESULTS/engine/engine.json")
+    p.add_argument("--paper", type=input_file("paper table"), default=None, help="default: RESULTS/paper.md")
     args = p.parse_args()
+    if args.engine:  # the default may be missing (the page says so); a file named on purpose must be one
+        try:
+            read_engine(args.engine)
+        except ValueError as e:
+            p.error(str(e))
     out = args.out or args.results / "report"
     build(args.results, out, args.engine or args.results / "engine" / "engine.json",
           args.paper or args.results / "paper.md")

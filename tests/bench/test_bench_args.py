@@ -63,3 +63,16 @@ def test_engine_suite_quick_writes_under_build_and_says_quick(tmp_path, monkeypa
     assert json.loads((out / "batch.json").read_text()) == {"piece": "batch"}
     assert not (tmp_path / "results").exists()
 
+
+def test_results_page_marks_a_quick_run_and_refuses_a_file_that_is_no_engine_json(tmp_path, monkeypatch, capsys):
+    from nodekv.bench import results_page
+
+    run = {"cpu": "c", "torch": "t", "decode_tokens": 4, "rounds": [[64, 64]], "fp32_peak_gflops": 1.0,
+           "results": {"nodekv": {"prefill_s": {"64": 1.0}, "decode_s": {"64": 1.0}, "peak_rss_gib_at": {"64": 1.0}}}}
+    engine = tmp_path / "engine.json"
+    engine.write_text(json.dumps({"date": "d", "threads": 2, "quick": True, "speed": {"m": run}}))
+    text = results_page.build(tmp_path, tmp_path / "report", engine, tmp_path / "paper.md")
+    assert "they are not measurements" in text
+    engine.write_text("[]")
+    assert _main(results_page, monkeypatch, "--results", str(tmp_path), "--engine", str(engine)) == 2
+    assert f"{engine} is not an engine.json" in capsys.readouterr().err
