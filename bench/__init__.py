@@ -5,6 +5,9 @@ before any model loads or any child starts, never a traceback (or a silently wro
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -62,6 +65,14 @@ def output_folder(text: str) -> Path:
     return _checked(check_output_folder, text)
 
 
+def input_folder(text: str) -> Path:
+    """An existing folder to read from (a missing one would read as a folder of nothing: an empty report)."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is not a folder" if path.exists() else f"{path} does not exist")
+    return path
+
+
 def input_file(what: str):
     """An argparse type for an existing file holding `what` (`check_input`)."""
     from nodekv.paths import check_input
@@ -70,3 +81,22 @@ def input_file(what: str):
         return _checked(lambda t: check_input(t, what), text)
 
     return existing
+
+
+def window(model_name: str) -> int:
+    """The context window of a model `model` accepted, read from its GGUF header (no weights loaded)."""
+    from nodekv.engine.loader import gguf_config
+    from nodekv.engine.models import resolve_model
+
+    return gguf_config(resolve_model(model_name)).max_seq_len
+
+
+def run_child(cmd: list[str], what: str) -> dict:
+    """The JSON a benchmark's child process prints last. A child that fails stops the benchmark with a non-zero exit
+    and the child's last error line (its traceback's message) under `what`: the reason shows, and no table is
+    printed as if the piece had run."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}, no error output"])[-1]
+        sys.exit(f"error: {what} failed: {last}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

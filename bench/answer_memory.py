@@ -13,10 +13,10 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
+from nodekv.bench import count, model, run_child, window
 from nodekv.paths import example
 
 MODES = {"scratch": False, "dense copy": True}  # name -> load_engine(dense_copy=...)
@@ -41,22 +41,23 @@ def child(model: str, tokens: int, threads: int, dense_copy: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-1.5b")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating; the median counts")
+    p.add_argument("--model", default="qwen2.5-1.5b", type=model)
+    p.add_argument("--tokens", type=count, default=2048)
+    p.add_argument("--threads", type=count, default=2)
+    p.add_argument("--rounds", type=count, default=2, help="rounds per mode, alternating; the median counts")
     p.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.model, args.tokens, args.threads, MODES[args.child])))
         return
+    if args.tokens + 16 > (room := window(args.model)):
+        p.error(f"--tokens {args.tokens} and the 16 decoded tokens do not fit {args.model}'s {room:,}-token window")
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
             cmd = [sys.executable, "-m", "nodekv.bench.answer_memory", "--child", mode, "--model", args.model,
                    "--tokens", str(args.tokens), "--threads", str(args.threads)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+            runs[mode].append(run_child(cmd, f"the {mode} round"))
     first = runs["scratch"][0]
     bound = 1.3 * first["file_gib"] + first["kv_gib"] + 300 / 1024
     print(f"{args.model}: {args.tokens}-token prompt + 16 decoded, {args.threads} threads, median of {args.rounds} "

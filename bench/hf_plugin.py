@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
+
+from nodekv.bench import count, run_child, window
 
 MiB = 1 << 20
 
@@ -69,14 +70,16 @@ def child(mode: str, tokens: int, node: int, threads: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="nodekv bench hf_plugin", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--node", type=int, default=300)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=count, default=4096)
+    p.add_argument("--node", type=count, default=300)
+    p.add_argument("--threads", type=count, default=2)
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.tokens, args.node, args.threads)))
         return
+    if args.tokens > (room := window("smollm2-135m")):
+        p.error(f"--tokens {args.tokens} is longer than SmolLM2's {room:,}-token window")
     print(f"SmolLM2-135M in HF transformers, fp32, {args.threads} threads, one prefill of {args.tokens} tokens in "
           f"nodes of {args.node}\n\n| attention | seconds | peak RSS added MiB |\n|---|---:|---:|")
     from nodekv.engine.config import PRESETS
@@ -88,13 +91,8 @@ def main() -> None:
             print(f"| eager + output_attentions | not run: its maps need {maps / MiB:,.0f} MiB, "
                   f"{_available() / MiB:,.0f} MiB available | |")
             continue
-        out = subprocess.run([sys.executable, "-m", "nodekv.bench.hf_plugin", "--child", mode, "--tokens",
-                              str(args.tokens), "--node", str(args.node), "--threads", str(args.threads)],
-                             capture_output=True, text=True)
-        if out.returncode:
-            print(f"| {mode} | failed: {out.stderr.strip().splitlines()[-1]} | |")
-            continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = run_child([sys.executable, "-m", "nodekv.bench.hf_plugin", "--child", mode, "--tokens", str(args.tokens),
+                       "--node", str(args.node), "--threads", str(args.threads)], f"the {mode} forward")
         print(f"| {r['label']} | {r['seconds']:.2f} | {r['extra_bytes'] / MiB:,.0f} |", flush=True)
     print(f"\noutput_attentions holds L x H x T^2 = {maps / MiB:,.0f} MiB of maps; NodeMassCollector holds T x N "
           "floats.")

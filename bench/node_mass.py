@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
-from pathlib import Path
 
+from nodekv.bench import count, counts, output_file, run_child, window
 from nodekv.paths import example, write_atomic
 
 TEXT = example("lost_in_translation.txt")
@@ -80,23 +79,24 @@ def child(mode: str, n: int, node: int, threads: int) -> dict:
 
 
 def measure(mode: str, n: int, node: int, threads: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "nodekv.bench.node_mass", "--child", mode, "--tokens", str(n),
-                          "--node", str(node), "--threads", str(threads)], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child([sys.executable, "-m", "nodekv.bench.node_mass", "--child", mode, "--tokens", str(n),
+                      "--node", str(node), "--threads", str(threads)], f"{mode} at {n:,} tokens")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default="2048,8192", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--node", default=300, type=int, help="tokens per node")
-    p.add_argument("--hf-max", default=2048, type=int, help="longest prompt to run HF output_attentions on")
-    p.add_argument("--threads", default=2, type=int)
-    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--tokens", default="2048,8192", type=counts)
+    p.add_argument("--node", default=300, type=count, help="tokens per node")
+    p.add_argument("--hf-max", default=2048, type=int, help="longest prompt to run HF output_attentions on (0: none)")
+    p.add_argument("--threads", default=2, type=count)
+    p.add_argument("--json", type=output_file, default=None, help="also write the rows here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.tokens[0], args.node, args.threads)))
         return
+    if max(args.tokens) > (room := window("smollm2-135m")):
+        p.error(f"--tokens {max(args.tokens)} is longer than SmolLM2's {room:,}-token window")
 
     from nodekv.engine.config import PRESETS
 
