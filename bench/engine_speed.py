@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from nodekv.bench import count, model, output_file
 from nodekv.paths import example, write_atomic
 
 TEXT = example("lost_in_translation.txt")
@@ -132,22 +133,24 @@ def _k(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="a registered name or a .gguf path")
+    p.add_argument("--model", default=DEFAULT_MODEL, type=model, help="a registered name or a .gguf path")
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), type=lambda s: s.split(","),
                    help=f"comma-separated, run in this order, of {', '.join(ENGINES)} (default: "
                         f"{','.join(DEFAULT_ENGINES)})")
     p.add_argument("--rounds", default=ROUNDS, type=_rounds, help="P:C,...: prefill P tokens, decode after C")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    p.add_argument("--eager-max", type=int, default=2048, help="longest context HF eager attention runs at (its "
+    p.add_argument("--json", type=output_file, default=None, help="also write the results here")
+    p.add_argument("--eager-max", type=count, default=2048, help="longest context HF eager attention runs at (its "
                                                                "T×T scores take minutes at 8K)")
-    p.add_argument("--threads", default=2, type=int, help="for every engine, prefill and decode alike")
-    p.add_argument("--decode", default=64, type=int, help="tokens decoded (and timed) after each prompt")
-    p.add_argument("--repeats", default=2, type=int, help="rounds per engine; the fastest counts")
-    p.add_argument("--quick", action="store_true", help="one round, 16 decoded tokens: checks the script runs")
+    p.add_argument("--threads", default=2, type=count, help="for every engine, prefill and decode alike")
+    p.add_argument("--decode", type=count, help="tokens decoded (and timed) after each prompt (default: 64)")
+    p.add_argument("--repeats", type=count, help="rounds per engine; the fastest counts (default: 2)")
+    p.add_argument("--quick", action="store_true",
+                   help="one round, 16 decoded tokens (unless --repeats, --decode say otherwise): checks the script runs")
     p.add_argument("--child", choices=list(ENGINES), help=argparse.SUPPRESS)  # internal: measure one engine
     args = p.parse_args(argv)
-    if args.quick:
-        args.repeats, args.decode = 1, 16
+    # --quick changes the defaults only: a value given on purpose wins
+    args.decode = args.decode or (16 if args.quick else 64)
+    args.repeats = args.repeats or (1 if args.quick else 2)
     if unknown := set(args.engines) - set(ENGINES):
         p.error(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINES)}")
     if args.child:
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from nodekv.engine.cpu import native_bf16_matmul
     from nodekv.engine.models import resolve_model
 
     torch.set_num_threads(args.threads)
@@ -179,11 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     columns += [f"decode after {_k(c)} tok/s" for _, c in args.rounds]
     columns += ["RSS after load GiB", "peak RSS GiB"]
     print("| engine | " + " | ".join(columns) + " |\n|---|" + "---:|" * len(columns), flush=True)
-    results = {}
+    results, failed = {}, []
     for engine in args.engines:
         result = run_child(engine, path, ids, args)
         if isinstance(result, str):
             print(f"| {ENGINES[engine]} | {result} |" + " |" * (len(columns) - 1), flush=True)
+            if result.startswith("failed"):
+                failed.append(engine)
             continue
         results[engine] = result
         name = ENGINES[engine] + (f" ({result['version']})" if "version" in result else "")
@@ -199,9 +205,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {ENGINES[mine]} / {ENGINES[peer]} | "
                       + " | ".join("" if r is None else f"{r:.2f}x" for r in ratios) + " |")
     print(f"\ntorch.mm at {args.threads} threads: fp32 2048² {fp32_peak:.1f} GFLOP/s, bf16 512² {bf16_peak:.2f} "
-          f"GFLOP/s ({bf16_peak / fp32_peak:.1%} of fp32: without bf16 matrix units, prefill weights stay fp32).")
+          f"GFLOP/s ({bf16_peak / fp32_peak:.1%} of fp32: " + ("bf16 GEMM is native here, so bf16 models multiply in "
+          "bf16)." if native_bf16_matmul() else "without bf16 matrix units, bf16 models' prefill weights stay fp32)."))
     if ours:
         report_nodekv(results, fp32_peak, args)
+    if failed:  # a table with a hole is no result: nothing written, and the caller (engine_suite) sees it
+        sys.exit(f"error: {', '.join(failed)} failed (the error is above)"
+                 + (f"; {args.json} not written" if args.json else ""))
     if args.json:
         write_atomic(args.json, json.dumps({"model": args.model, "file": path.name, "threads": args.threads,
                                             "decode_tokens": args.decode, "rounds": args.rounds, "cpu": cpu_summary(),
