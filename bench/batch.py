@@ -17,19 +17,26 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from nodekv.bench import count, counts, model, output_file
 from nodekv.paths import example, write_atomic
 
 TEXT = example("lost_in_translation.txt")
 
 
-def prompts(engine, n: int, length: int) -> list[list[int]]:
-    """n different prompts of `length` tokens: consecutive windows of the bundled story."""
-    ids = engine.tokenizer.encode(TEXT.read_text())
+def prompts(ids: list[int], n: int, length: int) -> list[list[int]]:
+    """n different prompts of `length` tokens: consecutive windows of the story's `ids` (which must hold them)."""
     return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def _precisions(text: str) -> list[str]:
+    from nodekv.engine.model import PRECISIONS
+
+    if unknown := sorted(set(text.split(",")) - set(PRECISIONS)):
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
+    return text.split(",")
 
 
 def decode_seconds(engine, batch: list[list[int]], n_tokens: int) -> float:
@@ -69,23 +76,31 @@ def prefill_seconds(engine, batch: list[list[int]], batched: bool) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-0.5b")
-    p.add_argument("--batches", default="1,2,4,8", help="session counts for the decode rows")
-    p.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
-    p.add_argument("--prompt-tokens", type=int, default=48, help="tokens per prompt")
-    p.add_argument("--prefill-prompts", type=int, default=8)
-    p.add_argument("--precisions", default="exact,int8", help="engines' precisions for the decode rows")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", type=Path, default=None, help="also write the medians here")
+    p.add_argument("--model", default="qwen2.5-0.5b", type=model)
+    p.add_argument("--batches", default="1,2,4,8", type=counts, help="session counts for the decode rows")
+    p.add_argument("--tokens", type=count, default=32, help="tokens generated per session")
+    p.add_argument("--prompt-tokens", type=count, default=48, help="tokens per prompt")
+    p.add_argument("--prefill-prompts", type=count, default=8)
+    p.add_argument("--precisions", default="exact,int8", type=_precisions,
+                   help="engines' precisions for the decode rows")
+    p.add_argument("--rounds", type=count, default=3)
+    p.add_argument("--threads", type=count, default=None)
+    p.add_argument("--json", type=output_file, default=None, help="also write the medians here")
     args = p.parse_args(argv)
-    from nodekv.engine.engine import load_engine
 
-    precisions = args.precisions.split(",")
+    from nodekv.engine.engine import load_engine
+    from nodekv.engine.models import resolve_model
+    from nodekv.engine.tokenizer import Tokenizer
+
+    precisions, sizes = args.precisions, args.batches
+    n = max(max(sizes), args.prefill_prompts)
+    ids = Tokenizer.from_gguf(resolve_model(args.model)).encode(TEXT.read_text())
+    if n * args.prompt_tokens > len(ids):  # every prompt a different window of the story, none cut short
+        p.error(f"{n} prompts of --prompt-tokens {args.prompt_tokens} need {n * args.prompt_tokens:,} tokens; "
+                f"{TEXT.name} has {len(ids):,} ({len(ids) // n:,} per prompt at most)")
+    texts = prompts(ids, n, args.prompt_tokens)
     engines = {prec: load_engine(args.model, threads=args.threads, precision=prec) for prec in precisions}
     engine = engines[precisions[0]]
-    sizes = [int(b) for b in args.batches.split(",")]
-    texts = prompts(engine, max(max(sizes), args.prefill_prompts), args.prompt_tokens)
     for e in engines.values():
         decode_seconds(e, texts[:2], 4)  # warm: the fused decoder, RoPE tables, thread pools
     decode = {(prec, b): [] for prec in precisions for b in sizes}
