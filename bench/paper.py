@@ -23,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+from nodekv.bench import count, input_folder, model, output_file
 from nodekv.bench import paper_tables as pt
 from nodekv.engine.config import preset
 from nodekv.paths import base, results_dir, write_atomic
@@ -241,15 +242,15 @@ def dice_minutes(runs: Path) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="nodekv bench paper", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-0.5b", help="whose tokenizer measures the prompts")
-    p.add_argument("--runs", type=Path, default=results_dir(), help="where finished runs are")
+    p.add_argument("--model", default="qwen2.5-0.5b", type=model, help="whose tokenizer measures the prompts")
+    p.add_argument("--runs", type=input_folder, default=results_dir(), help="where finished runs are")
     p.add_argument("--pecan-run", action="append", default=None,
                    help="a PECAN run label for Table A4, repeatable, e.g. `pecan` and `pecan-kv_reuse=blend` to set "
                         "stored nodes beside the paper's search (default: pecan-prompt_style=restate); DIR/LABEL "
                         "looks under DIR instead of --runs")
-    p.add_argument("--limit", type=int, default=None, help="records per dataset (default: all)")
+    p.add_argument("--limit", type=count, default=None, help="records per dataset (default: all)")
     p.add_argument("--skip-latency", action="store_true", help="do not time GoR's retrieval")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", type=output_file, default=None,
                    help="also write the Markdown here (`nodekv bench results_page` reads results/paper.md)")
     args = p.parse_args()
 

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from nodekv.bench import input_file, output_folder
+from nodekv.bench import input_file, input_folder, output_folder
 from nodekv.paths import atomic_path, results_dir, write_atomic
 
 ENGINE_LABELS = {"nodekv": "nodekv", "hf": "HF sdpa", "hf-eager": "HF eager", "llama-cpp": "llama.cpp"}
@@ -203,16 +203,9 @@ def read_engine(path: Path) -> dict:
     return engine
 
 
-def _folder(text: str) -> Path:
-    path = Path(text)
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is not a folder" if path.exists() else f"{path} does not exist")
-    return path
-
-
 def main() -> None:
     p = argparse.ArgumentParser(prog="nodekv bench results_page", description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", type=_folder, default=results_dir(), help="where the runs are")
+    p.add_argument("--results", type=input_folder, default=results_dir(), help="where the runs are")
     p.add_argument("--out", type=output_folder, default=None, help="default: RESULTS/report")
     p.add_argument("--engine", type=input_file("engine benchmark"), default=None,
                    help="default: RESULTS/engine/engine.json")
