@@ -76,3 +76,40 @@ def test_results_page_marks_a_quick_run_and_refuses_a_file_that_is_no_engine_jso
     engine.write_text("[]")
     assert _main(results_page, monkeypatch, "--results", str(tmp_path), "--engine", str(engine)) == 2
     assert f"{engine} is not an engine.json" in capsys.readouterr().err
+
+
+# the smallest run of each, so that without the check the work runs (fast) and fails only when it writes
+SMALL = {"engine_speed": ["--model", "smollm2-135m", "--engines", "nodekv", "--rounds", "8:8", "--decode", "1",
+                          "--repeats", "1", "--json"],
+         "batch": ["--model", "smollm2-135m", "--batches", "1", "--tokens", "1", "--rounds", "1", "--prefill-prompts",
+                   "1", "--precisions", "exact", "--json"],
+         "node_mass": ["--tokens", "16", "--node", "16", "--hf-max", "0", "--json"],
+         "paper": ["--model", "smollm2-135m", "--skip-latency", "--limit", "1", "--out"]}
+
+
+@pytest.mark.parametrize("name", SMALL)
+@pytest.mark.parametrize("where", ["nodir/x.json", "."])
+def test_output_paths_are_checked_before_the_work(name, where, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(f"nodekv.bench.{name}")
+    assert _main(module, monkeypatch, *SMALL[name], where) == 2
+    err = capsys.readouterr().err
+    assert ("folder nodir does not exist" if where != "." else ". is a directory") in err
+
+
+def test_a_failed_child_stops_the_run_with_its_own_error_line():
+    from nodekv.bench import run_child
+
+    with pytest.raises(SystemExit) as e:
+        run_child([sys.executable, "-c", "raise ValueError('--node 0 makes no nodes')"], "the nodekv forward")
+    assert e.value.code == "error: the nodekv forward failed: ValueError: --node 0 makes no nodes"
+
+
+def test_batch_refuses_prompts_longer_than_the_story_allows(monkeypatch, capsys):
+    from nodekv.bench import batch
+
+    monkeypatch.setattr("nodekv.engine.engine.load_engine", lambda *a, **k: pytest.fail("the model loaded"))
+    assert _main(batch, monkeypatch, "--model", "smollm2-135m", "--prompt-tokens", "1000") == 2
+    assert "need 8,000 tokens" in capsys.readouterr().err
