@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from nodekv.bench import count, model
 from nodekv.paths import example
 
 TEXT = example("lost_in_translation.txt")
@@ -30,11 +31,11 @@ def simulate_seconds(engine, chunks: list[str], draws: int, batch: int) -> tuple
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-0.5b")
-    p.add_argument("--draws", type=int, default=8)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--model", default="qwen2.5-0.5b", type=model)
+    p.add_argument("--draws", type=count, default=8)
+    p.add_argument("--batch", type=count, default=4)
+    p.add_argument("--rounds", type=count, default=2)
+    p.add_argument("--threads", type=count, default=None)
     a = p.parse_args(argv)
     import nodekv
     from nodekv.methods.retrieval import chunk_tokens

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from nodekv.bench import count
 from nodekv.kernels import cpu_ops, reference
 
 H, KV, HD = 9, 3, 64
@@ -23,11 +24,11 @@ H, KV, HD = 9, 3, 64
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--seq", type=int, nargs="+", default=[512, 2048, 8192])
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--node-len", type=int, default=32, help="keys per node for the mass output")
+    ap.add_argument("--threads", type=count, default=2)
+    ap.add_argument("--reps", type=count, default=5)
+    ap.add_argument("--seq", type=count, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--page-size", type=count, default=64)
+    ap.add_argument("--node-len", type=count, default=32, help="keys per node for the mass output")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
