@@ -21,12 +21,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from nodekv.engine.config import ModelConfig, preset
+from nodekv.bench import count, output_file
+from nodekv.engine.config import PRESETS, ModelConfig
 from nodekv.engine.engine import Engine
-from nodekv.engine.loader import load_checkpoint
+from nodekv.engine.loader import gguf_config, load_checkpoint
 from nodekv.engine.model import Llama
 from nodekv.engine.page_pool import PagePool
-from nodekv.paths import base
+from nodekv.paths import atomic_path, base
 
 Q4_K, Q6_K, F32 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32
 # (block bytes, byte offsets of its fp16 scales): Q4_K = d, dmin, scales[12], qs[128]; Q6_K = ql, qh, scales[16], d
@@ -57,10 +58,28 @@ def tensors(c: ModelConfig) -> list[tuple[str, GGMLQuantizationType, int, int]]:
     return out + [("output_norm.weight", F32, 1, c.dim), ("output.weight", Q6_K, c.vocab_size, c.dim)]
 
 
+def fits_blocks(c: ModelConfig) -> bool:
+    """Whether every quantised tensor's row width (dim, q_dim, intermediate_size) is whole 256-value blocks."""
+    return all(cols % 256 == 0 for cols in (c.dim, c.q_dim, c.intermediate_size))
+
+
+SUPPORTED = [name for name, c in PRESETS.items() if fits_blocks(c)]  # e.g. not smollm2-135m: its width is 576
+SHAPE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")
+
+
+def _shapes(c: ModelConfig) -> tuple[int, ...]:
+    return tuple(getattr(c, key) for key in SHAPE)
+
+
 def write_model(c: ModelConfig, path: Path, seed: int = 0) -> None:
-    """The GGUF file of config `c` with random blocks, streamed tensor by tensor (memory: one tensor), written to a
-    temporary name and renamed."""
-    w = GGUFWriter(str(path.with_name(path.name + ".tmp")), "llama")
+    """The GGUF file of config `c` with random blocks, streamed tensor by tensor (memory: one tensor), written
+    atomically: a failure or a kill leaves no partial file (`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        _write(c, tmp, seed)
+
+
+def _write(c: ModelConfig, path: Path, seed: int) -> None:
+    w = GGUFWriter(str(path), "llama")
     w.add_block_count(c.n_layers)
     w.add_context_length(c.max_seq_len)
     w.add_embedding_length(c.dim)
@@ -84,7 +103,6 @@ def write_model(c: ModelConfig, path: Path, seed: int = 0) -> None:
     for name, qtype, rows, cols in layout:
         w.write_tensor_data(np.ones(cols, dtype=np.float32) if qtype == F32 else random_blocks(qtype, rows, cols, rng))
     w.close()
-    path.with_name(path.name + ".tmp").replace(path)
 
 
 class IdTokenizer:
@@ -136,18 +154,32 @@ def run(path: Path, tokens: int, decode: int, node: int = 256) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="nodekv bench big_model", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="llama-3.1-8b", help="whose shapes (nodekv.engine.config presets)")
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--decode", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--path", type=Path, default=None, help="the GGUF to write (default build/<preset>-random.gguf)")
+    p.add_argument("--preset", default="llama-3.1-8b", choices=SUPPORTED,
+                   help="whose shapes: a preset whose widths are whole Q4_K blocks of 256")
+    p.add_argument("--tokens", type=count, default=512)
+    p.add_argument("--decode", type=count, default=16)
+    p.add_argument("--threads", type=count, default=2)
+    p.add_argument("--path", type=output_file, default=None,
+                   help="the GGUF to write, or to reuse if it has the preset's shapes (default "
+                        "build/<preset>-random.gguf)")
     args = p.parse_args(argv)
+    config = PRESETS[args.preset]
+    if args.tokens + args.decode > config.max_seq_len:
+        p.error(f"--tokens {args.tokens} + --decode {args.decode} exceed {args.preset}'s {config.max_seq_len:,} tokens")
     torch.set_num_threads(args.threads)
     path = args.path or base() / "build" / f"{args.preset}-random.gguf"
-    if not path.exists():
+    if path.exists():  # reused, not rewritten: the table would otherwise label another model's file as the preset
+        try:
+            found = _shapes(gguf_config(path))
+        except ValueError as e:
+            p.error(f"--path {path} exists and is not a GGUF model ({e}); choose another --path")
+        if found != _shapes(config):
+            p.error(f"--path {path} exists and is not a {args.preset} model (its {', '.join(SHAPE)} are {found}); "
+                    "choose another --path")
+    else:
         path.parent.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
-        write_model(preset(args.preset), path)
+        write_model(config, path)
         print(f"wrote {path} ({path.stat().st_size / 2 ** 30:.2f} GiB) in {time.perf_counter() - t:.0f} s")
     r = run(path, args.tokens, args.decode)
     print(f"| {args.preset} (random Q4_K/Q6_K) | file GiB | RSS after load GiB | peak RSS GiB | load s | "
