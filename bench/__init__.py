@@ -44,7 +44,7 @@ def models(text: str) -> list[str]:
     return [model(name) for name in text.split(",")]
 
 
-def _checked(check, text: str) -> Path:
+def _checked(check, text: str):
     try:
         return check(text)
     except ValueError as e:
@@ -63,6 +63,14 @@ def output_folder(text: str) -> Path:
     from nodekv.paths import check_output_folder
 
     return _checked(check_output_folder, text)
+
+
+def device(text: str):
+    """The torch device `load_engine(device=...)` would use (`resolve_device`): a CUDA device torch cannot see is one
+    line naming it, not an AssertionError from the first kernel."""
+    from nodekv.engine.engine import resolve_device
+
+    return _checked(resolve_device, text)
 
 
 def input_folder(text: str) -> Path:

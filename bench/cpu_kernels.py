@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from nodekv import _C
+from nodekv.bench import count
 from nodekv.kernels import cpu_ops, reference
 from nodekv.paths import example
 
@@ -43,11 +44,11 @@ def per_call_us(fn, seconds: float) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--seq", type=int, default=512, help="cached positions S the new token attends to")
+    ap.add_argument("--threads", type=count, default=torch.get_num_threads())
+    ap.add_argument("--seq", type=count, default=512, help="cached positions S the new token attends to")
     ap.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
     ap.add_argument("--decode", type=int, default=0, help="time N-token decodes, fused vs op by op, instead")
-    ap.add_argument("--rounds", type=int, default=3, help="with --decode: alternating rounds")
+    ap.add_argument("--rounds", type=count, default=3, help="with --decode: alternating rounds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.decode:

@@ -28,6 +28,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+from nodekv.bench import count, device as device_arg
 from nodekv.engine.cache_batch import CacheBatch
 from nodekv.engine.config import ModelConfig, preset
 from nodekv.engine.kv_cache import PagedKVCache
@@ -229,13 +230,13 @@ def versions(device: torch.device) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen2.5-1.5b", help="a config preset (nodekv.engine.config) or 'tiny'")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", type=device_arg)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--prompts", default="2048,8192", help="prefill lengths, comma-separated")
-    p.add_argument("--decode", type=int, default=64, help="decode steps timed")
-    p.add_argument("--batch", type=int, default=32, help="the batched decode's sessions")
-    p.add_argument("--nodes", type=int, default=32, help="node segments of the mass measurements")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--decode", type=count, default=64, help="decode steps timed")
+    p.add_argument("--batch", type=count, default=32, help="the batched decode's sessions")
+    p.add_argument("--nodes", type=count, default=32, help="node segments of the mass measurements")
+    p.add_argument("--repeats", type=count, default=5)
     p.add_argument("--no-check", dest="check", action="store_false", help="speed only (e.g. an 8B on one GPU)")
     p.add_argument("--fresh-mass", default=None,
                    help="how a bf16 prefill sums node mass: kernel, sdpa, or both comma-separated to check and time "
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         triton_ops.FRESH_PREFILL_MASS = how
         return "" if len(fresh_mass) == 1 else f" ({how})"
 
-    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    device, dtype = a.device, getattr(torch, a.dtype)
     config = config_of(a.preset)
     prompts = [int(x) for x in a.prompts.split(",")]
     if not all(1 <= T <= config.max_seq_len for T in prompts) or DECODE_PROMPT + a.decode > config.max_seq_len:

@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from nodekv.bench import count, device
+
 CASES = [  # (label, n queries, end, H, Hkv, hd, nodes)
     ("qwen-0.5b decode, 4K", 1, 4096, 14, 2, 64, 40),
     ("8B decode, 8K", 1, 8192, 32, 8, 128, 80),
@@ -79,9 +81,13 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--repeats", type=count, default=50)
     p.add_argument("--tiles", action="store_true", help="sweep the kernel's tiles over the prefill cases")
     args = p.parse_args(argv)
+    try:
+        device("cuda")  # Triton's kernels need a GPU: say so before the first one asserts it
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
     dtype, dev = getattr(torch, args.dtype), "cuda"
     time_it = timer(torch.device(dev), warmup=5)  # seconds, the median of CUDA-event timings
     print(f"{torch.cuda.get_device_name()} {args.dtype}; times in microseconds (median of {args.repeats})")

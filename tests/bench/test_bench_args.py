@@ -113,3 +113,21 @@ def test_batch_refuses_prompts_longer_than_the_story_allows(monkeypatch, capsys)
     monkeypatch.setattr("nodekv.engine.engine.load_engine", lambda *a, **k: pytest.fail("the model loaded"))
     assert _main(batch, monkeypatch, "--model", "smollm2-135m", "--prompt-tokens", "1000") == 2
     assert "need 8,000 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("cpu_kernels", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    ("prefill_attention", ["--seq", "8", "--reps", "0"], "argument --reps: must be at least 1, got 0"),
+    ("gor_sampling", ["--model", "smollm2-135m", "--draws", "0"], "argument --draws: must be at least 1, got 0"),
+    ("engine_speed", SMALL["engine_speed"][:-1] + ["--decode", "0"], "argument --decode: must be at least 1, got 0"),
+    ("answer_memory", ["--model", "nosuch"], "argument --model: model 'nosuch' is neither a registered name"),
+    ("gpu_engine", ["--preset", "tiny", "--device", "cuda:99"], "argument --device: device 'cuda:99': torch"),
+])
+def test_bad_values_are_one_error_line_before_any_work(name, argv, message, monkeypatch, capsys):
+    import importlib
+
+    module = importlib.import_module(f"nodekv.bench.{name}")
+    if name == "gpu_engine":
+        monkeypatch.setattr(module, "hf_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert _main(module, monkeypatch, *argv) == 2
+    assert message in capsys.readouterr().err
