@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from nodekv.bench import count, models
 from nodekv.paths import data_dir, example
 
 KL_TARGET, TOP1_TARGET = 0.01, 0.98  # mean nats, agreement
@@ -70,9 +71,9 @@ def compare(ref: torch.Tensor, got: torch.Tensor, rows: int = 256) -> tuple[floa
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b", type=models)  # all checked before the first runs
+    p.add_argument("--tokens", type=count, default=2048)
+    p.add_argument("--threads", type=count, default=2)
     args = p.parse_args(argv)
     from nodekv.engine.engine import load_engine
     from nodekv.engine.model import QUANT_MAX_TOKENS
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
           f"<= {KL_TARGET}, top-1 agreement >= {TOP1_TARGET:.0%}\n")
     print("| model | path | mean KL | p99 KL | top-1 agreement | seconds | targets |")
     print("|---|---|---:|---:|---:|---:|---|")
-    for model in args.models.split(","):
+    for model in args.models:
         exact = load_engine(model, threads=args.threads)
         ids, source = document_ids(exact, args.tokens)
         t = time.perf_counter()

@@ -6,7 +6,8 @@ collected node, as a search without a cache would to read the new node's attenti
 factor is the closed-form ratio of the two FLOP counts (engine.flops.forward_flops) for that visit order; the
 measured one comes from the engine's account, and the wall times are measured side by side in one process.
 
-    python -m nodekv.bench.pecan_search [--index X.pecan] [--question Q] [--budget 12] [--threads 2]
+    python -m nodekv.bench.pecan_search [--model qwen2.5-0.5b] [--index X.pecan] [--question Q] [--budget 12]
+                                        [--threads 2]
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from itertools import accumulate
 from pathlib import Path
 
+from nodekv.bench import count, model
 from nodekv.paths import base, example
 
 STORY = example("lost_in_translation.txt")
@@ -80,21 +82,24 @@ def predicted_ratio(c, prefix: list[int], nodes: list[int], probed: list[bool], 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--index", default=str(base() / "build" / "bench-story.pecan"),
-                    help="a PECAN index (built from the bundled story with 1.5K-token batches if missing)")
+    ap.add_argument("--model", type=model, default=None, help="default: nodekv's default model")
+    ap.add_argument("--index", default=None, help="a PECAN index of --model (built from the bundled story with "
+                                                  "1.5K-token batches if missing; default build/bench-story.pecan, "
+                                                  "build/bench-story-MODEL.pecan for another --model)")
     ap.add_argument("--question", default=QUESTION)
-    ap.add_argument("--budget", type=int, default=12, help="nodes beyond the top level")
+    ap.add_argument("--budget", type=count, default=12, help="nodes beyond the top level")
     ap.add_argument("--t-p", type=float, default=0.5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=count, default=2)
     args = ap.parse_args()
 
     from nodekv import load_engine
     from nodekv.methods.pecan.pecan import Pecan
     from nodekv.methods.pecan.pecan_store import load, save
 
-    eng = load_engine(threads=args.threads)
+    # the default model keeps the index name it always had, so an index built before is still found
+    path = Path(args.index or base() / "build" / f"bench-story{'' if args.model is None else '-' + args.model}.pecan")
+    eng = load_engine(args.model, threads=args.threads)
     method = Pecan(eng, batch_tokens=1500, node_budget=args.budget, t_p=args.t_p)
-    path = Path(args.index)
     if not path.exists():
         print(f"building {path} from {STORY.name} ...")
         path.parent.mkdir(parents=True, exist_ok=True)
