@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode", type=count, help="tokens decoded (and timed) after each prompt (default: 64)")
     p.add_argument("--repeats", type=count, help="rounds per engine; the fastest counts (default: 2)")
     p.add_argument("--quick", action="store_true",
-                   help="one round, 16 decoded tokens (unless --repeats, --decode say otherwise): checks the script runs")
+                   help="one round, 16 decoded tokens (unless --repeats or --decode say otherwise): checks it runs")
     p.add_argument("--child", choices=list(ENGINES), help=argparse.SUPPRESS)  # internal: measure one engine
     args = p.parse_args(argv)
     # --quick changes the defaults only: a value given on purpose wins
