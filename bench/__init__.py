@@ -92,11 +92,11 @@ def input_file(what: str):
 
 
 def window(model_name: str) -> int:
-    """The context window of a model `model` accepted, read from its GGUF header (no weights loaded)."""
-    from nodekv.engine.loader import gguf_config
+    """The context window of a model `model` accepted, read from its config (no weights loaded)."""
+    from nodekv.engine.loader import model_config
     from nodekv.engine.models import resolve_model
 
-    return gguf_config(resolve_model(model_name)).max_seq_len
+    return model_config(resolve_model(model_name)).max_seq_len
 
 
 def run_child(cmd: list[str], what: str) -> dict:
