@@ -372,7 +372,7 @@ def benchmarks() -> dict[str, str]:
 
 
 def bench(args: argparse.Namespace) -> int:
-    import runpy
+    import importlib
 
     found = benchmarks()
     if args.name is None:
@@ -383,5 +383,5 @@ def bench(args: argparse.Namespace) -> int:
     if args.name not in found:
         raise ValueError(f"unknown benchmark {args.name!r}; known: {', '.join(found)}")
     sys.argv = [f"nodekv bench {args.name}", *args.args]
-    runpy.run_module(f"nodekv.bench.{args.name}", run_name="__main__")
+    importlib.import_module(f"nodekv.bench.{args.name}").main()  # each `python -m` entry point calls just main()
     return 0
