@@ -106,10 +106,11 @@ def as_stored(node: StoredNode, dtype: str) -> StoredNode:
     return StoredNode(node.tokens, k, v)
 
 
-def write_node_store(path: str | Path, nodes: dict[str, StoredNode], model: dict, dtype: str = "float16") -> None:
+def write_node_store(path: str | Path, nodes: dict[str, StoredNode], model: dict, dtype: str = "float16") -> str:
     """Write `nodes` (id -> node) to one file, whole or not at all: a magic, a JSON header (format, version, the model
     the nodes were computed with, dtype, and per node its tokens, byte ranges and SHA-256) and the tensors. Ids are
-    kept as text: two ids with one text (1 and "1") are refused, not merged."""
+    kept as text: two ids with one text (1 and "1") are refused, not merged. Returns the store's `NodeStore.digest`,
+    what a file that refers to the store records to know it again."""
     _check_dtype(dtype)
     texts = [str(i) for i in nodes]
     if len(set(texts)) != len(texts):
@@ -129,6 +130,7 @@ def write_node_store(path: str | Path, nodes: dict[str, StoredNode], model: dict
         f.write(_MAGIC + len(header).to_bytes(8, "little") + header)
         for blob in blobs:
             f.write(blob)
+    return hashlib.sha256(header).hexdigest()
 
 
 class NodeStore:
@@ -151,11 +153,18 @@ class NodeStore:
             header = json.loads(self._map[16:16 + size])
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise NodeStoreError(f"{self.path} has a corrupt node store header: {e}") from e
-        if header.get("format") != STORE_FORMAT or header.get("version") != STORE_VERSION:
-            raise NodeStoreError(f"{self.path} is node store format {header.get('format')} version "
-                                 f"{header.get('version')}, this nodekv reads {STORE_FORMAT} {STORE_VERSION}")
+        if not isinstance(header, dict) or header.get("format") != STORE_FORMAT \
+                or header.get("version") != STORE_VERSION:
+            got = header if not isinstance(header, dict) else f"{header.get('format')} version {header.get('version')}"
+            raise NodeStoreError(f"{self.path} is node store format {got}, this nodekv reads {STORE_FORMAT} "
+                                 f"{STORE_VERSION}")
+        lacking = [k for k in ("model", "dtype", "payload_bytes", "nodes") if k not in header]
+        if lacking or header["dtype"] not in STORE_DTYPES:
+            raise NodeStoreError(f"{self.path} has a corrupt node store header: " + (
+                f"no {', '.join(lacking)}" if lacking else f"dtype {header['dtype']!r}"))
         if header["model"] != model:
             raise NodeStoreError(f"{self.path} was stored with model {header['model']}, not the loaded {model}")
+        self.digest = hashlib.sha256(self._map[16:16 + size]).hexdigest()  # `write_node_store`'s, to know it by
         self._base = 16 + size
         if len(self._map) != self._base + header["payload_bytes"]:
             raise NodeStoreError(f"{self.path} is truncated or padded: {len(self._map)} bytes, its header says "
@@ -194,7 +203,10 @@ class NodeStore:
             bounds.append(bounds[-1] + n)
         pieces = [blob[a:b] for a, b in zip(bounds, bounds[1:])]
         shape = tuple(e["shape"])  # pieces: K's values and scales, then V's (no scales but int8's)
-        k, v = (_decode(pieces[i], pieces[i + 1], self.dtype, shape) for i in (0, 2))
+        try:
+            k, v = (_decode(pieces[i], pieces[i + 1], self.dtype, shape) for i in (0, 2))
+        except ValueError as err:  # sizes that do not hold the shape: a header that disagrees with its bytes
+            raise NodeStoreError(f"{self.path}: node {node_id!r}'s bytes do not hold its shape {shape}: {err}") from None
         self._unmap(start, len(blob))
         return StoredNode(tuple(e["tokens"]), k, v)
 

@@ -11,7 +11,7 @@ from typing import Sequence
 from ..engine.engine import Engine
 from ..engine.node_store import NodeStore, StoredNode
 from .base import Answer, Method
-from .index_file import read_index_file, read_kv_beside, write_index_file, write_kv_beside
+from .index_file import read_index_file, read_kv_beside, write_index_files
 from .options import Option
 from .prompts import PromptSpec
 from .reader import KV_REUSE_OPTIONS, Repair, kv_index_key, store_kv_nodes
@@ -93,10 +93,8 @@ class TopK(Method):
         return {"chunk_tokens": self.config.chunk_tokens, "kv_dtype": None, **kv_index_key(self.config)}
 
     def save_index(self, index: ChunkIndex, path: str | Path) -> None:
-        if index.stored is not None:
-            write_kv_beside(path, dict(enumerate(index.stored)), self.engine, self.config.kv_dtype)
-        write_index_file(path, _FORMAT, _VERSION, self.engine, {"chunks": index.chunks,
-                                                                "stored_kv": index.stored is not None})
+        write_index_files(path, _FORMAT, _VERSION, self.engine, {"chunks": index.chunks},
+                          None if index.stored is None else dict(enumerate(index.stored)), self.config.kv_dtype)
 
     def load_index(self, path: str | Path) -> ChunkIndex:
         """The saved index; its node store is opened (header checked, nodes read when used) only with `kv_reuse`,

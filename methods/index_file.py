@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
+from typing import Mapping
 
 from ..engine.engine import Engine
-from ..engine.node_store import NodeStore, NodeStoreError, write_node_store
-from ..paths import write_atomic
+from ..engine.node_store import NodeStore, NodeStoreError, StoredNode, write_node_store
+from ..paths import atomic_path, write_atomic
 
 
 class IndexFileError(ValueError):
@@ -93,15 +95,33 @@ def kv_path(index_path: str | Path) -> Path:
     return Path(f"{index_path}.kv")
 
 
-def write_kv_beside(index_path: str | Path, nodes: dict, engine: Engine, dtype: str) -> None:
-    """Write the KV of an index's nodes (id -> StoredNode) beside its index file; write it before the index file,
-    so that an index file that says it has KV names a store that is whole."""
-    write_node_store(kv_path(index_path), nodes, model_id(engine), dtype)
+def write_index_files(path: str | Path, fmt: str, version: int, engine: Engine, body: dict,
+                      nodes: Mapping[object, StoredNode] | None = None, kv_dtype: str = "float16",
+                      sidecars: Mapping[Path, bytes] | None = None) -> None:
+    """An index file (`write_index_file`) with the files beside it as one set: its nodes' KV (FILE.kv, when `nodes`
+    are given; the body's "stored_kv" records the store's digest, which `read_kv_beside` checks) and `sidecars`
+    (path -> bytes). All are written to temporary files first and renamed at the end, the index first, so a kill
+    while writing leaves the previous set whole. A store left from an index now saved without one is removed."""
+    with ExitStack() as renamed_on_exit:
+        digest = None
+        if nodes is not None:
+            digest = write_node_store(renamed_on_exit.enter_context(atomic_path(kv_path(path))), dict(nodes),
+                                      model_id(engine), kv_dtype)
+        for sidecar, data in (sidecars or {}).items():
+            renamed_on_exit.enter_context(atomic_path(sidecar)).write_bytes(data)
+        write_index_file(path, fmt, version, engine, {**body, "stored_kv": digest})
+    if nodes is None:
+        kv_path(path).unlink(missing_ok=True)
 
 
-def read_kv_beside(index_path: str | Path, engine: Engine, has_kv: bool) -> NodeStore:
-    """The node store beside an index file (header checked; nodes read when used); NodeStoreError, naming the file,
-    when the index was built without one, or the store is missing, truncated, foreign or of another model."""
-    if not has_kv:
+def read_kv_beside(index_path: str | Path, engine: Engine, stored_kv: str | bool | None) -> NodeStore:
+    """The node store beside an index file (header checked; nodes read when used), given the index's "stored_kv";
+    NodeStoreError, naming the file, when the index was built without one, or the store is missing, truncated,
+    foreign, of another model, or not the one written with this index (another index's, or one an interrupted
+    rebuild left: its nodes would be read for passages they do not hold)."""
+    if not stored_kv:
         raise NodeStoreError(f"{index_path} was indexed with kv_reuse=off: it has no stored KV to reuse")
-    return NodeStore(kv_path(index_path), model_id(engine))
+    store = NodeStore(kv_path(index_path), model_id(engine))
+    if store.digest != stored_kv:
+        raise NodeStoreError(f"{store.path} is not the node store written with {index_path}: build the index again")
+    return store

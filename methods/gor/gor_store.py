@@ -18,8 +18,7 @@ from ...engine.engine import Engine
 from ...engine.node_store import NodeStore, StoredNode
 from .gor_graph import RecordGraph
 from .gor_train import GAT, TrainConfig
-from ..index_file import IndexFileError, read_index_file, read_kv_beside, write_index_file, write_kv_beside
-from ...paths import write_atomic
+from ..index_file import IndexFileError, read_index_file, read_kv_beside, write_index_files
 
 FORMAT, VERSION = "nodekv-gor-index", 1
 __all__ = ["GorIndex", "IndexFileError", "load", "save", "tensors_path"]
@@ -54,17 +53,16 @@ def tensors_path(path: str | Path) -> Path:
 def save(index: GorIndex, path: str | Path, engine: Engine, kv_dtype: str = "float16") -> None:
     """Write the index file and its tensor file, and its nodes' KV beside them (FILE.kv, `kv_dtype`) where the index
     holds them."""
-    if index.stored is not None:
-        write_kv_beside(path, dict(enumerate(index.stored)), engine, kv_dtype)
     tensors = {"features": index.features, "queries": index.queries, "ranking": index.ranking}
+    # bytes, written as any file here is (safetensors' own writer makes the file owner-only)
     data = to_bytes({k: v.contiguous() for k, v in tensors.items()})
-    write_atomic(tensors_path(path), data)  # as any file here is written (safetensors' own writer makes it owner-only)
     g = index.graph
     body = {"config": index.config, "tensors_sha256": hashlib.sha256(data).hexdigest(),
             "graph": {"chunks": g.chunks, "queries": g.queries, "sources": g.sources, "responses": g.responses,
-                      "edges": g.edges, "draws": g.draws},
-            "stored_kv": index.stored is not None}
-    write_index_file(path, FORMAT, VERSION, engine, body)
+                      "edges": g.edges, "draws": g.draws}}
+    write_index_files(path, FORMAT, VERSION, engine, body,
+                      None if index.stored is None else dict(enumerate(index.stored)), kv_dtype,
+                      sidecars={tensors_path(path): data})
 
 
 def load(path: str | Path, engine: Engine, kv: bool = False) -> GorIndex:

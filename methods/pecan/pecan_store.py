@@ -14,7 +14,7 @@ from ...engine.engine import Engine
 from ...engine.node_store import NodeStore, StoredNode
 from .. import graph_view
 from ..graph_view import GraphView
-from ..index_file import IndexFileError, read_index_file, read_kv_beside, write_index_file, write_kv_beside
+from ..index_file import IndexFileError, read_index_file, read_kv_beside, write_index_files
 from .pecan_graph import Graph, Node
 
 FORMAT, VERSION = "nodekv-pecan-index", 1
@@ -34,14 +34,13 @@ class PecanIndex:
 
 def save(index: PecanIndex, path: str | Path, engine: Engine, kv_dtype: str = "float16") -> None:
     """Write an index file, and its nodes' KV beside it (FILE.kv, `kv_dtype`) where the index holds them."""
-    if index.stored is not None:
-        write_kv_beside(path, dict(index.stored), engine, kv_dtype)
     vectors = index.vectors.float().contiguous()
-    body = {"config": index.config, "log": index.log, "stored_kv": index.stored is not None,
+    body = {"config": index.config, "log": index.log,
             "nodes": [[n.id, n.level, n.text] for n in index.graph.nodes.values()],
             "edges": {str(p): {str(c): w for c, w in kids.items()} for p, kids in index.graph.edges.items()},
             "vectors": {"shape": list(vectors.shape), "float32": base64.b64encode(vectors.numpy().tobytes()).decode()}}
-    write_index_file(path, FORMAT, VERSION, engine, body)
+    write_index_files(path, FORMAT, VERSION, engine, body, None if index.stored is None else dict(index.stored),
+                      kv_dtype)
 
 
 def load(path: str | Path, engine: Engine, kv: bool = False) -> PecanIndex:

@@ -4,6 +4,7 @@ first, it and a question give a prefill's logits; placing charges no FLOPs, refu
 and leaves the session unchanged on error; a session ending in a stored node has no logits to generate from."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,21 @@ def test_a_truncated_corrupt_or_foreign_store_is_refused_by_name(pair, tmp_path)
         NodeStore(tmp_path / "text", MODEL)
     with pytest.raises(ValueError, match="store dtype must be one of"):
         write_node_store(tmp_path / "x", {}, MODEL, "bf16")
+    size = int.from_bytes(data[8:16], "little")
+    header, payload = json.loads(data[16:16 + size]), data[16 + size:]
+
+    def edited(name: str, **changes) -> Path:
+        text = json.dumps({k: v for k, v in {**header, **changes}.items() if v is not None}).encode()
+        (tmp_path / name).write_bytes(data[:8] + len(text).to_bytes(8, "little") + text + payload)
+        return tmp_path / name
+
+    for name, changes, match in (("nopayload", {"payload_bytes": None}, "corrupt node store header: no payload_bytes"),
+                                 ("bf16", {"dtype": "bfloat16"}, "corrupt node store header: dtype 'bfloat16'")):
+        with pytest.raises(NodeStoreError, match=match):
+            NodeStore(edited(name, **changes), MODEL)
+    relabelled = NodeStore(edited("int8", dtype="int8"), MODEL)  # int8 reads the float16 bytes as another shape
+    with pytest.raises(NodeStoreError, match="node 'a'.s bytes do not hold its shape"):
+        relabelled.get("a")
 
 
 def test_repairing_every_placed_token_gives_a_prefill(pair):

@@ -315,6 +315,41 @@ def test_top_k_index_saved_with_its_kv_answers_as_the_one_built(hf_tiny, tmp_pat
         method.load_index(tmp_path / "off.bm25")
 
 
+def test_a_store_is_read_only_with_the_index_it_was_written_with(hf_tiny, tmp_path, monkeypatch):
+    """Another index's store beside an index is refused (its nodes would be read for passages they do not hold); a
+    save that dies before its files are renamed leaves the previous index and store as they were; an index saved
+    again without KV takes its old store away (it would be offered for an index it does not belong to)."""
+    from nodekv.engine.node_store import NodeStoreError
+    from nodekv.methods import index_file
+
+    _, path = hf_tiny
+    eng = char_engine(path)
+    spec = PromptSpec("{context}|{question}", 4)
+    method = BM25TopK(eng, spec, k=2, chunk_tokens=12, kv_reuse="reuse", kv_dtype="float32")
+    a = method.index("the mill was built in 1821. it burned down in 1900.")
+    b = method.index("a school stands there now. the river runs past it.")
+    method.save_index(a, tmp_path / "a.bm25")
+    method.save_index(b, tmp_path / "b.bm25")
+    (tmp_path / "a.bm25.kv").write_bytes((tmp_path / "b.bm25.kv").read_bytes())
+    with pytest.raises(NodeStoreError, match="a.bm25.kv is not the node store written with"):
+        method.load_index(tmp_path / "a.bm25")
+    method.save_index(a, tmp_path / "a.bm25")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(index_file, "write_index_file", dies)
+        with pytest.raises(KeyboardInterrupt):
+            method.save_index(b, tmp_path / "a.bm25")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing replaced, no temporary left
+    assert method.load_index(tmp_path / "a.bm25").chunks == a.chunks
+    plain = BM25TopK(eng, spec, k=2, chunk_tokens=12)
+    plain.save_index(plain.index("the mill was built in 1821."), tmp_path / "a.bm25")
+    assert not (tmp_path / "a.bm25.kv").exists()
+
+
 def test_kv_context_document_stores_each_chunk_after_the_ones_before_it(hf_tiny):
     """kv_context=document stores the chunks as one sequence in document order (Engine.store_nodes, checked against
     HF in tests/engine/test_node_store.py) and keys its index apart; kv_context=none keeps the keys of stores saved
