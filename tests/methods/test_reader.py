@@ -334,15 +334,19 @@ def test_a_store_is_read_only_with_the_index_it_was_written_with(hf_tiny, tmp_pa
     with pytest.raises(NodeStoreError, match="a.bm25.kv is not the node store written with"):
         method.load_index(tmp_path / "a.bm25")
     method.save_index(a, tmp_path / "a.bm25")
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
     def dies(*args, **kwargs):
         raise KeyboardInterrupt
 
+    (tmp_path / "a.bm25.side").write_bytes(b"previous")  # a sidecar, as GoR writes its tensors
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with monkeypatch.context() as m:
         m.setattr(index_file, "write_index_file", dies)
         with pytest.raises(KeyboardInterrupt):
             method.save_index(b, tmp_path / "a.bm25")
+        with pytest.raises(KeyboardInterrupt):
+            index_file.write_index_files(tmp_path / "a.bm25", "nodekv-topk-index", 1, eng, {}, None,
+                                         sidecars={tmp_path / "a.bm25.side": b"new"})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing replaced, no temporary left
     assert method.load_index(tmp_path / "a.bm25").chunks == a.chunks
     plain = BM25TopK(eng, spec, k=2, chunk_tokens=12)
