@@ -4,6 +4,7 @@ the method, the option and what it allows; strings (as `--option KEY=VALUE` give
 type."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
@@ -32,8 +33,8 @@ class Option:
         typed = self._typed(value)
         if typed is None:
             raise ValueError(f"{method} option {self.name} must be {self.type.__name__}, got {value!r}")
-        if typed != typed:  # NaN passes every bound (each comparison is false)
-            raise ValueError(f"{method} option {self.name} must be a number, got {value!r}")
+        if self.type is float and not math.isfinite(typed):  # NaN passes every bound; inf ("1e999") makes NaN scores
+            raise ValueError(f"{method} option {self.name} must be a finite number, got {value!r}")
         if self.choices and typed not in self.choices:
             raise ValueError(f"{method} option {self.name} must be one of {', '.join(map(str, self.choices))}, "
                              f"got {value!r}")

@@ -78,7 +78,7 @@ class Gor(Method, name="gor", title="GoR"):
         Option("alpha", float, 0.9, "α, the weight of the pair-wise ranking loss L_RANK (Eq. 7)", low=0.0),
         Option("in_batch", bool, True, "other graphs' nodes as in-batch negatives"),
         Option("tau", float, 1.0, "τ of s(q, h) = exp(qᵀh / τ)", low=1e-6),
-        Option("dropout", float, 0.2, "GAT dropout", low=0.0),
+        Option("dropout", float, 0.2, "GAT dropout", low=0.0, high=1.0),  # torch refuses p > 1
         Option("epochs", int, 150, "training epochs", low=1),
         Option("batch", int, 32, "graphs per training step", low=1),
         Option("lr", float, 1e-3, "Adam's learning rate, decayed to 0", low=0.0),

@@ -61,6 +61,10 @@ def test_options_are_typed_by_their_declaration(name, options, typed):
     ("pecan", {"t_p": "2"}, r"PECAN option t_p must be in \[0, 1\], got '2'"),
     ("pecan", {"attention": "maybe"}, "PECAN option attention must be bool, got 'maybe'"),
     ("pecan", {"prompt_style": "terse"}, "PECAN option prompt_style must be one of paper, restate, got 'terse'"),
+    ("gor", {"lr": "inf"}, "GoR option lr must be a finite number, got 'inf'"),
+    ("gor", {"lr": "1e999"}, "GoR option lr must be a finite number, got '1e999'"),
+    ("gor", {"tau": float("inf")}, "GoR option tau must be a finite number, got inf"),
+    ("gor", {"dropout": 2}, r"GoR option dropout must be in \[0, 1\], got 2"),  # torch refuses it after the build
     ("dense", {"kk": 1}, r"unknown dense option\(s\) kk; known: k, chunk_tokens"),
     ("closed-book", {"k": 1}, r"unknown closed-book option\(s\) k; known: none"),
 ])
