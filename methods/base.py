@@ -89,13 +89,14 @@ class Method(ABC):
             if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
                 raise ValueError(f"method name {name!r} is taken by {taken.__module__}.{taken.__qualname__}")
             cls.name, cls.title = name, title or name
-            REGISTERED[name] = cls
         if "answer" in cls.__dict__:  # one check for every method, theirs and plugins' alike
             cls.answer = _checked(cls.__dict__["answer"], check_question, "question", 1)
         if "index" in cls.__dict__:
             cls.index = _checked(cls.__dict__["index"], check_document, "document", 0)
         cls.Config = config_class(cls, cls.options, cls.title or cls.__name__)
         cls.Config()  # a declared default that its own option refuses fails here, at import
+        if name is not None:  # last: a class that failed a check is neither listed nor holds its name
+            REGISTERED[name] = cls
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, **options: Any):
         self.engine, self.prompt, self.progress = engine, prompt, progress

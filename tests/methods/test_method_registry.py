@@ -86,6 +86,17 @@ def test_declarations_are_checked_when_the_class_is_made(registry):
             pass
 
 
+def test_a_class_that_fails_its_checks_is_not_registered(registry):
+    with pytest.raises(ValueError, match="option k must be >= 1, got 0"):
+        class Broken(Method, name="test-broken"):
+            options = (Option("k", int, 0, "a default out of its own range", low=1),)
+    assert "test-broken" not in names()
+
+    class Fixed(Method, name="test-broken"):  # the corrected class takes the name the failed one never held
+        options = (Option("k", int, 1, "in range", low=1),)
+    assert get("test-broken") is Fixed
+
+
 def test_an_entry_point_method_is_found(registry, tmp_path, monkeypatch):
     (tmp_path / "nodekv_test_plugin.py").write_text(
         "from nodekv.methods.base import Answer, Method\n\n"
