@@ -3,6 +3,7 @@ name, its optional hooks), the Answer it returns (`reader`), and chat pieces for
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
 from abc import ABC, abstractmethod
@@ -59,6 +60,13 @@ def _checked(method, check, name: str, position: int):
     return checked
 
 
+def _init_keywords(cls: type) -> set[str]:
+    """The keyword arguments `cls(...)` takes itself (self, engine, prompt, progress and a subclass's own, such as
+    an embedder): an option of the same name would clash with one of them rather than reach `configure`."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 class Method(ABC):
     """A long-document QA policy on the engine: index a document once (query-independent), answer many questions
     about it.
@@ -93,7 +101,7 @@ class Method(ABC):
             cls.answer = _checked(cls.__dict__["answer"], check_question, "question", 1)
         if "index" in cls.__dict__:
             cls.index = _checked(cls.__dict__["index"], check_document, "document", 0)
-        cls.Config = config_class(cls, cls.options, cls.title or cls.__name__)
+        cls.Config = config_class(cls, cls.options, cls.title or cls.__name__, _init_keywords(cls))
         cls.Config()  # a declared default that its own option refuses fails here, at import
         if name is not None:  # last: a class that failed a check is neither listed nor holds its name
             REGISTERED[name] = cls

@@ -4,9 +4,10 @@ the method, the option and what it allows; strings (as `--option KEY=VALUE` give
 type."""
 from __future__ import annotations
 
+import keyword
 import math
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any
+from typing import Any, Collection
 
 TYPES = (int, float, bool, str)
 BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
@@ -74,9 +75,21 @@ class Option:
         return None
 
 
-def config_class(owner: type, options: tuple[Option, ...], method: str) -> type:
+def config_class(owner: type, options: tuple[Option, ...], method: str, reserved: Collection[str] = ()) -> type:
     """`owner.Config`: a dataclass with one field per option (default: the option's) that checks and types every
-    value when an instance is made; `method` is how its messages name the method."""
+    value when an instance is made; `method` is how its messages name the method. A ValueError names `owner` and
+    an option whose name is no Python identifier, is a keyword, repeats, or is one of `reserved` (the keywords
+    that `owner(...)` takes itself, which the option's value would never reach)."""
+    seen: set[str] = set()
+    for option in options:
+        problem = ("is not a Python identifier" if not option.name.isidentifier() else
+                   "is a Python keyword" if keyword.iskeyword(option.name) else
+                   "is declared twice" if option.name in seen else
+                   f"is one of {owner.__name__}(...)'s own keyword arguments: {', '.join(sorted(reserved))}"
+                   if option.name in reserved else "")
+        if problem:
+            raise ValueError(f"{owner.__module__}.{owner.__qualname__}: option name {option.name!r} {problem}")
+        seen.add(option.name)
 
     def check(self) -> None:
         for option in options:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -84,6 +85,26 @@ def test_declarations_are_checked_when_the_class_is_made(registry):
     with pytest.raises(ValueError, match="lower-case"):
         class Shouting(Method, name="LOUD NAME"):
             pass
+
+
+@pytest.mark.parametrize("declared, message", [
+    (["engine"], "Clash: option name 'engine' is one of Clash(...)'s own keyword arguments: "
+                "embedder, engine, progress, prompt, self"),
+    (["prompt"], "option name 'prompt' is one of"),  # else: "got multiple values for keyword argument 'prompt'"
+    (["progress"], "option name 'progress' is one of"),  # else: silently taken for Method's progress
+    (["embedder"], "option name 'embedder' is one of"),  # a keyword of the subclass's own __init__
+    (["class"], "Clash: option name 'class' is a Python keyword"),
+    (["my-opt"], "Clash: option name 'my-opt' is not a Python identifier"),
+    (["k", "k"], "Clash: option name 'k' is declared twice"),
+])
+def test_option_names_that_cannot_reach_the_config_are_refused_with_the_class(registry, declared, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        class Clash(Method, name="test-clash"):
+            options = tuple(Option(name, int, 1, "") for name in declared)
+
+            def __init__(self, engine, prompt=None, progress=False, embedder=None, **options):
+                super().__init__(engine, prompt, progress, **options)
+    assert "test-clash" not in names()
 
 
 def test_a_class_that_fails_its_checks_is_not_registered(registry):
