@@ -45,16 +45,21 @@ def check_document(document: str, what: str = "the document") -> str:
     return document
 
 
-def _checked(method, check, name: str, position: int):
-    """`method` running `check` on its argument `name` (the `position`-th after self) before it runs; applied once
-    to each class's own `answer` (the question) and `index` (the document)."""
+def _checked(method, check, name: str, position: int, returns: type = object):
+    """`method` running `check` on its argument `name` (the `position`-th after self) before it runs, and refusing
+    a result that is not a `returns` (a plugin's answer given as a plain str would fail later, far from its
+    cause); applied once to each class's own `answer` (the question, an Answer) and `index` (the document)."""
     if getattr(method, "checked", False):
         return method
 
     @functools.wraps(method)
     def checked(self, *args, **kwargs):
         check(args[position] if len(args) > position else kwargs.get(name))
-        return method(self, *args, **kwargs)
+        result = method(self, *args, **kwargs)
+        if not isinstance(result, returns):
+            raise ValueError(f"{self.title or type(self).__name__}'s {method.__name__} returned "
+                             f"{type(result).__name__}, not {returns.__name__}")
+        return result
 
     checked.checked = True
     return checked
@@ -98,7 +103,7 @@ class Method(ABC):
                 raise ValueError(f"method name {name!r} is taken by {taken.__module__}.{taken.__qualname__}")
             cls.name, cls.title = name, title or name
         if "answer" in cls.__dict__:  # one check for every method, theirs and plugins' alike
-            cls.answer = _checked(cls.__dict__["answer"], check_question, "question", 1)
+            cls.answer = _checked(cls.__dict__["answer"], check_question, "question", 1, Answer)
         if "index" in cls.__dict__:
             cls.index = _checked(cls.__dict__["index"], check_document, "document", 0)
         cls.Config = config_class(cls, cls.options, cls.title or cls.__name__, _init_keywords(cls))

@@ -225,6 +225,20 @@ def test_a_plugin_method_gets_the_same_check(registry):
         Echo(None).answer(None, question=" ")
 
 
+def test_a_method_whose_answer_is_no_answer_is_refused_naming_it(registry):
+    from nodekv.methods.base import Method
+
+    class Plain(Method, name="test-plain"):
+        def index(self, document):
+            return None
+
+        def answer(self, index, question, options=()):
+            return question  # an Answer's text alone: its .text would fail later, far from here
+
+    with pytest.raises(ValueError, match="^test-plain's answer returned str, not Answer$"):
+        Plain(None).answer(None, "q?")
+
+
 def test_the_python_api_refuses_a_limit_below_one():
     from nodekv.evaluation.datasets import load_dataset
 
