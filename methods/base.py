@@ -102,6 +102,10 @@ class Method(ABC):
             if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
                 raise ValueError(f"method name {name!r} is taken by {taken.__module__}.{taken.__qualname__}")
             cls.name, cls.title = name, title or name
+        missing = [hook for hook in ("save_index", "load_index") if getattr(cls, hook) is getattr(Method, hook)]
+        if cls.can_save and missing:  # else refused only once an index is built, to be saved
+            raise ValueError(f"{cls.__module__}.{cls.__qualname__} sets can_save but does not override "
+                             f"{' and '.join(missing)}")
         if "answer" in cls.__dict__:  # one check for every method, theirs and plugins' alike
             cls.answer = _checked(cls.__dict__["answer"], check_question, "question", 1, Answer)
         if "index" in cls.__dict__:

@@ -107,6 +107,19 @@ def test_option_names_that_cannot_reach_the_config_are_refused_with_the_class(re
     assert "test-clash" not in names()
 
 
+def test_a_class_that_can_save_must_override_save_and_load(registry):
+    with pytest.raises(ValueError, match=r"\.NoSave sets can_save but does not override save_index and load_index$"):
+        class NoSave(Method, name="test-no-save"):
+            can_save = True
+
+    with pytest.raises(ValueError, match=r"\.NoLoad sets can_save but does not override load_index$"):
+        class NoLoad(Method):
+            can_save = True
+
+            def save_index(self, index, path):
+                pass
+    assert "test-no-save" not in names()
+
 def test_a_class_that_fails_its_checks_is_not_registered(registry):
     with pytest.raises(ValueError, match="option k must be >= 1, got 0"):
         class Broken(Method, name="test-broken"):
