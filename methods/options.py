@@ -32,8 +32,9 @@ class Option:
     def check(self, value: Any, method: str) -> Any:
         """`value` as the declared type, or a ValueError naming `method`, this option and what it allows."""
         typed = self._typed(value)
-        if typed is None:
-            raise ValueError(f"{method} option {self.name} must be {self.type.__name__}, got {value!r}")
+        if typed is None:  # a bool's words are nodekv's own choice: name them
+            kind = f"bool ({', '.join(BOOL_WORDS)})" if self.type is bool else self.type.__name__
+            raise ValueError(f"{method} option {self.name} must be {kind}, got {value!r}")
         if self.type is float and not math.isfinite(typed):  # NaN passes every bound; inf ("1e999") makes NaN scores
             raise ValueError(f"{method} option {self.name} must be a finite number, got {value!r}")
         if self.choices and typed not in self.choices:

@@ -60,7 +60,7 @@ def test_options_are_typed_by_their_declaration(name, options, typed):
     ("bm25", {"k": True}, "bm25 option k must be int, got True"),
     ("bm25", {"chunk_tokens": 0}, "bm25 option chunk_tokens must be >= 1, got 0"),
     ("pecan", {"t_p": "2"}, r"PECAN option t_p must be in \[0, 1\], got '2'"),
-    ("pecan", {"attention": "maybe"}, "PECAN option attention must be bool, got 'maybe'"),
+    ("pecan", {"attention": "yes"}, r"PECAN option attention must be bool \(true, 1, false, 0\), got 'yes'"),
     ("pecan", {"prompt_style": "terse"}, "PECAN option prompt_style must be one of paper, restate, got 'terse'"),
     ("gor", {"lr": "inf"}, "GoR option lr must be a finite number, got 'inf'"),
     ("gor", {"lr": "1e999"}, "GoR option lr must be a finite number, got '1e999'"),
