@@ -18,6 +18,7 @@ from nodekv.methods.gor.gor import GRAPH_OPTIONS, Gor
 from nodekv.methods.gor.gor_store import IndexFileError, tensors_path
 from nodekv.methods.gor.gor_train import (GAT, GraphData, TrainConfig, _batch_loss, info_nce, pairwise_rank_loss,
                                       train_gat)
+from nodekv.methods.reader import Answer
 
 LETTERS = "abcdefghij"
 
@@ -185,7 +186,7 @@ def test_the_prompt_shows_the_k_best_nodes_in_document_or_score_order(monkeypatc
 
     def read(self, context, question, options=(), nodes=(), trace=None, shared_prefix=False):
         shown["context"] = context
-        return nodes, trace
+        return Answer("", list(nodes), trace)
 
     monkeypatch.setattr(Reader, "read", read)
     gor = _gor(_engine(), train="none", k=5, order=order)
@@ -195,7 +196,8 @@ def test_the_prompt_shows_the_k_best_nodes_in_document_or_score_order(monkeypatc
     best = sorted(range(len(scores)), key=lambda j: -scores[j])[:5]  # by hand: the stand-in vectors, no GAT
     want = sorted(best) if order == "document" else best
     assert sorted(best) != best  # the two orders differ here
-    nodes, trace = gor.answer(index, question)
+    answer = gor.answer(index, question)
+    nodes, trace = answer.nodes, answer.trace
     assert nodes == want and shown["context"] == "\n\n".join(index.graph.texts[j] for j in want)
     assert [n["node"] for n in trace[0]["nodes"]] == best  # the trace keeps the retrieval order
 
@@ -206,7 +208,8 @@ def test_rank_fused_takes_the_reciprocal_rank_fusion_with_bm25(monkeypatch):
     from nodekv.methods.reader import Reader
     from nodekv.methods.retrieval import BM25Index
 
-    monkeypatch.setattr(Reader, "read", lambda self, context, question, options=(), nodes=(), trace=None: trace)
+    monkeypatch.setattr(Reader, "read", lambda self, context, question, options=(), nodes=(), trace=None:
+                        Answer("", list(nodes), trace))
     gor = _gor(_engine(), train="none", k=4, rank="fused")
     index = gor.index(DOC)
     question = "which aaa10 and ggg36?"  # exact words for BM25, letters for the vectors
@@ -219,7 +222,7 @@ def test_rank_fused_takes_the_reciprocal_rank_fusion_with_bm25(monkeypatch):
             fused[j] += 1 / (60 + rank)
     want = sorted(range(len(fused)), key=lambda j: (-fused[j], j))[:4]
     assert any(v > 0 for v in lexical) and want != sorted(range(len(scores)), key=lambda j: -scores[j])[:4]
-    assert [n["node"] for n in gor.answer(index, question)[0]["nodes"]] == want
+    assert [n["node"] for n in gor.answer(index, question).trace[0]["nodes"]] == want
 
 
 def test_documents_are_dealt_into_folds_in_order_of_first_appearance():

@@ -12,7 +12,7 @@ import torch
 from nodekv.engine.flops import FlopAccount, forward_flops
 from nodekv.methods.baselines import BM25TopK, FullContext
 from nodekv.methods.prompts import PromptSpec, prompt_for
-from nodekv.methods.reader import CONTENT_FREE, GrowingPrompt, Reader, Repair, calibrated_choice
+from nodekv.methods.reader import CONTENT_FREE, Answer, GrowingPrompt, Reader, Repair, calibrated_choice
 from char_engine import CharTokenizer, char_engine
 from conftest import tiny_hf_model, write_tiny_gguf
 
@@ -73,7 +73,7 @@ def test_the_prompt_up_to_the_question_is_what_questions_share():
 def test_full_context_reads_with_its_window_and_shares_its_prefix(monkeypatch):
     calls = []
     monkeypatch.setattr(Reader, "read", lambda self, context, question, options=(), nodes=(), trace=None,
-                        shared_prefix=False: calls.append((self.window, context, shared_prefix)))
+                        shared_prefix=False: calls.append((self.window, context, shared_prefix)) or Answer("", []))
     FullContext(_ids_engine(1000), PromptSpec("{context}|{question}", 10)).answer("doc", "why?")
     FullContext(_ids_engine(1000), PromptSpec("{context}|{question}", 10), window=50,
                 shared_prefix=False).answer("doc", "why?")
@@ -205,6 +205,7 @@ def test_two_methods_reading_the_same_context_send_the_same_prompt(monkeypatch):
 
     def read(self, context, question, options=(), nodes=(), trace=None, shared_prefix=False):
         sent.append(self.prompt_ids(context, question, options)[0])
+        return Answer("", list(nodes))
 
     monkeypatch.setattr(Reader, "read", read)
     eng, spec = _ids_engine(1000), prompt_for("hotpotqa")
