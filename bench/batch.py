@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
 
     precisions, sizes = args.precisions, args.batches
     n = max(max(sizes), args.prefill_prompts)
-    ids = Tokenizer.from_gguf(resolve_model(args.model)).encode(TEXT.read_text())
+    ids = Tokenizer.from_model(resolve_model(args.model)).encode(TEXT.read_text())
     if n * args.prompt_tokens > len(ids):  # every prompt a different window of the story, none cut short
         p.error(f"{n} prompts of --prompt-tokens {args.prompt_tokens} need {n * args.prompt_tokens:,} tokens; "
                 f"{TEXT.name} has {len(ids):,} ({len(ids) // n:,} per prompt at most)")

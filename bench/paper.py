@@ -257,7 +257,7 @@ def main() -> None:
     from nodekv.engine.models import resolve_model
     from nodekv.engine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_gguf(resolve_model(args.model))
+    tokenizer = Tokenizer.from_model(resolve_model(args.model))
     table1, exact = full_context_table(tokenizer, args.limit)
     sections = [("PECAN Table 1: full context, Llama-3.1-8B TFLOPs per query", table1),
                 ("PECAN Table A4: construction and search (Llama-3.1-8B TFLOPs)",

@@ -328,6 +328,12 @@ class Tokenizer:
                    source=where)
 
     @classmethod
+    def from_model(cls, path: str | os.PathLike) -> "Tokenizer":
+        """The tokenizer of a model path as `load_engine` takes it (resolved): a HF directory's files, or a .gguf
+        file's metadata."""
+        return cls.from_dir(path) if Path(path).is_dir() else cls.from_gguf(path)
+
+    @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
         """Build the tokenizer of an HF model directory: ``tokenizer.json``, with ``tokenizer_config.json``
         (special tokens, ``add_bos_token``, chat template), ``chat_template.jinja`` and the EOS ids of

@@ -490,6 +490,8 @@ def test_from_dir_matches_autotokenizer(hf_dir):
         for gen in (True, False):
             assert t.chat(messages, add_generation_prompt=gen) == _ids(
                 r.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen))
+    for path in (hf_dir, GGUF):  # a model path of either kind, as the benchmarks take one before loading it
+        assert Tokenizer.from_model(path).encode(TRICKY[4]) == r.encode(TRICKY[4], add_special_tokens=False)
 
 
 @pytest.mark.model
