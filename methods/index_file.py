@@ -44,12 +44,15 @@ def read_index_file(path: str | Path, fmt: str, version: int, engine: Engine, wh
     return {k: v for k, v in data.items() if k not in ("format", "version", "model")}
 
 
-def check_index_file(path: str | Path, fmt: str, model: str | Path, what: str) -> None:
+def check_index_file(path: str | Path, fmt: str, model: str | Path, what: str, kv: bool = False) -> None:
     """Before a model loads: an IndexFileError for an index file that `read_index_file` will refuse for being
     unreadable, of another format than `fmt`, corrupt, or built with a model file of another name than `model`'s (a
-    model of the same name whose config differs, or another format version, is refused at the read)."""
+    model of the same name whose config differs, or another format version, is refused at the read); kv: a
+    NodeStoreError for a node store beside it that `read_kv_beside` will refuse."""
     data = _read_checked(Path(path), fmt, None, what)
     _check_model(Path(path), data, {"name": Path(model).name})
+    if kv:  # the store must hold the index's model: the index's own model is checked against the engine at the read
+        _open_kv_beside(path, data["model"], data.get("stored_kv"))
 
 
 def _read_checked(path: Path, fmt: str | None, version: int | None, what: str) -> dict:
@@ -119,9 +122,13 @@ def read_kv_beside(index_path: str | Path, engine: Engine, stored_kv: str | bool
     NodeStoreError, naming the file, when the index was built without one, or the store is missing, truncated,
     foreign, of another model, or not the one written with this index (another index's, or one an interrupted
     rebuild left: its nodes would be read for passages they do not hold)."""
+    return _open_kv_beside(index_path, model_id(engine), stored_kv)
+
+
+def _open_kv_beside(index_path: str | Path, model: dict, stored_kv: str | bool | None) -> NodeStore:
     if not stored_kv:
         raise NodeStoreError(f"{index_path} was indexed with kv_reuse=off: it has no stored KV to reuse")
-    store = NodeStore(kv_path(index_path), model_id(engine))
+    store = NodeStore(kv_path(index_path), model)
     if store.digest != stored_kv:
         raise NodeStoreError(f"{store.path} is not the node store written with {index_path}: build the index again")
     return store

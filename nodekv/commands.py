@@ -61,13 +61,15 @@ def _check_export_targets(exports: list[str], keep: Path, what: str) -> None:
             raise ValueError(f"--export {path} is given twice")
 
 
-def _check_built_index(path: Path, method_class: type, model: str | None) -> None:
+def _check_built_index(path: Path, method_class: type, model: str | None, kv: bool = False) -> None:
     """Refuse, before the model loads, a saved index the method would refuse once it had: unreadable, of another
-    format, corrupt, or built with another model file (for a method that saves `index_file`s)."""
+    format, corrupt, or built with another model file (for a method that saves `index_file`s); kv: also its node
+    store beside it, missing, bad or not its own."""
     from nodekv.methods.index_file import check_index_file
 
     if method_class.index_file_format is not None:
-        check_index_file(path, method_class.index_file_format, resolve_model(model), f"{method_class.name} index")
+        check_index_file(path, method_class.index_file_format, resolve_model(model), f"{method_class.name} index",
+                         kv=kv)
 
 
 def _check_saved_index(doc: Path, name: str) -> None:
@@ -181,7 +183,7 @@ def ask(args: argparse.Namespace) -> int:
     # last, the checks against the model's file (a registered model is assembled on first use)
     check_room(model_config(resolve_model(args.model)).max_seq_len, unloaded.answer_prompt, unloaded.reader_window())
     if saved:
-        _check_built_index(doc, method_class, args.model)
+        _check_built_index(doc, method_class, args.model, kv=getattr(unloaded.config, "kv_reuse", "off") != "off")
     t0 = time.perf_counter()
     eng = load_engine(args.model, dtype=args.dtype, threads=args.threads, precision=args.precision,
                       device=args.device)

@@ -17,6 +17,7 @@ import pytest
 import nodekv
 from nodekv.cli import main
 from nodekv.engine.config import preset
+from nodekv.engine.node_store import write_node_store
 from nodekv.methods import get, names
 from nodekv.methods.index_file import _checksum, read_index_file, write_index_file
 from nodekv.paths import NotUTF8Error, atomic_path, read_json_lines, read_text, write_atomic
@@ -53,6 +54,11 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "renamed.json").write_text(saved)
     other = {"format": "nodekv-topk-index", "version": 1, "model": {"name": "other.gguf", "config": "0" * 64}}
     (tmp_path / "other.txt.bm25").write_text(json.dumps({**other, "checksum": _checksum(other)}))
+    smol = {**other, "model": {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "config": "0" * 64}}
+    write_node_store(tmp_path / "foreign.txt.bm25.kv", {}, smol["model"])  # not the store its index was saved with
+    for name, stored_kv in (("plain.txt.bm25", None), ("stored.txt.bm25", "0" * 64), ("foreign.txt.bm25", "0" * 64)):
+        (tmp_path / name).write_text(json.dumps({**smol, "stored_kv": stored_kv,
+                                                 "checksum": _checksum({**smol, "stored_kv": stored_kv})}))
     (tmp_path / "view.html").write_text("{}")
     os.mkfifo(tmp_path / "fifo")
     return tmp_path
@@ -146,6 +152,12 @@ CASES = [  # argv, the one line on stderr
     (["ask", "other.txt.bm25", "q", "--model", "smollm2-135m"],
      "error: other.txt.bm25 was built with model other.gguf (config 000000000000), not "
      "SmolLM2-135M-Instruct.Q4_1.gguf: load that model (--model) or build the index again"),
+    (["ask", "plain.txt.bm25", "q", "--model", "smollm2-135m", "--option", "kv_reuse=blend"],
+     "error: plain.txt.bm25 was indexed with kv_reuse=off: it has no stored KV to reuse"),
+    (["ask", "stored.txt.bm25", "q", "--model", "smollm2-135m", "--option", "kv_reuse=reuse"],
+     "error: stored.txt.bm25.kv is not a readable node store"),
+    (["ask", "foreign.txt.bm25", "q", "--model", "smollm2-135m", "--option", "kv_reuse=blend"],
+     "error: foreign.txt.bm25.kv is not the node store written with foreign.txt.bm25: build the index again"),
     (["graph", "doc.txt.pecan", "-o", "x.html", "--model", "smollm2-135m"],
      "error: doc.txt.pecan is not a pecan index file (no 'nodekv-pecan-index' header)"),
     (["ask", "doc.txt", "q", "--model", "smollm2-135m", "--max-new-tokens", "100000000"],
