@@ -37,16 +37,16 @@ def methods_help(which: str = "all") -> str:
     shown = [get(n) for n in names()]
     if which == "exports":
         lines = ["methods (--method NAME) and the formats -o writes:"]
-        return "\n".join(lines + [f"  {m.name:<13}{', '.join(f'{k} {v}' for k, v in m.exports.items())}"
+        return "\n".join(lines + [f"  {m.name:<12} {', '.join(f'{k} {v}' for k, v in m.exports.items())}"
                                   for m in shown if m.exports])
     lines = ["methods (--method NAME; options: --option KEY=VALUE):"]
     for method_class in shown:
         if which == "saving" and not method_class.can_save:
             continue
-        lines.append(f"  {method_class.name:<13}{_first_sentence(method_class.__doc__)}")
+        lines.append(f"  {method_class.name:<12} {_first_sentence(method_class.__doc__)}")
         for o in method_class.options:
             default = str(o.default).lower() if o.type is bool else o.default
-            lines.append(f"      {f'{o.name}={default}':<22}{o.allowed()}; {o.help}")
+            lines.append(f"      {f'{o.name}={default}':<21} {o.allowed()}; {o.help}")
         if method_class.exports:
             lines.append(f"      --export FILE: {', '.join(f'{k} {v}' for k, v in method_class.exports.items())}")
     return "\n".join(lines)

@@ -247,3 +247,14 @@ def test_cli_bench_lists_the_benchmarks_and_refuses_an_unknown_one(capsys):
     assert "engine_speed" in out and "pecan_search" in out and "engine_runners" not in out  # helpers have no main
     assert main(["bench", "nope"]) == 2
     assert "unknown benchmark 'nope'; known: answer_memory, batch" in capsys.readouterr().err
+
+
+def test_help_keeps_a_space_after_long_method_and_option_names(registry):
+    from nodekv.cli import methods_help
+
+    class Long(Method, name="a-very-long-method-name"):
+        """Does nothing."""
+        options = (Option("an_unusually_long_option", int, 1, "a long name", low=1),)
+    lines = methods_help().splitlines()
+    assert "  a-very-long-method-name Does nothing." in lines
+    assert "      an_unusually_long_option=1 int >= 1; a long name" in lines
