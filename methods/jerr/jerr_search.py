@@ -104,6 +104,8 @@ def pagerank(nodes: Sequence[Node], edges: Sequence[tuple[Node, Node]], personal
              damping: float = 0.85, tol: float = 1e-10, max_iter: int = 1000) -> dict[Node, float]:
     """PageRank by power iteration: r ← d·(Σ over in-edges of r_u / outdeg_u + dangling rank · p) + (1 − d)·p,
     with p the personalisation (normalised; uniform when None or all zero). Repeated edges count once."""
+    if not nodes:  # a graph whose chunks gave no entity
+        return {}
     index = {v: i for i, v in enumerate(nodes)}
     pairs = np.array(list(dict.fromkeys((index[u], index[w]) for u, w in edges)), dtype=np.int64).reshape(-1, 2)
     n = len(nodes)

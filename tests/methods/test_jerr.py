@@ -186,6 +186,20 @@ def test_keywords_are_the_questions_own_words():
     assert _jerr(_engine(), EchoLM("things, actions")).keywords(question) == ["leave", "korvin", "door", "unlocked"]
 
 
+@pytest.mark.parametrize("search", ["mcts", "pagerank"])
+def test_a_graph_without_entities_selects_none(search):
+    class NoElementsLM(ScriptedLM):
+        def replies(self, turns, max_tokens):
+            return ["none" if t.startswith("You are a keyword") else r
+                    for t, r in zip(turns, super().replies(turns, max_tokens))]
+
+    jerr = _jerr(_engine(), NoElementsLM(), search=search)
+    index = jerr.index(DOC)
+    assert index.graph.entities == [] and "chunk 0: no core elements in the reply; the chunk adds no entity" in \
+        index.graph.log
+    assert jerr.select(index, "Why was the door of Korvin unlocked?", ["door"])[0] == []
+
+
 def test_an_edge_reply_naming_no_relation_leaves_no_edge_and_a_log_line():
     index = _jerr(_engine(), ScriptedLM(edge_reply="None.")).index(DOC)
     assert index.graph.edges == {} and any("names no relation" in line for line in index.graph.log)
