@@ -121,7 +121,9 @@ class Jerr(Method, name="jerr", title="JERR"):
         reply = self.lm.replies([KEYWORDS.format(question)], 32)[0]
         own = set(_WORDS.findall(question.casefold()))
         words = [k.strip(" .\"'").casefold() for k in re.split(r"[,\n]", reply)]
-        found = [k for k in dict.fromkeys(words) if k and set(_WORDS.findall(k)) <= own and len(k.split()) <= 4]
+        # a keyword of no word ("-", "**") would be a subset of every text and count as found in every entity
+        found = [k for k in dict.fromkeys(words)
+                 if _WORDS.search(k) and set(_WORDS.findall(k)) <= own and len(k.split()) <= 4]
         return found or [w for w in dict.fromkeys(_WORDS.findall(question.casefold())) if len(w) > 3]
 
     def select(self, index: JerrIndex, question: str, keywords: list[str]) -> tuple[list[int], dict]:

@@ -184,6 +184,7 @@ def test_keywords_are_the_questions_own_words():
     question = "Why did the Tr'en leave Korvin's door unlocked?"
     assert _jerr(_engine(), EchoLM("Tr'en, door, things, comma-separated")).keywords(question) == ["tr'en", "door"]
     assert _jerr(_engine(), EchoLM("things, actions")).keywords(question) == ["leave", "korvin", "door", "unlocked"]
+    assert _jerr(_engine(), EchoLM("-, **\n...,door")).keywords(question) == ["door"]
 
 
 @pytest.mark.parametrize("search", ["mcts", "pagerank"])
