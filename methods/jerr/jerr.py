@@ -153,11 +153,12 @@ class Jerr(Method, name="jerr", title="JERR"):
         return search.top(c.top_k), {"starts": len(starts), "tree_visits": search.root.visits}
 
     def answer(self, index: JerrIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
-        acc = self.engine.flops
+        acc, c = self.engine.flops, self.config
+        if options and c.reader == "shared":  # the calibration scope's, not the query's, as `Reader.read` charges it
+            self.reader.letter_prior(question, options)
         start = acc.total  # keywords, the search's probes and the look-up are the query's too
         keywords = self.keywords(question)
         chosen, how = self.select(index, question, keywords)
-        c = self.config
         if c.read == "pages":
             pages = full = sorted(_ranked_pages(index.graph, chosen)[:c.full_pages])
         else:

@@ -97,6 +97,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
             raise ValueError("kv_reuse stores the nodes' KV with the model that builds the graph: it needs the search "
                              "to run on that model too (no search_engine)")
         self._embedder = embedder
+        # the shared reader on another search model, kept so that its letter priors are too
+        self._search_reader = None if self.search_engine is engine else Reader(self.search_engine, self.answer_prompt)
 
     @property
     def embedder(self):
@@ -132,6 +134,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
     def answer(self, index: PecanIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
         eng, cfg = self.search_engine, self.config
         trace, yes_count = [], 0
+        if options and cfg.reader == "shared":  # the calibration scope's, not the query's, as `Reader.read` charges it
+            self._answer_reader.letter_prior(question, options)
         before = eng.flops.scopes["query"]
         with eng.flops.scope("query"), eng.session() as s:
             for step in self.search(s, index, question, options, probe=cfg.dynamic):
@@ -155,13 +159,17 @@ class Pecan(Method, name="pecan", title="PECAN"):
         if self.config.reader == "paper":
             text, generated = self.respond(s, question, options)
             return Answer(text, visited, trace, 0, len(s) - generated, generated, context=read)
-        eng = self.search_engine
-        reader = self.reader if eng is self.engine else Reader(eng, self.answer_prompt)
+        reader = self._answer_reader
         if index.stored is None:
             return reader.read(read, question, options, visited, trace, growing=growing)
         stored = [self._stored(index, n) for n in visited]
         passages = [self._node_ids(index.graph, n) if p is None else p for n, p in zip(visited, stored)]
         return reader.read_stored(passages, question, options, visited, trace, Repair.of(self.config), read)
+
+    @property
+    def _answer_reader(self) -> Reader:
+        """The shared reader on the model that searches."""
+        return self._search_reader or self.reader
 
     def search(self, s, index: PecanIndex, question: str, options: tuple[str, ...] = (),
                probe: bool = True) -> Iterator[dict]:

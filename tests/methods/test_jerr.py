@@ -133,6 +133,34 @@ def test_the_answer_reads_the_chosen_entities_pages_and_picks_a_letter(search):
     assert "Korvin, door" not in lm.turns[-1] and lm.turns[-1].startswith("The following are numbered synopses")
 
 
+def test_a_choice_questions_letter_prior_is_not_charged_to_the_answer():
+    """The shared reader charges a question's content-free letter prior once, to the "calibration" scope, and not
+    to the answer: JERR's answer FLOPs (every step's) leave it out as `Reader.read`'s do."""
+    from nodekv.methods.base import Answer
+
+    eng = _engine()
+    jerr = _jerr(eng)
+
+    class CountingReader:  # `Reader`'s accounting: the prior once per question (7 FLOPs), then the read (10)
+        spec, window, priors = jerr.answer_prompt, None, set()
+
+        def letter_prior(self, question, options):
+            if (question, options) not in self.priors:
+                self.priors.add((question, options))
+                with eng.flops.scope("calibration"):
+                    eng.flops.add(7, 1)
+
+        def read(self, context, question, options, nodes, trace):
+            self.letter_prior(question, options)
+            with eng.flops.scope("query"):
+                eng.flops.add(10, 1)
+            return Answer("(A)", list(nodes), trace, 10)
+
+    jerr._reader = CountingReader()
+    answer = jerr.answer(jerr.index(DOC), "Why was the door of Korvin unlocked?", ("w", "x"))
+    assert (answer.flops, eng.flops.scopes["calibration"], eng.flops.total) == (10, 7, 17)
+
+
 def test_read_pages_ranks_pages_by_how_many_chosen_entities_hold_them():
     graph = EntityGraph([Entity("A", [], [0, 3]), Entity("B", [], [3, 1]), Entity("C", [], [2]), Entity("D", [], [1])])
     # pages 3 and 1 are held by two chosen entities (3 by the best), then 0 and 2 by one each, in the entities' order

@@ -81,6 +81,17 @@ def test_save_load_search_is_identical_and_bad_files_are_refused(built, tmp_path
     assert "<svg" in to_html(index.graph)
 
 
+def test_a_choice_questions_letter_prior_is_charged_to_calibration_not_to_the_answer(built):
+    """As the shared reader charges it: the content-free prior once per question, to the "calibration" scope alone."""
+    eng, method, index = built
+    question, options = "Which keeper kept the lamps burning?", ("Ida Brecht", "Olek Sand")
+    total, calibration = eng.flops.total, eng.flops.scopes["calibration"]
+    first = method.answer(index, question, options)
+    prior = eng.flops.scopes["calibration"] - calibration
+    assert prior > 0 and first.flops + prior == eng.flops.total - total
+    assert method.answer(index, question, options).flops == first.flops
+
+
 def test_empty_document_is_refused(built):
     _, method, _ = built
     for doc in ("", "  \n\t "):
