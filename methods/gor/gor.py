@@ -69,7 +69,8 @@ class Gor(Method, name="gor", title="GoR"):
         Option("rank", str, "gat", "gat: nodes by their GAT vectors' similarity to the query (the paper); fused "
                "(beyond the paper): that ranking fused by reciprocal rank with BM25's over the node texts",
                choices=("gat", "fused")),
-        Option("seed", int, 0, "seed of the chunk draws, the sampling and the GAT's training"),
+        # each draw samples with seed * 1_000_003 + its number, which the engine takes in [0, 2**64)
+        Option("seed", int, 0, "seed of the chunk draws, the sampling and the GAT's training", low=0, high=10**9),
         Option("train", str, "gat", "gat: learned node embeddings; none: the MiniLM vectors (Table 3's w/o train)",
                choices=("gat", "none")),
         Option("supervision", str, "self", "self: simulated queries ranked against their chunks; summary: other "

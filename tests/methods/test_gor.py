@@ -173,6 +173,9 @@ def test_which_model_answers_and_what_is_refused():
         _gor(eng).index("  ")
     with pytest.raises(ValueError, match="chunk_overlap .* below chunk_tokens"):
         _gor(eng, chunk_overlap=8)
+    for seed in (-1, 10**13):  # the engine's sampling takes seed * 1_000_003 + the draw's number in [0, 2**64)
+        with pytest.raises(ValueError, match=r"GoR option seed must be in \[0, 1e\+09\]"):
+            _gor(eng, seed=seed)
     with pytest.raises(ValueError, match="multiple-choice"):
         _gor(eng).answer(a, "q?", options=("x", "y"))
     assert Gor.dataset_defaults("qmsum_general") == {"alpha": (0.9, "Table 6"), "dropout": (0.2, "Table 6")}
