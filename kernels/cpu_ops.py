@@ -225,7 +225,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         ok = (q.dtype is _F32 and q.is_cpu and qsd == 1
               and k_pages.dtype is _F32 and k_pages.is_cpu and k_pages.is_contiguous()
               and v_pages.dtype is _F32 and v_pages.is_cpu and v_pages.shape == k_pages.shape
-              and v_pages.is_contiguous() and hd_k == hd and h % kv == 0 and 0 <= layer < n_layers
+              and v_pages.is_contiguous() and hd_k == hd and kv > 0 and page > 0 and hd > 0 and h % kv == 0
+              and 0 <= layer < n_layers
               and block_table.dtype is _I32 and block_table.is_cpu and block_table.dim() == 1
               and block_table.is_contiguous() and n <= end <= n_table * page and _out_ok(out, (n, h * hd)))
         if k_new is None:
@@ -272,6 +273,9 @@ def _explain_paged(q, k_pages, v_pages, layer, block_table, end, k_new, v_new, n
     _contig("k_pages", k_pages, fn)
     _dense("v_pages", v_pages, k_pages.shape, fn)
     n_layers, _, kv, page, hd_k = k_pages.shape
+    if 0 in (kv, page, hd_k):  # the kernels divide by each of them
+        raise ValueError(f"{fn}: k_pages must have kv_heads, page_size and head_dim >= 1, got shape "
+                         f"{list(k_pages.shape)}")
     if hd_k != hd:
         raise ValueError(f"{fn}: q has head_dim {hd}, the pages {hd_k}")
     if h % kv:
