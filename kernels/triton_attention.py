@@ -413,6 +413,12 @@ def _check_mass(mass: torch.Tensor | None, node_bounds: torch.Tensor | None, n: 
     return N
 
 
+def _bounds_int32(node_bounds: torch.Tensor, end: int, device: torch.device) -> torch.Tensor:
+    """node_bounds as the kernels read them: int32 on `device`, cut at `end`. A last bound past end may be any
+    integer (say 2**31 for an open last node): cast as it is, it would wrap to a negative node start."""
+    return node_bounds.to(device=device, dtype=torch.int64).clamp_(max=end).to(torch.int32)
+
+
 def _constants(G: int, hd: int, k_pages: torch.Tensor, block_m: int, block_n: int, block_d: int,
                dtype: torch.dtype) -> dict:
     """The constexprs `_attn_fwd` and `_attn_mass` share: fp32 inputs take IEEE fp32 dots (not TF32)."""
@@ -483,7 +489,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     split_len = triton.cdiv(triton.cdiv(end, splits), block_n) * block_n
     splits = triton.cdiv(end, split_len)
     if mass is not None:
-        bounds = node_bounds.to(device=q.device, dtype=torch.int32)
+        bounds = _bounds_int32(node_bounds, end, q.device)
         acc = mass if mass.device == q.device else torch.zeros(n, N, dtype=torch.float32, device=q.device)
     # unused pointers are `out`; the final lse is only needed by the second mass pass
     lse = torch.empty(n, H, dtype=torch.float32, device=q.device) if two_pass else out
@@ -575,7 +581,7 @@ def sdpa_prefill(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     out, lse = flash(q.transpose(0, 1)[None], k, v, 0.0, causal)[:2]  # lse [1, H, n], natural log, fp32
     lse = (lse[0] * math.log2(math.e)).t()  # [n, H], base 2 like the Triton kernels' scores
     block_m, block_n, block_d = _blocks(n * G, hd)
-    bounds = node_bounds.to(device=q.device, dtype=torch.int32)
+    bounds = _bounds_int32(node_bounds, T, q.device)
     acc = mass if mass.device == q.device else torch.zeros(n, N, dtype=torch.float32, device=q.device)
     common = _constants(G, hd, k_pages, block_m, block_n, block_d, q.dtype)
     _launch_mass_pass(_last_contig(q), k_pages, layer, block_table.to(device=q.device, dtype=torch.int32), T, lse,

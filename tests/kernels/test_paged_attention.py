@@ -151,6 +151,24 @@ def test_triton_node_mass_one_and_two_pass(name, mass_pass, splits):
                                atol=1e-5, rtol=1e-6)
 
 
+@needs_triton_interpreter
+@pytest.mark.parametrize("mass_pass", ["one", "two"])
+@pytest.mark.parametrize("bounds", [[0, 30, 2**31], [0, 30, 2**32 + 3, 2**40]])
+def test_triton_int64_bounds_far_past_the_keys(mass_pass, bounds):
+    """int64 bounds may end far past the keys (a last node that goes on). Cast to int32 as they were, 2**31 wrapped
+    to a negative node start: the one pass lost the last node's mass, the two-pass wrote outside mass's rows."""
+    from nodekv.kernels import triton_attention
+
+    case = replace(make_case(5, 5, 40), node_bounds=torch.tensor(bounds))
+    mass = torch.zeros(5, len(bounds) - 1)
+    out = triton_attention.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table,
+                                           case.end, case.k_new, case.v_new, case.node_bounds, mass,
+                                           mass_pass=mass_pass)
+    want_out, want_mass = brute_force(case)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass.double(), want_mass, atol=1e-5, rtol=1e-5)
+
+
 # prefills from an empty cache (T = end) through SDPA with the mass pass after it: every query, or the last one only
 SDPA_CASES = {  # name: (n queries, T = end keys, H, Hkv, hd, page size, node bounds or n_nodes)
     "nodes on key block bounds": (256, 256, 4, 2, 16, 16, [0, 64, 128, 256]),
