@@ -149,8 +149,9 @@ def _attention_with_mass(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     n, H, hd = q.shape
     Hkv, end = keys.shape[0], keys.shape[1]
     G = H // Hkv
-    node_of_key = torch.repeat_interleave(torch.arange(node_bounds.shape[0] - 1, device=q.device),
-                                          node_bounds.diff().long().to(q.device))[:end]  # nodes may go on
+    # by search, not by repeating each node's length: the last node may go on far past the keys (b[N] >= end)
+    node_of_key = torch.searchsorted(node_bounds.to(q.device, torch.int64), torch.arange(end, device=q.device),
+                                     right=True) - 1
     kf, vf = keys.float(), values.float()
     out = torch.empty(n, H, hd, dtype=torch.float32, device=q.device)
     chunk = max(1, SCORE_CHUNK_BYTES // (4 * H * end))

@@ -169,6 +169,19 @@ def test_triton_int64_bounds_far_past_the_keys(mass_pass, bounds):
     torch.testing.assert_close(mass.double(), want_mass, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bounds", [[0, 30, 2**40], [0, 30, 2**40 + 3, 2**41]])
+def test_reference_bounds_far_past_the_keys(bounds):
+    """The reference finds each key's node by search: built by repeating each node's length, it allocated b[N] node
+    ids (8 TiB for a last bound of 2**40)."""
+    case = replace(make_case(5, 5, 40), node_bounds=torch.tensor(bounds))
+    mass = torch.zeros(5, len(bounds) - 1)
+    out = reference.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end,
+                                    case.k_new, case.v_new, case.node_bounds, mass)
+    want_out, want_mass = brute_force(case)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass.double(), want_mass, atol=1e-5, rtol=1e-5)
+
+
 # prefills from an empty cache (T = end) through SDPA with the mass pass after it: every query, or the last one only
 SDPA_CASES = {  # name: (n queries, T = end keys, H, Hkv, hd, page size, node bounds or n_nodes)
     "nodes on key block bounds": (256, 256, 4, 2, 16, 16, [0, 64, 128, 256]),
