@@ -123,6 +123,16 @@ def test_rope_head_stride(isa):
     assert torch.equal(buf[:, 1::2], before[:, 1::2])
 
 
+def test_rope_heads_outermost(isa):
+    """A [heads, T, hd] buffer seen as [T, heads, hd]: not the usual strides, yet no overlap."""
+    t, hd = 3, 64
+    buf = torch.randn(4, t, hd, generator=gen(6))
+    _, _, sin_signed = rope_tables(0, t, hd)
+    cos = rope_tables(0, t, hd)[0]
+    want = buf.transpose(0, 1) * cos[:, None, :] + buf.transpose(0, 1).roll(hd // 2, -1) * sin_signed[:, None, :]
+    assert torch.equal(co.rope_(buf.transpose(0, 1), cos, sin_signed), want)
+
+
 # ---------------------------------------------------------------- silu_mul
 
 
@@ -188,6 +198,12 @@ def test_bad_inputs():
         co.rope_(torch.randn(2, 3, 64), cos.half(), sin)
     with pytest.raises(ValueError, match="head_dim must be even"):
         co.rope_(torch.randn(2, 3, 5), torch.randn(2, 5), torch.randn(2, 5))
+    # views whose elements share memory, which in place rotated each head the previous one had rotated: refused,
+    # as torch's in-place ops refuse them
+    with pytest.raises(ValueError, match="no two of its elements may share memory"):
+        co.rope_(torch.randn(2, 1, 64).expand(2, 3, 64), cos, sin)
+    with pytest.raises(ValueError, match="no two of its elements may share memory"):
+        co.rope_(torch.randn(128).as_strided((2, 3, 64), (32, 16, 1)), cos, sin)
 
     with pytest.raises(ValueError, match="gate_up must be a float32"):
         co.silu_mul(torch.randn(1, 8, dtype=torch.float64))
