@@ -26,6 +26,7 @@ class PagedKVCache:
         self.released = False
         self._table: torch.Tensor | None = None
         self._held: list[int] = []  # pages `hold` keeps alive for a later `restore`
+        self._begun = 0  # positions the last `begin` reserved, which `commit` may then count as cached
         # node-mass collection for the next forward: key node bounds int32 [N+1] and float32 [T, N] accumulator
         self._bounds: torch.Tensor | None = None
         self._mass: torch.Tensor | None = None
@@ -52,6 +53,8 @@ class PagedKVCache:
     def begin(self, n_tokens: int) -> int:
         """Make room for n_tokens more positions (all or nothing); returns the position of the first."""
         self.check_live()
+        if n_tokens < 0:
+            raise ValueError(f"begin takes a number of new positions >= 0, got {n_tokens}")
         end = self.length + n_tokens
         if end > self.max_len:
             raise ContextOverflowError(f"{end} tokens exceed the model's context window of {self.max_len} "
@@ -70,6 +73,7 @@ class PagedKVCache:
             self.pages += self.pool.alloc(new_pages)
         if cow or new_pages > 0 or self._table is None:
             self._table = self._new_table()
+        self._begun = n_tokens
         return self.length
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,11 @@ class PagedKVCache:
         return torch.tensor(self.pages, dtype=torch.int32, device=self.pool.device)
 
     def commit(self, n_tokens: int) -> None:
+        """Count n_tokens of the positions the last `begin` reserved (and the forward wrote) as cached."""
+        if not 0 <= n_tokens <= self._begun:  # more would count pages never written, or not even allocated
+            raise ValueError(f"commit of {n_tokens} positions after a begin of {self._begun}")
         self.length += n_tokens
+        self._begun = 0
 
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on and give back the pages past it."""
@@ -124,7 +132,7 @@ class PagedKVCache:
         keep = -(-length // self.pool.page_size)
         self.pool.free(self.pages[keep:])
         del self.pages[keep:]
-        self.length = length
+        self.length, self._begun = length, 0
         self._table = None
 
     def state(self) -> tuple[int, list[int]]:

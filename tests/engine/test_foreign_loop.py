@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "foreign_loop.py"
@@ -44,3 +45,25 @@ def test_foreign_loop_matches_dense_attention(capsys):
     mean = torch.stack(probs).mean(dim=(0, 1))[24:]  # [16 queries, 40 keys], averaged over layers and heads
     torch.testing.assert_close(got["mass"], torch.stack([mean[:, :24].sum(-1), mean[:, 24:].sum(-1)], -1),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_begin_and_commit_refuse_counts_no_forward_wrote():
+    """A foreign loop's slip in counting positions is refused, leaving the cache as it was: committed unchecked,
+    positions no forward wrote (past the pages even) would be attended to as cached keys."""
+    ex = _load()
+    pool = ex.PagePool(ex.CONFIG, torch.float32, n_pages=4, page_size=4)
+    cache = ex.PagedKVCache(pool, ex.cpu_ops)
+    x = torch.randn(3, ex.CONFIG.dim, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="begin takes a number of new positions >= 0, got -1"):
+        cache.begin(-1)
+    cache.begin(3)
+    with pytest.raises(ValueError, match="commit of 10 positions after a begin of 3"):
+        cache.commit(10)
+    with pytest.raises(ValueError, match="commit of -1 positions"):
+        cache.commit(-1)
+    assert cache.length == 0 and pool.n_free == 3
+    out = ex.forward(cache, x)  # begins and commits 3 again
+    with pytest.raises(ValueError, match="commit of 1 positions after a begin of 0"):
+        cache.commit(1)  # a commit counts a begin once
+    assert cache.length == 3
+    torch.testing.assert_close(out, _brute_force(ex, x)[0], atol=1e-5, rtol=1e-5)
