@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 _F32 = torch.float32
 _I32 = torch.int32
-_BAD = (AttributeError, TypeError, ValueError)  # what the fast checks raise on non-tensors or wrong ranks
+_BAD = (AttributeError, IndexError, TypeError, ValueError)  # what the fast checks raise on non-tensors or wrong ranks
 
 
 # The functions test their arguments with one fast expression; only when it fails do these helpers find out why.

@@ -213,6 +213,7 @@ def test_bad_arguments():
     bad("k_new's 1 rows must number from n=2", q, kp, vp, L, bt, 12, kn[:1], vn[:1])
     bad("mass needs node_bounds", q, kp, vp, L, bt, 12, kn, vn, None, mass)
     bad("node_bounds must be an int32", q, kp, vp, L, bt, 12, kn, vn, nb.long(), mass)
+    bad("node_bounds must be 1-D", q, kp, vp, L, bt, 12, kn, vn, nb[0], mass)
     bad("mass must have shape \\[2, 3\\]", q, kp, vp, L, bt, 12, kn, vn, nb, mass[:, :2])
     bad("mass must be contiguous", q, kp, vp, L, bt, 12, kn, vn, nb, torch.zeros(3, 2).T)
     bad("out must have shape \\[2, 384\\]", q, kp, vp, L, bt, 12, out=torch.empty(2, 383))
