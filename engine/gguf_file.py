@@ -22,6 +22,7 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _NP_TYPES = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
 _STRING, _ARRAY = 8, 9
 _FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+_MAX_DIMS = 4  # GGML_MAX_DIMS: a corrupt count would otherwise have struct build a tuple of billions of dims
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
     if version & 0xFFFF == 0:  # written big-endian
         end = ">"
         (version,) = struct.unpack_from(">I", mm, 4)
-    if version < 2:
-        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (need 2 or later)")
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (need 2 or 3)")
     n_tensors, n_kv = struct.unpack_from(end + "QQ", mm, 8)
     pos = 24
 
@@ -114,12 +115,17 @@ def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
     for _ in range(n_tensors):
         name = read_str()
         (n_dims,) = struct.unpack_from(end + "I", mm, pos)
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ModelLoadError(f"cannot read GGUF file {path}: corrupt (tensor {name} has {n_dims} dimensions)")
         dims = struct.unpack_from(end + "Q" * n_dims, mm, pos + 4)
         qtype, offset = struct.unpack_from(end + "IQ", mm, pos + 4 + 8 * n_dims)
         pos += 4 + 8 * n_dims + 12
         infos.append((name, tuple(int(d) for d in dims), GGMLQuantizationType(qtype), offset))
 
     alignment = int(metadata.get("general.alignment", 32))
+    if alignment <= 0 or alignment & (alignment - 1):  # as llama.cpp: data_start below divides by it
+        raise ModelLoadError(f"cannot read GGUF file {path}: corrupt (general.alignment {alignment} is not a power "
+                             "of two)")
     data_start = -(-pos // alignment) * alignment
     tensors = {}
     for name, dims, qtype, offset in infos:

@@ -120,3 +120,36 @@ def test_read_gguf_tensors_match_gguf_reader(tmp_path):
         m = mine.tensors[t.name]
         assert (m.qtype, m.shape) == (t.tensor_type, tuple(int(d) for d in t.shape))
         assert np.array_equal(m.data, t.data), t.name
+
+
+def _raw_gguf(version: int = 3, n_dims: int = 1, alignment: int | None = None) -> bytes:
+    """A GGUF v`version` file holding one 8-float tensor "a" of `n_dims` header dimensions (8, 1, 1, ...), written
+    byte by byte (the gguf package's writer refuses the corrupt values these tests need)."""
+    import struct
+
+    def text(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    kv = [] if alignment is None else [text("general.alignment") + struct.pack("<II", 4, alignment)]
+    header = b"GGUF" + struct.pack("<IQQ", version, 1, len(kv)) + b"".join(kv)
+    header += text("a") + struct.pack("<I", n_dims) + struct.pack("<Q", 8) + struct.pack("<Q", 1) * min(n_dims - 1, 3)
+    header += struct.pack("<IQ", 0, 0)  # F32 at offset 0
+    return header + bytes(-len(header) % 32) + bytes(32)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(n_dims=0xFFFF_FFF0), "tensor a has 4294967280 dimensions"),  # was a MemoryError (a 4-billion-item unpack)
+    (dict(n_dims=0), "tensor a has 0 dimensions"),
+    (dict(alignment=0), "general.alignment 0 is not a power of two"),  # was a ZeroDivisionError
+    (dict(alignment=24), "general.alignment 24 is not a power of two"),
+    (dict(version=4), "GGUF version 4 is not supported"),
+])
+def test_corrupt_gguf_header(tmp_path, bad, message):
+    from nodekv.engine.gguf_file import read_gguf
+
+    path = tmp_path / "t.gguf"
+    path.write_bytes(_raw_gguf())
+    assert read_gguf(path).tensors["a"].shape == (8,)  # the well-formed file reads
+    path.write_bytes(_raw_gguf(**bad))
+    with pytest.raises(ModelLoadError, match=message):
+        read_gguf(path)
