@@ -40,11 +40,13 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ModelLoadError(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.head_dim == 0:  # after the checks: n_heads may have been 0
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim <= 0:
+            raise ModelLoadError(f"config: head_dim must be positive, got {self.head_dim}")
         if self.n_heads % self.n_kv_heads:
             raise ModelLoadError(f"config: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -63,7 +65,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dict; unsupported architectures are refused by name."""
+        """Build from a Hugging Face `config.json` dict; unsupported architectures are refused by name, a field
+        missing or of the wrong type (null, a string, a list) by its name."""
+        if not isinstance(cfg, Mapping):
+            raise ModelLoadError(f"config.json holds a {type(cfg).__name__}, expected a JSON object")
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -73,29 +78,30 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
             raise ModelLoadError(f"unsupported MLP (hidden_act={cfg.get('hidden_act')!r}, mlp_bias="
                                  f"{cfg.get('mlp_bias')}); nodekv implements SwiGLU without bias")
-        try:
-            n_heads = int(cfg["num_attention_heads"])
-            rope = cfg.get("rope_parameters") or {}  # transformers >= 5 keeps theta and scaling here
-            scaling = cfg.get("rope_scaling") or rope
-            rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-            return cls(
-                vocab_size=int(cfg["vocab_size"]),
-                dim=int(cfg["hidden_size"]),
-                n_layers=int(cfg["num_hidden_layers"]),
-                n_heads=n_heads,
-                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                intermediate_size=int(cfg["intermediate_size"]),
-                max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-                head_dim=int(cfg.get("head_dim") or 0),
-                rope_theta=float(rope_theta),
-                rope_scaling=_rope_scaling_from_hf(scaling),
-                norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                architecture=arch,
-            )
-        except KeyError as e:
-            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+        rope = cfg.get("rope_parameters") or {}  # transformers >= 5 keeps theta and scaling here
+        if not isinstance(rope, Mapping):
+            raise ModelLoadError(f"config.json field 'rope_parameters' is {rope!r}, expected an object")
+
+        def num(key: str, kind: type, default: float | None = None) -> Any:
+            return config_number(cfg, key, kind, "config.json", default)
+
+        n_heads = num("num_attention_heads", int)
+        return cls(
+            vocab_size=num("vocab_size", int),
+            dim=num("hidden_size", int),
+            n_layers=num("num_hidden_layers", int),
+            n_heads=n_heads,
+            n_kv_heads=num("num_key_value_heads", int, n_heads) or n_heads,
+            intermediate_size=num("intermediate_size", int),
+            max_seq_len=num("max_position_embeddings", int, 2048),
+            head_dim=num("head_dim", int, 0),
+            rope_theta=num("rope_theta", float, config_number(rope, "rope_theta", float, "config.json", 10000.0)),
+            rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or rope),
+            norm_eps=num("rms_norm_eps", float, 1e-5),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            architecture=arch,
+        )
 
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face `config.json` dict of this config (`from_hf` reads it back to an equal config): what
@@ -123,17 +129,35 @@ _HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Mi
 def _rope_scaling_from_hf(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
     if not scaling:
         return None
+    if not isinstance(scaling, Mapping):
+        raise ModelLoadError(f"config.json field 'rope_scaling' is {scaling!r}, expected an object")
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
     if kind != "llama3":
         raise ModelLoadError(f"unsupported rope_scaling type {kind!r}; nodekv implements 'llama3'")
+    where = "config.json rope_scaling"
     return RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        factor=config_number(scaling, "factor", float, where),
+        low_freq_factor=config_number(scaling, "low_freq_factor", float, where),
+        high_freq_factor=config_number(scaling, "high_freq_factor", float, where),
+        original_max_position_embeddings=config_number(scaling, "original_max_position_embeddings", int, where),
     )
+
+
+def config_number(values: Mapping[str, Any], key: str, kind: type, where: str, default: float | None = None) -> Any:
+    """`values[key]` as `kind` (int or float), `default` when it is absent or null; a ModelLoadError naming `key` and
+    `where` it was read (e.g. "config.json") when it is required and absent, or not a number of that kind (a
+    string, a list, a bool, a fraction where an integer belongs: int() would raise TypeError or cut it silently)."""
+    value = values.get(key)
+    if value is None:
+        if default is None:
+            raise ModelLoadError(f"{where} lacks required field {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        expected = "an integer" if kind is int else "a number"
+        raise ModelLoadError(f"{where} field {key!r} is {value!r}, expected {expected}")
+    return kind(value)
 
 
 _LLAMA3_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,

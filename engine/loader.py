@@ -12,14 +12,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Mapping, Union
+from typing import Any, BinaryIO, Mapping, Union
 
 import gguf
 import numpy as np
 import torch
 
 from ..kernels.quant import QTYPES, QuantWeight
-from .config import ModelConfig
+from .config import ModelConfig, config_number
 from .errors import ModelLoadError
 from .gguf_file import GGUFFile, GGUFTensor, read_gguf
 
@@ -184,32 +184,29 @@ def gguf_config(path: str | os.PathLike) -> ModelConfig:
 
 def _gguf_config(file: GGUFFile) -> ModelConfig:
     meta = file.metadata
+    where = f"GGUF file {file.path} metadata"
 
-    def field(key: str, default=None):
-        if key not in meta:
-            if default is None:
-                raise ModelLoadError(f"GGUF file {file.path} lacks metadata {key!r}")
-            return default
-        return meta[key]
+    def num(key: str, kind: type, default: float | None = None) -> Any:
+        return config_number(meta, key, kind, where, default)
 
-    arch = field("general.architecture")
-    if arch not in _GGUF_ARCHS:
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise ModelLoadError(f"{where} lacks required field 'general.architecture'")
+    if not isinstance(arch, str) or arch not in _GGUF_ARCHS:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {file.path}; nodekv runs {', '.join(_GGUF_ARCHS)}")
-    n_heads = int(field(f"{arch}.attention.head_count"))
-    dim = int(field(f"{arch}.embedding_length"))
-    vocab = field(f"{arch}.vocab_size", 0) or len(field("tokenizer.ggml.tokens"))
+    n_heads = num(f"{arch}.attention.head_count", int)
     return ModelConfig(
-        vocab_size=int(vocab),
-        dim=dim,
-        n_layers=int(field(f"{arch}.block_count")),
+        vocab_size=num(f"{arch}.vocab_size", int, len(meta.get("tokenizer.ggml.tokens") or ()) or None),
+        dim=num(f"{arch}.embedding_length", int),
+        n_layers=num(f"{arch}.block_count", int),
         n_heads=n_heads,
-        n_kv_heads=int(field(f"{arch}.attention.head_count_kv", n_heads)),
-        intermediate_size=int(field(f"{arch}.feed_forward_length")),
-        max_seq_len=int(field(f"{arch}.context_length")),
-        head_dim=int(field(f"{arch}.attention.key_length", dim // n_heads)),
-        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        n_kv_heads=num(f"{arch}.attention.head_count_kv", int, n_heads),
+        intermediate_size=num(f"{arch}.feed_forward_length", int),
+        max_seq_len=num(f"{arch}.context_length", int),
+        head_dim=num(f"{arch}.attention.key_length", int, 0),  # 0: dim // n_heads, once n_heads is checked
+        rope_theta=num(f"{arch}.rope.freq_base", float, 10000.0),
         rope_scaling=None,  # GGUF stores Llama-3 scaling as the rope_freqs tensor, applied by the model
-        norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        norm_eps=num(f"{arch}.attention.layer_norm_rms_epsilon", float),
         tie_embeddings="output.weight" not in file.tensors,
         qkv_bias=any(name.endswith("attn_q.bias") for name in file.tensors),
         architecture=_GGUF_ARCHS[arch],

@@ -153,3 +153,49 @@ def test_corrupt_gguf_header(tmp_path, bad, message):
     path.write_bytes(_raw_gguf(**bad))
     with pytest.raises(ModelLoadError, match=message):
         read_gguf(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"num_attention_heads": None}, "config.json lacks required field 'num_attention_heads'"),  # was a TypeError
+    ({"intermediate_size": "96"}, "field 'intermediate_size' is '96', expected an integer"),
+    ({"hidden_size": 64.5}, "field 'hidden_size' is 64.5, expected an integer"),  # was cut to 64
+    ({"rms_norm_eps": [1e-5]}, r"field 'rms_norm_eps' is \[1e-05\], expected a number"),
+    ({"rope_scaling": "llama3"}, "field 'rope_scaling' is 'llama3', expected an object"),  # was an AttributeError
+    ({"num_attention_heads": 0, "head_dim": None}, "n_heads must be positive, got 0"),  # was a ZeroDivisionError
+])
+def test_hf_config_field_of_wrong_type(save_hf, edit, message):
+    from nodekv.engine.loader import model_config
+
+    path = _hf_dir(save_hf)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(ModelLoadError, match=message):
+        model_config(path)
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match="config.json holds a list, expected a JSON object"):
+        model_config(path)
+
+
+@pytest.mark.parametrize("head_count, message", [
+    ([4, 4], r"'llama.attention.head_count' is \[4, 4\], expected an integer"),  # was a TypeError
+    ("4", "'llama.attention.head_count' is '4', expected an integer"),
+    (0, "n_heads must be positive, got 0"),  # was a ZeroDivisionError
+])
+def test_gguf_metadata_of_wrong_type(tmp_path, head_count, message):
+    import gguf
+
+    from nodekv.engine.loader import model_config
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": 2, "context_length": 256, "embedding_length": 64, "feed_forward_length": 96,
+                       "vocab_size": 101}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    key = "llama.attention.head_count"
+    {list: w.add_array, str: w.add_string, int: w.add_uint32}[type(head_count)](key, head_count)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=message):
+        model_config(path)
