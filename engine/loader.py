@@ -8,7 +8,6 @@ with a native kernel stay quantised (`QuantWeight`); everything else is returned
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from ..kernels.quant import QTYPES, QuantWeight
 from .config import ModelConfig, config_number
 from .errors import ModelLoadError
 from .gguf_file import GGUFFile, GGUFTensor, read_gguf
+from .tokenizer import read_json
 
 Tensor = Union[torch.Tensor, QuantWeight]
 
@@ -96,10 +96,7 @@ def _hf_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path} has no config.json")
-    try:
-        return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
+    return ModelConfig.from_hf(read_json(cfg_file))
 
 
 def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
@@ -108,7 +105,10 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     config = _hf_config(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelLoadError(f"{index}: expected a weight_map object of tensor name -> shard file")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:

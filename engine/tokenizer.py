@@ -196,7 +196,9 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON file holding an object (config.json, tokenizer_config.json, ...), or a ModelLoadError naming the file:
+    unreadable, not UTF-8, not JSON, or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -353,7 +355,7 @@ class Tokenizer:
             backend = Backend.from_file(str(tj))
         except Exception as e:  # tokenizers raises plain Exception on a bad file
             raise ModelLoadError(f"{tj}: cannot load tokenizer.json ({e})") from e
-        cfg = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+        cfg = read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
 
         # added tokens listed only in tokenizer_config.json (older saves)
         for spec in (cfg.get("added_tokens_decoder") or {}).values():
@@ -370,7 +372,7 @@ class Tokenizer:
         eos_ids = [eos]
         for extra in ("generation_config.json", "config.json"):
             if (path / extra).is_file():
-                eos_ids += _id_list(_read_json(path / extra).get("eos_token_id"))
+                eos_ids += _id_list(read_json(path / extra).get("eos_token_id"))
 
         add_bos = cfg.get("add_bos_token")
         if not isinstance(add_bos, bool):  # e.g. Llama 3: the post-processor adds BOS
@@ -385,7 +387,7 @@ class Tokenizer:
         if not template and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
         if not template and (path / "chat_template.json").is_file():
-            template = _read_json(path / "chat_template.json").get("chat_template")
+            template = read_json(path / "chat_template.json").get("chat_template")
         specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         return cls(backend, bos_id=bos, eos_ids=eos_ids, add_bos=add_bos,
                    add_eos=bool(cfg.get("add_eos_token", False)), chat_template=template if isinstance(template, str)

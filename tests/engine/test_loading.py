@@ -76,6 +76,19 @@ def test_misshaped_tensor(save_hf):
         Llama(config, tensors)
 
 
+@pytest.mark.parametrize("file, text, message", [
+    ("model.safetensors.index.json", "{}", "expected a weight_map object"),  # was a KeyError
+    ("model.safetensors.index.json", "[]", "index.json: expected a JSON object"),  # was a TypeError
+    ("model.safetensors.index.json", "{oops", r"index.json: cannot read JSON \(Expecting"),  # a JSONDecodeError
+    ("config.json", "\udcff", "config.json: cannot read JSON .*can't decode byte 0xff"),  # a UnicodeDecodeError
+])
+def test_corrupt_json_files_are_named(save_hf, file, text, message):
+    path = save_hf(tiny_hf_model(), shard="20KB")
+    (path / file).write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ModelLoadError, match=message):
+        load_checkpoint(path)
+
+
 def test_truncated_safetensors(save_hf):
     path = _hf_dir(save_hf)
     file = path / "model.safetensors"
@@ -172,7 +185,7 @@ def test_hf_config_field_of_wrong_type(save_hf, edit, message):
     with pytest.raises(ModelLoadError, match=message):
         model_config(path)
     (path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ModelLoadError, match="config.json holds a list, expected a JSON object"):
+    with pytest.raises(ModelLoadError, match="config.json: expected a JSON object"):
         model_config(path)
 
 
