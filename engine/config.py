@@ -78,6 +78,11 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
             raise ModelLoadError(f"unsupported MLP (hidden_act={cfg.get('hidden_act')!r}, mlp_bias="
                                  f"{cfg.get('mlp_bias')}); nodekv implements SwiGLU without bias")
+        quant = cfg.get("quantization_config")
+        if quant:  # bitsandbytes/fp8 weights sit under the plain names: they would load as numbers, not fail
+            method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else quant
+            raise ModelLoadError(f"quantised checkpoint (quantization_config: {method}) is not supported; nodekv "
+                                 "loads float weights from a HF directory, or a quantised .gguf file")
         rope = cfg.get("rope_parameters") or {}  # transformers >= 5 keeps theta and scaling here
         if not isinstance(rope, Mapping):
             raise ModelLoadError(f"config.json field 'rope_parameters' is {rope!r}, expected an object")

@@ -123,8 +123,12 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     canonical = _hf_canonical(key)
-                    if canonical is not None:
-                        tensors[canonical] = f.get_tensor(key).float()
+                    if canonical is None:
+                        continue
+                    value = f.get_tensor(key)
+                    if not value.is_floating_point():  # quantised weights: .float() would make numbers of codes
+                        raise ModelLoadError(f"{file}: tensor {key} is {value.dtype}; nodekv loads float weights")
+                    tensors[canonical] = value.float()
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read {file}: corrupt or truncated safetensors ({e})") from None
     return config, tensors

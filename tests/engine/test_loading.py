@@ -89,6 +89,19 @@ def test_corrupt_json_files_are_named(save_hf, file, text, message):
         load_checkpoint(path)
 
 
+def test_quantised_hf_checkpoint_is_refused(save_hf):
+    path = _hf_dir(save_hf)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "bitsandbytes"}}))
+    with pytest.raises(ModelLoadError, match=r"quantised checkpoint \(quantization_config: bitsandbytes\)"):
+        load_checkpoint(path)
+    (path / "config.json").write_text(json.dumps(cfg))  # int8 weights without the config that says so
+    _edit_weights(path, lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", torch.ones(96, 64,
+                                                                                               dtype=torch.int8)))
+    with pytest.raises(ModelLoadError, match="tensor model.layers.0.mlp.up_proj.weight is torch.int8"):
+        load_checkpoint(path)
+
+
 def test_truncated_safetensors(save_hf):
     path = _hf_dir(save_hf)
     file = path / "model.safetensors"
