@@ -329,6 +329,16 @@ def test_token_id(tok):
 
 
 @pytest.mark.model
+def test_lone_surrogate_is_a_value_error(tok):
+    """Python decodes a non-UTF-8 command-line argument's bytes to lone surrogates; the tokenizers library raised
+    TypeError("TextInputSequence must be str") on them."""
+    text = b"what \xff is".decode("utf-8", "surrogateescape")
+    for encode in (tok.encode, tok.token_id, lambda t: tok.chat([{"role": "user", "content": t}])):
+        with pytest.raises(ValueError, match="lone surrogate U\\+DCFF at offset"):
+            encode(text)
+
+
+@pytest.mark.model
 def test_decode_stream(tok):
     text = "Héllo wörld 🎉👨‍👩‍👧 日本語!\n  done 123"
     ids = tok.encode(text)
