@@ -270,10 +270,12 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
         torch.set_num_threads(threads)
     from .tokenizer import Tokenizer
 
-    ckpt = load_checkpoint(resolve_model(model))
-    if ckpt.gguf_metadata is None:
-        tokenizer = Tokenizer.from_dir(ckpt.path)
-    else:
+    path = resolve_model(model)
+    # a HF directory's tokenizer files are checked before its weights load; a GGUF's tokenizer is in the header
+    # load_checkpoint parses first, so reading it now would parse that header twice
+    tokenizer = Tokenizer.from_dir(path) if path.is_dir() else None
+    ckpt = load_checkpoint(path)
+    if tokenizer is None:
         tokenizer = Tokenizer.from_gguf(ckpt.path, ckpt.gguf_metadata)
     llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy, precision, target)
     pages = default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens, target)

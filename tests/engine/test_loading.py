@@ -102,6 +102,19 @@ def test_quantised_hf_checkpoint_is_refused(save_hf):
         load_checkpoint(path)
 
 
+def test_hf_dir_without_tokenizer_is_refused_before_its_weights_load(save_hf, monkeypatch):
+    import nodekv.engine.engine as engine
+
+    path = _hf_dir(save_hf)  # config and weights, no tokenizer.json
+
+    def no_load(path):
+        raise AssertionError("the weights were loaded before the tokenizer was checked")
+
+    monkeypatch.setattr(engine, "load_checkpoint", no_load)
+    with pytest.raises(ModelLoadError, match="missing tokenizer.json"):
+        engine.load_engine(path, device="cpu")
+
+
 def test_truncated_safetensors(save_hf):
     path = _hf_dir(save_hf)
     file = path / "model.safetensors"
