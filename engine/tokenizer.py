@@ -208,14 +208,15 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def _check_unicode(text: str) -> str:
-    """`text`, or a ValueError if it holds a lone surrogate: what Python decodes undecodable bytes to (a non-UTF-8
-    command-line argument), which has no UTF-8 form, so the tokenizers library would raise a puzzling TypeError."""
+def check_unicode(text: str, what: str = "text") -> str:
+    """`text`, or a ValueError naming `what` it is if it holds a lone surrogate: what Python decodes undecodable
+    bytes to (a non-UTF-8 command-line argument), which has no UTF-8 form, so the tokenizers library would raise a
+    puzzling TypeError."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"text holds the lone surrogate U+{ord(text[e.start]):04X} at offset {e.start}, which is not "
-                         "Unicode text (bytes that were not UTF-8?)") from None
+        raise ValueError(f"{what} holds the lone surrogate U+{ord(text[e.start]):04X} at offset {e.start}, which is "
+                         "not Unicode text (bytes that were not UTF-8?)") from None
     return text
 
 
@@ -420,7 +421,7 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         backend = self._tok if parse_special else self._tok_text
-        ids = backend.encode(_check_unicode(text), add_special_tokens=False).ids
+        ids = backend.encode(check_unicode(text), add_special_tokens=False).ids
         if add_bos:
             if self.bos_id is None:
                 raise ValueError("add_bos=True but this tokenizer has no BOS token")
@@ -442,7 +443,7 @@ class Tokenizer:
     def token_id(self, piece: str) -> int:
         """The single id `piece` encodes to (special tokens included), e.g. ``token_id("Yes")``; ValueError if
         it encodes to zero or several ids."""
-        ids = self._tok.encode(_check_unicode(piece), add_special_tokens=False).ids
+        ids = self._tok.encode(check_unicode(piece), add_special_tokens=False).ids
         if len(ids) != 1:
             raise ValueError(f"{piece!r} is not a single token: it encodes to {len(ids)} ids {ids}")
         return ids[0]
@@ -501,7 +502,7 @@ class Tokenizer:
 
         specials = self._special_texts
         safe = messages if specials is None or isinstance(messages, (Mapping, str)) else list(map(hide_in, messages))
-        text = _check_unicode(self.render_chat(safe, add_generation_prompt, **template_kwargs))
+        text = check_unicode(self.render_chat(safe, add_generation_prompt, **template_kwargs))
         if not hidden:  # the common case: one encode, exactly transformers' ids
             return self._tok.encode(text, add_special_tokens=False).ids
         # the text between the template's control tokens, content's own written back, is encoded with them as text

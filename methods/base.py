@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 from ..engine.engine import Engine
+from ..engine.tokenizer import check_unicode
 from .options import Option, config_class
 from .prompts import PromptSpec, prompt_for
 from .reader import Answer, Reader, check_room
@@ -28,7 +29,7 @@ def check_question(question: str) -> str:
         raise ValueError(f"the question must be text, got {type(question).__name__}")
     if not question.strip():
         raise ValueError("the question is empty (nothing to ask)")
-    return question
+    return check_unicode(question, "the question")
 
 
 def check_document(document: str, what: str = "the document") -> str:
@@ -42,7 +43,7 @@ def check_document(document: str, what: str = "the document") -> str:
     nul = document.find("\0")
     if nul >= 0:
         raise ValueError(f"{what} holds NUL characters (the first at character {nul}): binary data, not text")
-    return document
+    return check_unicode(document, what)
 
 
 def _checked(method, check, name: str, position: int, returns: type = object):

@@ -68,6 +68,7 @@ EVAL = ["eval", "--method", "bm25", "--dataset", "hotpotqa", "--data-dir", "data
 CASES = [  # argv, the one line on stderr
     (["ask", "doc.txt", ""], "error: the question is empty"),
     (["ask", "doc.txt", "  \n"], "error: the question is empty"),
+    (["ask", "doc.txt", "what \udcff is"], "error: the question holds the lone surrogate U+DCFF at offset 5"),
     (["ask", "{tmp}", "q"], "error: {tmp} is a directory, not a document file"),
     (["index", "{tmp}", "--method", "pecan"], "error: {tmp} is a directory, not a document file"),
     (["graph", "{tmp}", "-o", "x.html"], "error: {tmp} is a directory, not an index file"),
