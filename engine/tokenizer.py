@@ -534,7 +534,8 @@ class DecodeStream:
     Text is only released once it no longer ends in an incomplete UTF-8 sequence (a byte-level token can hold
     half a character), so concatenating the pushes gives ``decode(ids)``. Each push decodes only a short window
     of recent ids, so a long generation costs O(length), not O(length^2). `context` (e.g. the last prompt ids) is
-    decoded for spacing only and never returned.
+    decoded for spacing only and never returned, except a character it leaves incomplete (a generation cut in the
+    middle of one, then continued): that comes out whole with the push that completes it.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, context: Sequence[int] = ()) -> None:
@@ -548,11 +549,8 @@ class DecodeStream:
     def push(self, token_id: int) -> str:
         """Add one generated id; return the newly completed text ('' while a character is still incomplete)."""
         self.ids.append(int(token_id))
-        dec = self.tokenizer.decode
-        prefix = dec(self.ids[self._prefix:self._read], self.skip_special)
-        full = dec(self.ids[self._prefix:], self.skip_special)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix):]
+        new = self._unread()
+        if new and not new.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self.ids)
             self.text += new
             return new
@@ -560,10 +558,15 @@ class DecodeStream:
 
     def flush(self) -> str:
         """Release whatever is held back (an incomplete character comes out as U+FFFD)."""
-        dec = self.tokenizer.decode
-        prefix = dec(self.ids[self._prefix:self._read], self.skip_special)
-        full = dec(self.ids[self._prefix:], self.skip_special)
-        new = full[len(prefix):]
+        new = self._unread()
         self._prefix = self._read = len(self.ids)
         self.text += new
         return new
+
+    def _unread(self) -> str:
+        """The text the ids after `_read` add: where the read ids decode with a U+FFFD for bytes the later ones
+        complete (an incomplete character at the end of `context`), from that character on, not from its length."""
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self._prefix:self._read], self.skip_special)
+        full = dec(self.ids[self._prefix:], self.skip_special)
+        return full[len(prefix) if full.startswith(prefix) else len(os.path.commonprefix([prefix, full])):]

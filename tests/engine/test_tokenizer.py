@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -350,6 +351,23 @@ def test_decode_stream(tok):
     # generation after a prompt: context is used for spacing only
     s2 = tok.decode_stream(context=tok.encode("Q:"))
     assert "".join(s2.push(i) for i in tok.encode(" Yes.")) == " Yes."
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("text", ["ab 🎉 cd", "é🎉🎉 a", "x 你好 y 𝔘𝔫𝔦", "abc \ufffd def", "\ufffd🎉\ufffd"])
+def test_decode_stream_after_a_context_cut_inside_a_character(tok, text):
+    """A generation cut in the middle of a character, then continued: the stream's context ends in the character's
+    first bytes (decoded as U+FFFD). The character comes out whole with the token that completes it, so the
+    context's complete text and the stream's add up to the tokenizers library's decode of all the ids; a U+FFFD
+    that is a character of the text stays the context's."""
+    ids = tok.encode(text)
+    whole = tok.decode(ids)
+    for cut in range(len(ids)):
+        stream = tok.decode_stream(context=ids[:cut])
+        out = "".join(stream.push(i) for i in ids[cut:]) + stream.flush()
+        shown = tok.decode(ids[:cut])
+        complete = shown[:len(os.path.commonprefix([shown, whole]))]  # the context's text less an incomplete end
+        assert complete + out == whole, (cut, shown, out)
 
 
 # -- the other pre-tokenizers, on GGUFs written with this vocabulary ----------------------------------------------
