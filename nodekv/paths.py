@@ -5,9 +5,12 @@ work, every file written atomically (`atomic_path`, `write_atomic`), JSON-lines 
 (`read_json_lines`)."""
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import secrets
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -59,8 +62,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.replace (atomic on one file system) once the block ends, after an fsync, and deleted if the block raises. A
     crash or a kill mid-write leaves the previous file whole under its name, never a partial one. The temporary
     name is hidden and ends in .tmp, so that no glob for `path`'s kind of file finds one a kill left behind (a
-    writer that reads the format from the suffix must be told it)."""
+    writer that reads the format from the suffix must be told it); a later write of `path` removes it once stale."""
     path = Path(path)
+    _remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name[:200]}.{os.getpid()}-{secrets.token_hex(4)}.tmp")  # within NAME_MAX
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # 0o666 less the umask, as open() makes
     try:
@@ -71,6 +75,31 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+STALE_TEMPORARY_S = 3600  # a temporary unchanged this long, of a process gone, is what a kill left
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete the temporaries of `path` that writers killed mid-write left behind (a model assembly's is ~1 GB):
+    those whose process is gone and that have not changed for `STALE_TEMPORARY_S` (the age guards a writer on
+    another machine sharing the folder, whose process id means nothing here)."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name[:200])}.*.tmp"):
+        writer = re.fullmatch(r"(\d+)-[0-9a-f]{8}\.tmp", tmp.name[len(path.name[:200]) + 2:])
+        if writer is None:
+            continue
+        try:
+            os.kill(int(writer.group(1)), 0)
+            continue  # the writer runs (or runs as another user)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, ValueError):
+            continue
+        try:
+            if time.time() - tmp.stat().st_mtime > STALE_TEMPORARY_S:
+                tmp.unlink()
+        except OSError:  # removed meanwhile by another writer, or not ours to remove
+            pass
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:

@@ -20,7 +20,7 @@ from nodekv.engine.config import preset
 from nodekv.engine.node_store import write_node_store
 from nodekv.methods import get, names
 from nodekv.methods.index_file import _checksum, read_index_file, write_index_file
-from nodekv.paths import NotUTF8Error, atomic_path, read_json_lines, read_text, write_atomic
+from nodekv.paths import STALE_TEMPORARY_S, NotUTF8Error, atomic_path, read_json_lines, read_text, write_atomic
 
 
 @pytest.fixture
@@ -408,7 +408,13 @@ def test_a_killed_writer_leaves_the_old_file_byte_identical(tmp_path):
     (left,) = _hidden(tmp_path)  # what the kill left is hidden and no *.md: globs for reports skip it
     assert left.startswith(".report.md.") and left.endswith(".tmp") and list(tmp_path.glob("*.md")) == [path]
     write_atomic(path, "next report\n")  # and does not stand in the way of the next write
-    assert path.read_text() == "next report\n"
+    assert path.read_text() == "next report\n" and _hidden(tmp_path) == [left]  # young: perhaps another machine's
+    alive = tmp_path / f".report.md.{os.getpid()}-0123abcd.tmp"
+    alive.write_text("a write in progress")
+    for old_file in (tmp_path / left, alive):
+        os.utime(old_file, (time.time() - STALE_TEMPORARY_S - 1,) * 2)
+    write_atomic(path, "third report\n")  # removes what the dead writer left an hour ago, not a live one's
+    assert _hidden(tmp_path) == [alive.name]
 
 
 def test_atomic_writes_keep_ordinary_permissions_and_replace_whole(tmp_path):
