@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ...engine.engine import Engine
 from ...engine.node_store import StoredNode
@@ -54,7 +55,7 @@ class Dice(Method, name="dice", title="DICE"):
                choices=(1, 2)),
         Option("max_iterations", int, 5, "M: sub-questions or steps at most", low=1),
         Option("chunk_words", int, 80, "words per chunk at most", low=1),
-        Option("top_k", int, 3, "chunks that feed each step", low=1),
+        Option("top_k", int, 3, "chunks that feed each step (at most recall_k with rerank)", low=1),
         Option("recall", str, "dense", "dense: the bi-encoder recalls (the paper); hybrid: its ranking fused with "
                "BM25's", choices=("dense", "hybrid")),
         Option("recall_k", int, 10, "recalled candidates re-ranked by the LLM", low=1),
@@ -74,6 +75,16 @@ class Dice(Method, name="dice", title="DICE"):
                  lm: LM | None = None, **options):
         super().__init__(engine, prompt, progress, **options)
         self._embedder, self._lm = embedder, lm
+
+    @classmethod
+    def configure(cls, **options: Any) -> Any:
+        """`Method.configure`, with top_k at most recall_k under the re-rank: it keeps top_k of the recall_k chunks
+        recalled, so a larger top_k would silently read recall_k chunks a step."""
+        config = super().configure(**options)
+        if config.rerank and config.top_k > config.recall_k:
+            raise ValueError(f"DICE option top_k ({config.top_k}) must be at most recall_k ({config.recall_k}) "
+                             f"with rerank: the re-rank keeps top_k of the recall_k chunks recalled")
+        return config
 
     @property
     def lm(self) -> LM:

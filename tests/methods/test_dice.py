@@ -269,6 +269,11 @@ def test_bad_input_is_refused_with_a_message():
     engine = SimpleNamespace(flops=FlopAccount(), config=SimpleNamespace(max_seq_len=4096))
     with pytest.raises(ValueError, match="DICE option algorithm must be one of 1, 2"):
         Dice(engine, algorithm=3)
+    with pytest.raises(ValueError, match=r"top_k \(5\) must be at most recall_k \(2\) with rerank"):
+        Dice(engine, top_k=5, recall_k=2)
+    with pytest.raises(ValueError, match="top_k"):  # as the CLI checks options, before a model loads
+        Dice.configure(top_k="5", recall_k="2")
+    assert Dice(engine, top_k=5, recall_k=2, rerank=False).config.top_k == 5  # recall_k is unused without re-rank
     with pytest.raises(ValueError, match="document is empty"):
         Dice(engine, embedder=KeywordEmbedder(), lm=ScriptedLM([])).index("  \n ")
     dice = Dice(engine, embedder=KeywordEmbedder(), lm=ScriptedLM([]))
