@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Hashable, Sequence
 
 from ..engine.engine import Engine
+from ..engine.errors import ContextOverflowError
 from ..engine.flops import forward_flops
 from ..engine.model import QUANT_MAX_TOKENS
 from ..engine.node_store import STORE_DTYPES, StoredNode, as_stored
@@ -186,6 +187,13 @@ def check_room(model: int, spec: PromptSpec, window: int | None = None) -> int:
         raise ValueError(f"an answer of up to {spec.max_new_tokens} tokens (max_new_tokens) leaves no room for a "
                          f"prompt in a window of {window} tokens")
     return window - spec.max_new_tokens
+
+
+def check_fits(tokens: int, model: int, what: str) -> None:
+    """A ContextOverflowError (a ValueError) naming `what` when its `tokens` exceed the model's window of `model`
+    tokens: a method that builds its own prompt around a question checks it before prefilling any part of it."""
+    if tokens > model:
+        raise ContextOverflowError(f"{what} takes {tokens} tokens, more than the model's window of {model}")
 
 
 class Reader:

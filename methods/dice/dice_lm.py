@@ -11,7 +11,7 @@ from ...engine.node_store import StoredNode
 from ...engine.session import Session
 from ..base import chat_pieces
 from .dice_prompts import EXTRACT_FACT, planning_turn
-from ..reader import Repair
+from ..reader import Repair, check_fits
 from ..relevance import RelevanceProbe
 
 
@@ -88,9 +88,11 @@ class EngineLM:
     def thought(self, algorithm: int, question: str, opening: str = "") -> Thought:
         """T for `question`: the algorithm's planning turn (shared prefix), the question, the reply's `opening`."""
         head, tail = self._planning[algorithm]
+        rest = self._encode(question) + tail + self._encode(opening)
+        check_fits(len(head) + len(rest), self.engine.config.max_seq_len, "DICE's planning turn with this question")
         s = self.engine.prefixes.fork(head, node_id=f"dice-plan-{algorithm}")
         try:
-            s.append(self._encode(question) + tail + self._encode(opening), node_id="question")
+            s.append(rest, node_id="question")
         except BaseException:
             s.release()
             raise

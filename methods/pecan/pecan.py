@@ -28,7 +28,8 @@ from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Z_SCALES, next_node, positional_relevance
 from .pecan_store import FORMAT, PecanIndex, load, save, to_graphml, to_html
 from ..prompts import PromptSpec
-from ..reader import KV_REUSE_OPTIONS, READER_OPTION, GrowingPrompt, Reader, Repair, kv_index_key, store_kv_nodes
+from ..reader import (KV_REUSE_OPTIONS, READER_OPTION, GrowingPrompt, Reader, Repair, check_fits, kv_index_key,
+                      store_kv_nodes)
 
 FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
               "Do not provide any explanation.\n\nQuestion:\n{}\n\nInformation:\n{}")
@@ -134,8 +135,11 @@ class Pecan(Method, name="pecan", title="PECAN"):
     def answer(self, index: PecanIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
         eng, cfg = self.search_engine, self.config
         trace, yes_count = [], 0
-        if options and cfg.reader == "shared":  # the calibration scope's, not the query's, as `Reader.read` charges it
-            self._answer_reader.letter_prior(question, options)
+        if cfg.reader == "shared":  # a question the reader's prompt cannot hold is refused now, not after the search
+            if options:  # the calibration scope's, not the query's, as `Reader.read` charges it
+                self._answer_reader.letter_prior(question, options)
+            else:
+                self._answer_reader.prompt_ids("", question)
         before = eng.flops.scopes["query"]
         with eng.flops.scope("query"), eng.session() as s:
             for step in self.search(s, index, question, options, probe=cfg.dynamic):
@@ -188,10 +192,12 @@ class Pecan(Method, name="pecan", title="PECAN"):
             probe_ids = tok.encode(RESTATED_PROBE.format(question)) + probe_ids
         room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids(question, options))
                                             + self._answer_budget())
+        first = [tok.encode(head, parse_special=True), tok.encode(question), tok.encode(info)]
+        check_fits(sum(map(len, first)), eng.config.max_seq_len, "PECAN's first turn with this question")
         sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
-        s.append(tok.encode(head, parse_special=True), node_id="head")
-        q_len = len(s.append(tok.encode(question), node_id="query"))
-        s.append(tok.encode(info), node_id="info")
+        s.append(first[0], node_id="head")
+        q_len = len(s.append(first[1], node_id="query"))
+        s.append(first[2], node_id="info")
         visited, query_mass = [], []
         pending, n_top = list(graph.top_level), len(graph.top_level)
         while True:

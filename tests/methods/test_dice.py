@@ -308,6 +308,23 @@ def test_the_second_question_is_not_charged_for_the_shared_prefixes(algorithm):
 
 
 @pytest.mark.model
+def test_a_question_the_planning_turn_cannot_hold_is_refused_before_any_forward():
+    """As the other methods refuse a question the window cannot hold, with one line and no forward: the planning
+    prefix (~500 tokens, cached per engine) is not prefilled first, for a question longer than the window or one
+    that fits it alone."""
+    import nodekv
+
+    eng = nodekv.load_engine("smollm2-135m")
+    dice = Dice(eng, embedder=KeywordEmbedder())
+    index = dice.index(DOC)
+    for words in (eng.config.max_seq_len, eng.config.max_seq_len - 300):
+        with pytest.raises(ValueError, match="DICE's planning turn with this question takes .* more than the "
+                                             "model's window of"):
+            dice.answer(index, "word " * words)
+    assert eng.flops.total == 0 and len(eng.prefixes) == 0
+
+
+@pytest.mark.model
 def test_stored_chunks_fully_repaired_give_the_prefilled_run():
     """kv_reuse: the chunks' KV stored at indexing, placed in the re-rank, the fact extraction and the reader, and
     with every placed token recomputed (blend, repair=1) the run of kv_reuse=off: the same re-rank scores, facts

@@ -222,6 +222,28 @@ def test_search_stops_before_the_window_is_full(built, monkeypatch):
     assert cut.prompt_tokens + cut.generated_tokens <= eng.config.max_seq_len
 
 
+@pytest.mark.parametrize("reader", ["shared", "paper"])
+def test_a_question_the_window_cannot_hold_is_refused_before_any_forward(built, reader, monkeypatch):
+    """As the other methods refuse it, with one line and no forward: a question longer than the window, and (shared
+    reader) one whose first turn fits but whose reader prompt does not, which the search would have prefilled."""
+    from nodekv.methods.pecan.pecan import Pecan
+
+    eng, method, index = built
+    method = Pecan(eng, **{**dataclasses.asdict(method.config), "reader": reader})
+    total = eng.flops.total
+    too_long = "word " * eng.config.max_seq_len
+    with pytest.raises(ValueError, match="without its context" if reader == "shared" else
+                       "PECAN's first turn with this question takes .* more than the model's window of"):
+        method.answer(index, too_long)
+    if reader == "shared":
+        long = "word " * 200
+        window = len(eng.tokenizer.encode(long)) + 70  # the first turn adds ~60 tokens, the reader's prompt ~90 + 64
+        monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, max_seq_len=window))
+        with pytest.raises(ValueError, match="without its context"):
+            Pecan(eng, **dataclasses.asdict(method.config)).answer(index, long)
+    assert eng.flops.total == total
+
+
 def test_restated_prompts_leave_the_search_order_and_relevance_unchanged(built):
     """The restate style changes only rolled-back probe tokens and the answer turn: the nodes are visited in the
     same order with the same r (relevance read from the cached prompt) until one of the searches stops."""
