@@ -105,9 +105,11 @@ class Answer:
     text: str
     nodes: list[Hashable]            # ids of the nodes (chunks, IPs) the answer was conditioned on
     trace: list[dict] = field(default_factory=list)
-    flops: int = 0                   # query-dependent FLOPs by the engine's account (the whole answer, every step)
-    prompt_tokens: int = 0           # tokens of the prompt the answer was read from
-    generated_tokens: int = 0
+    # query-dependent FLOPs by the engine's account (the whole answer, every step); a prompt prefix a method caches
+    # per engine (DICE's) is charged to the first answer that prefills it, never again
+    flops: int = 0
+    prompt_tokens: int = 0           # tokens of the prompt the answer was read from (DICE reader=paper: see Dice)
+    generated_tokens: int = 0        # tokens the answer decoded (DICE reader=paper: see Dice)
     truncated: bool = False          # the prompt was cut in the middle to fit the window
     context: str | None = None       # the text the reader read (None: closed book, or not kept by the paper's step)
     choice_probs: list[float] | None = None  # multiple choice: p(letter) normalised over the option letters

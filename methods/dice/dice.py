@@ -48,7 +48,13 @@ class Dice(Method, name="dice", title="DICE"):
     the fact extraction and the shared reader read the chunk; Alg. 2's reference, written into T, stays text.
 
     index(document) cuts and embeds the chunks; answer(index, question) runs the chosen algorithm. `embedder`
-    replaces the packaged all-MiniLM-L6-v2; `lm` replaces the engine-backed LLM calls (tests script it)."""
+    replaces the packaged all-MiniLM-L6-v2; `lm` replaces the engine-backed LLM calls (tests script it).
+
+    The Answer's `flops` are the whole run's. The planning, relevance and extraction prefixes are prefilled once per
+    engine: the first answer that uses one pays for it, later ones do not, and the trace's last entry records the
+    FLOPs this saved a run (`prefix_flops_saved`). With `reader=paper`, `prompt_tokens` and `generated_tokens` count
+    every token the run prefilled and decoded (planning, re-rank, extraction, steps and answer), not those of one
+    prompt and its answer as the shared reader's do."""
 
     options = (
         Option("algorithm", int, 2, "1: iterative QA with fact extraction; 2: knowledge-constrained decoding",
