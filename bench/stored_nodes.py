@@ -75,7 +75,6 @@ def main(argv: list[str] | None = None) -> None:
     from nodekv.evaluation.datasets import load_dataset
     from nodekv.evaluation.index_store import IndexStore
     from nodekv.evaluation.metrics import score
-    from nodekv.methods.index_file import model_id
     from nodekv.methods.prompts import prompt_for
 
     records = load_dataset(args.dataset, args.data_dir, args.records).records  # refuses a missing set before loading
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                       stored if isinstance(stored, dict) else dict(enumerate(stored)))
             for dtype in STORE_DTYPES:
                 path = Path(tmp) / f"{dtype}.kv"
-                write_node_store(path, stored, model_id(engine), dtype)
+                write_node_store(path, stored, engine.model_id, dtype)
                 store_bytes[dtype] += path.stat().st_size
             stored_tokens += sum(len(node) for node in stored.values())
             print(f"record {i + 1}/{len(records)} done", flush=True)

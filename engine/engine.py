@@ -1,8 +1,11 @@
 """The engine: a loaded model, its tokenizer and FLOP account, and the one place where forwards run."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from functools import partial
+from dataclasses import asdict
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Hashable, Sequence
 
@@ -46,6 +49,13 @@ class Engine:
         self.path = path
         self.flops = FlopAccount()
         self.prefixes = PrefixCache(self)  # few-shot and instruction prompts prefilled once, forked per use
+
+    @cached_property
+    def model_id(self) -> dict:
+        """What stored KV and saved indexes are tied to: the model file's name and a hash of its config (two
+        files of one name and config count as one model)."""
+        config = json.dumps(asdict(self.config), sort_keys=True, default=str)
+        return {"name": self.path.name if self.path else None, "config": hashlib.sha256(config.encode()).hexdigest()}
 
     @property
     def device(self) -> torch.device:
@@ -135,7 +145,7 @@ class Engine:
             for n in nodes:
                 b = a + len(n)
                 key = unrotate(k[:, a:b], *self.model.rope(slice(a, b))).to(v.dtype)
-                stored.append(StoredNode(tuple(n), key.cpu(), v[:, a:b].to("cpu", copy=True)))
+                stored.append(StoredNode(tuple(n), key.cpu(), v[:, a:b].to("cpu", copy=True), self.model_id))
                 a = b
             return stored
         finally:
@@ -144,8 +154,12 @@ class Engine:
     @torch.inference_mode()
     def place_stored(self, node: StoredNode, cache: PagedKVCache) -> None:
         """Write a stored node's keys and values after what `cache` holds, each key rotated to its position there by
-        the tables a prefill uses (no forward: no FLOPs). All or nothing."""
+        the tables a prefill uses (no forward: no FLOPs). All or nothing. A node stored by another model is refused:
+        keys and values of one model's shapes are another's garbage."""
         check_fits(node, self.config)
+        if node.model is not None and node.model != self.model_id:
+            raise ValueError(f"a node stored by model {node.model.get('name')} (config {node.model.get('config')[:12]})"
+                             f" cannot be placed in {self.model_id['name']}'s cache: store it with this model")
         n, state = len(node), cache.state()
         start = cache.begin(n)
         try:

@@ -34,6 +34,7 @@ class StoredNode:
     tokens: tuple[int, ...]
     k: torch.Tensor  # [layers, tokens, kv_heads, head_dim], before RoPE
     v: torch.Tensor  # [layers, tokens, kv_heads, head_dim]
+    model: dict | None = None  # the `Engine.model_id` that computed it, which `Engine.place_stored` checks
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -103,7 +104,7 @@ def as_stored(node: StoredNode, dtype: str) -> StoredNode:
     one read back from a file are the same numbers."""
     _check_dtype(dtype)
     k, v = (_decode(*map(memoryview, _encode(t, dtype)), dtype, tuple(t.shape)) for t in (node.k, node.v))
-    return StoredNode(node.tokens, k, v)
+    return StoredNode(node.tokens, k, v, node.model)
 
 
 def write_node_store(path: str | Path, nodes: dict[str, StoredNode], model: dict, dtype: str = "float16") -> str:
@@ -169,7 +170,7 @@ class NodeStore:
         if len(self._map) != self._base + header["payload_bytes"]:
             raise NodeStoreError(f"{self.path} is truncated or padded: {len(self._map)} bytes, its header says "
                                  f"{self._base + header['payload_bytes']}")
-        self.dtype, self._entries = header["dtype"], header["nodes"]
+        self.dtype, self._entries, self.model = header["dtype"], header["nodes"], model
 
     def __contains__(self, node_id) -> bool:
         return str(node_id) in self._entries
@@ -208,7 +209,7 @@ class NodeStore:
         except ValueError as err:  # sizes that do not hold the shape: a header that disagrees with its bytes
             raise NodeStoreError(f"{self.path}: node {node_id!r}'s bytes do not hold its shape {shape}: {err}") from None
         self._unmap(start, len(blob))
-        return StoredNode(tuple(e["tokens"]), k, v)
+        return StoredNode(tuple(e["tokens"]), k, v, self.model)
 
     def _unmap(self, start: int, length: int) -> None:
         """Drop the mapped pages of bytes already decoded from this process's resident set (they stay in the page

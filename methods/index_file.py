@@ -6,7 +6,6 @@ import hashlib
 import json
 import re
 from contextlib import ExitStack
-from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping
 
@@ -19,12 +18,6 @@ class IndexFileError(ValueError):
     """An index file that is corrupt, foreign, of another version, or built with another model."""
 
 
-def model_id(engine: Engine) -> dict:
-    """What an index is tied to: the model file's name and a hash of its config."""
-    config = json.dumps(asdict(engine.config), sort_keys=True, default=str)
-    return {"name": engine.path.name if engine.path else None, "config": hashlib.sha256(config.encode()).hexdigest()}
-
-
 def _checksum(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -32,7 +25,7 @@ def _checksum(body: dict) -> str:
 def write_index_file(path: str | Path, fmt: str, version: int, engine: Engine, body: dict) -> None:
     """Write `body` (JSON-able, without the keys format, version, model and checksum) under that header, whole or
     not at all (a kill mid-write leaves the previous file)."""
-    data = {"format": fmt, "version": version, "model": model_id(engine), **body}
+    data = {"format": fmt, "version": version, "model": engine.model_id, **body}
     write_atomic(path, json.dumps({**data, "checksum": _checksum(data)}))
 
 
@@ -40,7 +33,7 @@ def read_index_file(path: str | Path, fmt: str, version: int, engine: Engine, wh
     """The body of an index file written by `write_index_file` with `engine`'s model; `what` names the kind of
     file in errors (e.g. "PECAN index")."""
     data = _read_checked(Path(path), fmt, version, what)
-    _check_model(Path(path), data, model_id(engine))
+    _check_model(Path(path), data, engine.model_id)
     return {k: v for k, v in data.items() if k not in ("format", "version", "model")}
 
 
@@ -109,7 +102,7 @@ def write_index_files(path: str | Path, fmt: str, version: int, engine: Engine, 
         digest = None
         if nodes is not None:
             digest = write_node_store(renamed_on_exit.enter_context(atomic_path(kv_path(path))), dict(nodes),
-                                      model_id(engine), kv_dtype)
+                                      engine.model_id, kv_dtype)
         for sidecar, data in (sidecars or {}).items():
             renamed_on_exit.enter_context(atomic_path(sidecar)).write_bytes(data)
         write_index_file(path, fmt, version, engine, {**body, "stored_kv": digest})
@@ -122,7 +115,7 @@ def read_kv_beside(index_path: str | Path, engine: Engine, stored_kv: str | bool
     NodeStoreError, naming the file, when the index was built without one, or the store is missing, truncated,
     foreign, of another model, or not the one written with this index (another index's, or one an interrupted
     rebuild left: its nodes would be read for passages they do not hold)."""
-    return _open_kv_beside(index_path, model_id(engine), stored_kv)
+    return _open_kv_beside(index_path, engine.model_id, stored_kv)
 
 
 def _open_kv_beside(index_path: str | Path, model: dict, stored_kv: str | bool | None) -> NodeStore:

@@ -341,7 +341,8 @@ def test_not_utf8_names_the_file_byte_and_offset_past_the_first_read_chunk(tmp_p
 
 
 def _index_engine():
-    return SimpleNamespace(config=preset("smollm2-135m"), path=Path("model.gguf"))
+    return SimpleNamespace(config=preset("smollm2-135m"), path=Path("model.gguf"),
+                           model_id={"name": "model.gguf", "config": "0" * 64})
 
 
 def _hidden(folder: Path) -> list[str]:

@@ -132,6 +132,7 @@ def test_placing_charges_no_flops_and_storing_charges_a_prefill(pair):
 def test_a_node_of_another_shape_or_a_full_pool_leaves_the_session_unchanged(pair):
     _, engine = pair
     node = engine.store_node(ids(9, 8))
+    assert node.model == engine.model_id
     wrong = StoredNode(node.tokens, node.k[:1], node.v[:1])  # one layer: stored by another model
     big = StoredNode(tuple(ids(200, 11)), torch.zeros(2, 200, 2, 16), torch.zeros(2, 200, 2, 16))
     hogs = [engine.session() for _ in range(2)]
@@ -147,6 +148,9 @@ def test_a_node_of_another_shape_or_a_full_pool_leaves_the_session_unchanged(pai
             s.append_stored(StoredNode((1, vocab), node.k[:, :2], node.v[:, :2]))
         with pytest.raises(ValueError, match="at least one token"):
             s.append_stored(StoredNode((), node.k[:, :0], node.v[:, :0]))
+        other = {**engine.model_id, "name": "another-model-of-these-shapes.gguf"}  # a fine-tune, say
+        with pytest.raises(ValueError, match="stored by model another-model-of-these-shapes.gguf"):
+            s.append_stored(StoredNode(node.tokens, node.k, node.v, other))
         with pytest.raises(ValueError, match="non-empty"):
             engine.store_nodes([[], [1]])
         with pytest.raises(PoolExhaustedError):

@@ -105,7 +105,8 @@ class TinyConfig:
 
 
 def _engine():
-    return SimpleNamespace(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"))
+    return SimpleNamespace(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"),
+                           model_id={"name": "tiny.gguf", "config": "0" * 64})
 
 
 DOC = " ".join(f"{LETTERS[i % 10] * 3}{i}" for i in range(40))  # 40 words: aaa0 bbb1 ... jjj39

@@ -81,7 +81,8 @@ class TinyConfig:
 
 
 def _engine():
-    return SimpleNamespace(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"), flops=FlopAccount())
+    return SimpleNamespace(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"), flops=FlopAccount(),
+                           model_id={"name": "tiny.gguf", "config": "0" * 64})
 
 
 def _jerr(eng, lm=None, **options):
