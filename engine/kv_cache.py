@@ -88,14 +88,26 @@ class PagedKVCache:
         are (`Engine.place_stored`), or recomputed ones written over them (`Llama.recompute`)."""
         if positions is None:
             positions = torch.arange(self.length, self.length + k.shape[0])
+        self._check_positions(positions, self.length + self._begun, "write", "cached or reserved by begin")
         pages, offsets = self._slots(positions, writable=True)
         self.pool.k[layer, pages, :, offsets] = k.to(self.pool.k)
         self.pool.v[layer, pages, :, offsets] = v.to(self.pool.v)
 
     def read(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values ([T, kv_heads, hd] each) cached at `positions` (int64 [T]) of `layer`."""
+        self._check_positions(positions, self.length, "read", "cached")
         pages, offsets = self._slots(positions)
         return self.pool.k[layer, pages, :, offsets].clone(), self.pool.v[layer, pages, :, offsets].clone()
+
+    @staticmethod
+    def _check_positions(positions: torch.Tensor, end: int, fn: str, what: str) -> None:
+        """A ValueError unless every position is in [0, end): unchecked, a negative one indexes from the end of the
+        block table and a reserved one not yet written reads stale memory. A CUDA tensor's values are trusted, as
+        the kernels trust block tables there: reading them would cost a device sync per layer."""
+        if positions.device.type == "cpu" and positions.numel():
+            lo, hi = map(int, positions.aminmax())
+            if lo < 0 or hi >= end:
+                raise ValueError(f"{fn}: positions must be {what}, in [0, {end}), got {lo} .. {hi}")
 
     def _slots(self, positions: torch.Tensor, writable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(page ids, offsets in them) of `positions`; writable: pages shared with a fork are first copied, so that a

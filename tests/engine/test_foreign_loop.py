@@ -67,3 +67,27 @@ def test_begin_and_commit_refuse_counts_no_forward_wrote():
         cache.commit(1)  # a commit counts a begin once
     assert cache.length == 3
     torch.testing.assert_close(out, _brute_force(ex, x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_read_and_write_refuse_positions_outside_the_cache():
+    """read and write take only positions the cache holds (write: or `begin` reserved), else one ValueError and
+    nothing written: unchecked, -1 indexed the block table from its end (the last page's last row, never written)
+    and a reserved position read uninitialised memory."""
+    ex = _load()
+    pool = ex.PagePool(ex.CONFIG, torch.float32, n_pages=4, page_size=4)
+    cache = ex.PagedKVCache(pool, ex.cpu_ops)
+    x = torch.randn(3, ex.CONFIG.dim, generator=torch.Generator().manual_seed(0))
+    ex.forward(cache, x)
+    cache.begin(2)  # positions 3 and 4 reserved, not written
+    pages = pool.k.clone().view(torch.int32)  # bits: pages never written may hold NaNs
+    kv = torch.ones(1, ex.KV_HEADS, ex.HEAD_DIM)
+    for bad in (-1, 5, 8):
+        with pytest.raises(ValueError, match=rf"write: positions must be cached or reserved by begin, in \[0, 5\)"):
+            cache.write(0, kv, kv, torch.tensor([1, bad]))
+    assert torch.equal(pool.k.view(torch.int32), pages)
+    for bad in (-1, 3, 4, 8):
+        with pytest.raises(ValueError, match=r"read: positions must be cached, in \[0, 3\)"):
+            cache.read(0, torch.tensor([bad]))
+    cache.write(0, kv, kv, torch.tensor([4]))  # a reserved position may be written
+    _, k, v = ex.layer_inputs(x, 0)
+    assert all(torch.equal(got, want) for got, want in zip(cache.read(0, torch.arange(3)), (k, v)))
