@@ -104,6 +104,8 @@ class QuantWeight(_QuantRows):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in_features]: the rows `ids` (int64, 1-D) decoded, as dequantize()[ids] (an embedding
         lookup that never decodes the whole table); an id out of range raises IndexError."""
+        if ids.numel() and int(ids.min()) < 0:  # torch would index from the end
+            raise IndexError(f"QuantWeight.rows: id {int(ids.min())} is out of range [0, {self._n})")
         return QuantWeight(self.data[ids], self.qtype, self.in_features).dequantize()
 
     def row_slice(self, start: int, stop: int) -> "QuantWeight":

@@ -176,8 +176,9 @@ def test_rows_looks_up_without_decoding_the_table(isa):
     w, ref = make_weight("q5_0", 50, 96, seed=4)
     ids = torch.tensor([3, 0, 49, 3])
     assert torch.equal(w.rows(ids), ref[ids])
-    with pytest.raises(IndexError):
-        w.rows(torch.tensor([50]))
+    for bad in (50, -1):  # not the last row, counted from the end
+        with pytest.raises(IndexError):
+            w.rows(torch.tensor([3, bad]))
 
 
 def test_bias_leading_dims_and_noncontiguous(isa):
