@@ -18,7 +18,7 @@ import torch
 
 from nodekv import _C
 
-from .reference import check_block_table
+from .reference import check_block_table, check_page_shape
 
 if TYPE_CHECKING:
     from .quant import QuantWeight
@@ -291,10 +291,8 @@ def _explain_paged(q, k_pages, v_pages, layer, block_table, end, k_new, v_new, n
     _rank("k_pages", k_pages, 5, "[layers, n_pages, kv_heads, page_size, head_dim]", fn)
     _contig("k_pages", k_pages, fn)
     _dense("v_pages", v_pages, k_pages.shape, fn)
+    check_page_shape(k_pages, fn)
     n_layers, _, kv, page, hd_k = k_pages.shape
-    if 0 in (kv, page, hd_k):  # the kernels divide by each of them
-        raise ValueError(f"{fn}: k_pages must have kv_heads, page_size and head_dim >= 1, got shape "
-                         f"{list(k_pages.shape)}")
     if hd_k != hd:
         raise ValueError(f"{fn}: q has head_dim {hd}, the pages {hd_k}")
     if h % kv:

@@ -61,6 +61,14 @@ def check_node_bounds(node_bounds: torch.Tensor, end: int, fn: str) -> None:
                              f"{b if len(b) <= 12 else b[:6] + ['...'] + b[-6:]}")
 
 
+def check_page_shape(pages: torch.Tensor, fn: str) -> None:
+    """A ValueError unless pages [layers, n_pages, kv_heads, page_size, head_dim] have kv_heads, page_size and
+    head_dim >= 1: the kernels divide by each of them."""
+    if 0 in pages.shape[2:]:
+        raise ValueError(f"{fn}: pages must have kv_heads, page_size and head_dim >= 1, got shape "
+                         f"{list(pages.shape)}")
+
+
 def check_block_table(block_table: torch.Tensor, end: int, pages: torch.Tensor, fn: str) -> None:
     """A ValueError naming the entry unless, on the CPU, the block_table entries that hold positions [0, end) are
     pages of `pages` [layers, n_pages, ...]. A CUDA tensor's values are trusted, as node_bounds' are: reading them
@@ -101,6 +109,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     mass (float32 [n, N]) += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k]: the attention mass of every query
     on every key node, summed over heads (callers divide by heads × layers). Without mass this is torch's SDPA on the
     gathered keys; with it, queries run in chunks so at most SCORE_CHUNK_BYTES of scores exist at once."""
+    check_page_shape(k_pages, "paged_attention")
     check_block_table(block_table, end, k_pages, "paged_attention")  # checked before anything is written
     if mass is not None:
         if node_bounds is None:

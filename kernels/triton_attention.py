@@ -75,7 +75,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .reference import check_block_table, check_node_bounds
+from .reference import check_block_table, check_node_bounds, check_page_shape
 
 __all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "sdpa_prefill", "write_kv"]
 
@@ -365,8 +365,7 @@ def _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, fn):
     if k_pages.dim() != 5 or v_pages.shape != k_pages.shape:
         raise ValueError(f"{fn}: pages must be [layers, n_pages, kv_heads, page_size, head_dim] and alike, got "
                          f"{tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
-    if 0 in k_pages.shape[2:]:
-        raise ValueError(f"{fn}: pages must have kv_heads, page_size and head_dim >= 1, got {tuple(k_pages.shape)}")
+    check_page_shape(k_pages, fn)
     if k_pages.shape[2] != Hkv or k_pages.shape[4] != hd:
         raise ValueError(f"{fn}: pages {tuple(k_pages.shape)} do not hold {Hkv} kv heads of dim {hd}")
     if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:

@@ -334,11 +334,11 @@ def test_triton_decode_attention_refuses_a_page_outside_the_pool():
     assert torch.equal(k_pages, pages)
 
 
-@pytest.mark.parametrize("backend", [name for name in NAMES if name != "reference"])
+@pytest.mark.parametrize("backend", NAMES)
 @pytest.mark.parametrize("dim", [2, 3, 4])
 def test_pages_with_an_empty_head_page_or_head_dim_are_refused(backend, dim):
     """Pages with no KV heads, no rows per page or head_dim 0 are refused with a line, not divided by: the C++
-    kernel died of SIGFPE on page_size or head_dim 0, Triton's wrapper raised ZeroDivisionError."""
+    kernel died of SIGFPE on page_size or head_dim 0, Triton's wrapper and the reference raised ZeroDivisionError."""
     shape = [1, 2, 2, 8, 16]  # [layers, n_pages, kv_heads, page_size, head_dim]
     shape[dim] = 0
     q = torch.zeros(0, 4, shape[4])  # no queries over no keys: nothing to compute, yet nothing to divide by
