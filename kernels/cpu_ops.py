@@ -18,7 +18,7 @@ import torch
 
 from nodekv import _C
 
-from .reference import check_block_table, check_page_shape
+from .reference import check_block_table, check_page_shape, overlaps
 
 if TYPE_CHECKING:
     from .quant import QuantWeight
@@ -61,20 +61,6 @@ def _rank(name: str, t, ndim: int, dims: str, fn: str) -> None:
 def _last_contig(name: str, t: torch.Tensor, fn: str) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{fn}: {name}'s last dim must be contiguous, got strides {t.stride()}")
-
-
-def _overlaps(t: torch.Tensor) -> bool:
-    """Whether two elements of t may share memory (an expanded view): unless each dim, by increasing stride, steps
-    past everything the dims inside it span. (Interleaved layouts that do not overlap count as overlapping.)"""
-    if t.numel() == 0:
-        return False
-    span = 1  # elements from the first to the last of the dims so far, inclusive
-    for stride, size in sorted(zip(t.stride(), t.shape)):
-        if size > 1:
-            if stride < span:
-                return True
-            span += (size - 1) * stride
-    return False
 
 
 def _out_ok(out: torch.Tensor | None, shape: tuple) -> bool:
@@ -149,7 +135,7 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
         t, n, hd = qk.shape
         st, sh, sd = qk.stride()
         ok = (qk.dtype is _F32 and qk.is_cpu and sd == 1 and hd % 2 == 0
-              and (hd <= sh and n * sh <= st or not _overlaps(qk))  # the usual layouts, or any other without overlap
+              and (hd <= sh and n * sh <= st or not overlaps(qk))  # the usual layouts, or any other without overlap
               and cos.dtype is _F32 and cos.is_cpu and cos.shape == (t, hd) and cos.is_contiguous()
               and sin_signed.dtype is _F32 and sin_signed.is_cpu and sin_signed.shape == (t, hd)
               and sin_signed.is_contiguous())
@@ -165,7 +151,7 @@ def _explain_rope(qk, cos, sin_signed):
     fn = "rope_"
     _rank("qk", qk, 3, "[T, n_heads, head_dim]", fn)
     _last_contig("qk", qk, fn)
-    if _overlaps(qk):
+    if overlaps(qk):
         raise ValueError(f"{fn}: qk is rotated in place, so no two of its elements may share memory, got shape "
                          f"{list(qk.shape)} with strides {qk.stride()}")
     t, _, hd = qk.shape

@@ -9,6 +9,21 @@ import torch
 import torch.nn.functional as F
 
 
+def overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of t may share memory (an expanded view), which a kernel writing t in place must refuse:
+    unless each dim, by increasing stride, steps past everything the dims inside it span. (Interleaved layouts that
+    do not overlap count as overlapping.) Shapes and strides only: no device sync."""
+    if t.numel() == 0:
+        return False
+    span = 1  # elements from the first to the last of the dims so far, inclusive
+    for stride, size in sorted(zip(t.stride(), t.shape)):
+        if size > 1:
+            if stride < span:
+                return True
+            span += (size - 1) * stride
+    return False
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, d] -> x / sqrt(mean(x², -1) + eps) * weight."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)

@@ -75,7 +75,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .reference import check_block_table, check_node_bounds, check_page_shape
+from .reference import check_block_table, check_node_bounds, check_page_shape, overlaps
 
 __all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "sdpa_prefill", "write_kv"]
 
@@ -409,6 +409,9 @@ def _check_mass(mass: torch.Tensor | None, node_bounds: torch.Tensor | None, n: 
     N = node_bounds.shape[0] - 1
     if mass.shape != (n, N) or mass.dtype != torch.float32:
         raise ValueError(f"{fn}: mass must be float32 [{n}, {N}], got {mass.dtype} {tuple(mass.shape)}")
+    if overlaps(mass):  # atomic adds to an expanded view would pile every row's mass into one
+        raise ValueError(f"{fn}: mass is added to in place, so no two of its elements may share memory, got "
+                         f"strides {mass.stride()}")
     return N
 
 
@@ -454,6 +457,10 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     (BLOCK_M, BLOCK_N, num_warps, num_stages) for the attention and mass passes (blocks powers of two >= 16, warps a
     power of two; what `bench triton_gpu --tiles` sweeps); by default `_blocks` and Triton's launch defaults."""
     n, H, hd = q.shape
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"paged_attention: q must be a floating-point tensor, got {q.dtype}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("paged_attention: give both k_new and v_new or neither")
     Hkv = k_pages.shape[2]
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
     check_block_table(block_table, end, k_pages, "paged_attention")

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import triton_attention
+from .reference import overlaps
 from .triton_attention import decode_attention, write_kv
 
 __all__ = ["FRESH_PREFILL_MASS", "add_rms_norm_", "decode_attention", "paged_attention", "rms_norm", "rope",
@@ -119,6 +120,9 @@ def _norm(fn: str, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
         raise ValueError(f"{fn}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
     if delta is not None and delta.shape != x.shape:
         raise ValueError(f"{fn}: delta {tuple(delta.shape)} != x {tuple(x.shape)}")
+    if delta is not None and overlaps(x):  # rows written in place to one memory would race
+        raise ValueError(f"{fn}: x is added to in place, so no two of its elements may share memory, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
     x2 = _rows("x", x, fn)
     d2 = x2 if delta is None else _rows("delta", delta, fn)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -211,6 +215,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"silu_mul: gate_up must be [T, 2I] with a contiguous last dim, got "
                          f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+    if overlaps(gate_up):  # computed in place: a row would overwrite the input of the rows sharing its memory
+        raise ValueError(f"silu_mul: gate_up is computed in place, so no two of its elements may share memory, got "
+                         f"shape {tuple(gate_up.shape)} strides {gate_up.stride()}")
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     if T and inter:
         block = min(triton.next_power_of_2(inter), 1024)

@@ -344,3 +344,24 @@ def test_pages_with_an_empty_head_page_or_head_dim_are_refused(backend, dim):
     q = torch.zeros(0, 4, shape[4])  # no queries over no keys: nothing to compute, yet nothing to divide by
     with pytest.raises(ValueError, match="kv_heads, page_size and head_dim >= 1"):
         BACKENDS[backend](q, torch.zeros(shape), torch.zeros(shape), 0, torch.zeros(1, dtype=torch.int32), 0)
+
+
+@needs_triton_interpreter
+def test_triton_paged_attention_refuses_bad_arguments_before_writing():
+    """A k_new without v_new (or the reverse), integer queries and a mass output whose rows share memory (an
+    expanded view) get one ValueError naming the argument, the pages and mass untouched: they raised
+    AttributeError, an interpreter error, dropped v_new silently, or summed every row's mass into one."""
+    from nodekv.kernels import triton_attention
+
+    case = make_case(3, 3, 40, 4, 2, 16, 8, 2)
+    pages = case.k_pages.clone()
+    mass = torch.zeros(1, 2).expand(3, 2)
+    bad = [("give both k_new and v_new", case.q, case.k_new, None, None),
+           ("give both k_new and v_new", case.q, None, case.v_new, None),
+           ("q must be a floating-point tensor, got torch.int32", case.q.int(), case.k_new, case.v_new, None),
+           ("mass is added to in place", case.q, case.k_new, case.v_new, mass)]
+    for match, q, k_new, v_new, m in bad:
+        with pytest.raises(ValueError, match=match):
+            triton_attention.paged_attention(q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end,
+                                             k_new, v_new, case.node_bounds, m)
+    assert torch.equal(case.k_pages, pages) and not mass.any()

@@ -129,6 +129,18 @@ def test_silu_mul(t, inter):
     assert_close(got, ref, torch_f32)
 
 
+def test_in_place_ops_refuse_inputs_whose_rows_share_memory():
+    """silu_mul and add_rms_norm_ write their input in place, so an expanded view (rows on one memory) is refused
+    as torch refuses it, rather than each row overwriting the input of the next (silently wrong results)."""
+    gate_up, x = torch.randn(1, 8, generator=gen(0)).expand(3, 8), torch.randn(1, 8, generator=gen(1)).expand(3, 8)
+    before = gate_up.clone(), x.clone()
+    with pytest.raises(ValueError, match="silu_mul: gate_up is computed in place, so no two of its elements"):
+        tro.silu_mul(gate_up)
+    with pytest.raises(ValueError, match="add_rms_norm_: x is added to in place, so no two of its elements"):
+        tro.add_rms_norm_(x, torch.randn(3, 8, generator=gen(2)), torch.ones(8), 1e-6)
+    assert torch.equal(gate_up, before[0]) and torch.equal(x, before[1])
+
+
 # ---------------------------------------------------------------- paged KV write
 
 
