@@ -12,6 +12,7 @@ the scalar one (a testing hook).
 """
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -104,10 +105,13 @@ def _norm(fn: str, x, delta, weight, eps: float, out) -> torch.Tensor:
     if not ok:
         _explain_norm(fn, x, delta, weight, out)
     y = torch.empty(t, d, dtype=_F32) if out is None else out
-    if delta is None:
-        _C.rms_norm(x.data_ptr(), t, d, weight.data_ptr(), eps, y.data_ptr())
-    else:
-        _C.add_rms_norm(x.data_ptr(), delta.data_ptr(), t, d, weight.data_ptr(), eps, y.data_ptr())
+    try:  # free in the fast path; pybind checks every argument before the kernel runs
+        if delta is None:
+            _C.rms_norm(x.data_ptr(), t, d, weight.data_ptr(), eps, y.data_ptr())
+        else:
+            _C.add_rms_norm(x.data_ptr(), delta.data_ptr(), t, d, weight.data_ptr(), eps, y.data_ptr())
+    except TypeError:  # the one argument not checked above: eps is not a number
+        raise ValueError(f"{fn}: eps must be a number, got {type(eps).__name__}") from None
     return y
 
 
@@ -252,10 +256,14 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         _explain_paged(q, k_pages, v_pages, layer, block_table, end, k_new, v_new, node_bounds, mass, out)
     y = torch.empty(n, h * hd, dtype=_F32) if out is None else out
     layer_offset = layer * n_pages * kv * page * hd * 4  # bytes
-    status = _C.paged_attention(q.data_ptr(), qst, qsh, k_pages.data_ptr() + layer_offset,
-                                v_pages.data_ptr() + layer_offset, n_pages, page, block_table.data_ptr(), n_table,
-                                end, kp, kst, ksh, vp, vst, vsh, t, n, h, kv, hd, bp, n_nodes, mp, y.data_ptr(),
-                                torch.get_num_threads())
+    try:  # free in the fast path; pybind checks every argument before the kernel runs
+        status = _C.paged_attention(q.data_ptr(), qst, qsh, k_pages.data_ptr() + layer_offset,
+                                    v_pages.data_ptr() + layer_offset, n_pages, page, block_table.data_ptr(),
+                                    n_table, end, kp, kst, ksh, vp, vst, vsh, t, n, h, kv, hd, bp, n_nodes, mp,
+                                    y.data_ptr(), torch.get_num_threads())
+    except TypeError:  # a layer or end that compares as a number but is not an integer (5.0)
+        _integers(fn, layer=layer, end=end)
+        raise
     if status:
         _explain_tables(fn, status, k_pages, block_table, end, node_bounds)
     return y
@@ -271,6 +279,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
 
 def _explain_paged(q, k_pages, v_pages, layer, block_table, end, k_new, v_new, node_bounds, mass, out):
     fn = "paged_attention"
+    _integers(fn, layer=layer, end=end)
     _rank("q", q, 3, "[n, H, head_dim]", fn)
     _last_contig("q", q, fn)
     n, h, hd = q.shape
@@ -311,6 +320,15 @@ def _explain_paged(q, k_pages, v_pages, layer, block_table, end, k_new, v_new, n
         _dense("mass", mass, (n, node_bounds.shape[0] - 1), fn)
     _check_out(out, (n, h * hd), fn)
     raise _unexplained(fn)
+
+
+def _integers(fn: str, **values) -> None:
+    """A ValueError naming the first of `values` that is not an integer (pybind's TypeError lists the signature)."""
+    for name, value in values.items():
+        try:
+            operator.index(value)
+        except TypeError:
+            raise ValueError(f"{fn}: {name} must be an integer, got {type(value).__name__} {value!r}") from None
 
 
 def _index(name: str, t, fn: str) -> None:

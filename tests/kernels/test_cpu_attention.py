@@ -218,6 +218,10 @@ def test_bad_arguments():
     bad("mass must be contiguous", q, kp, vp, L, bt, 12, kn, vn, nb, torch.zeros(3, 2).T)
     bad("out must have shape \\[2, 384\\]", q, kp, vp, L, bt, 12, out=torch.empty(2, 383))
     bad("paged_attention", None, kp, vp, L, bt, 12)
+    # scalars pybind would refuse with a TypeError listing the whole signature
+    bad("end must be an integer, got float 12.0", q, kp, vp, L, bt, 12.0, kn, vn)
+    bad("layer must be an integer, got float", q, kp, vp, float(L), bt, 12, kn, vn)
+    bad("layer must be an integer, got str '0'", q, kp, vp, "0", bt, 12, kn, vn)
     # table contents are checked before anything is written
     k_before = kp.clone()
     bad_table = torch.tensor([0, 99, 1], dtype=torch.int32)

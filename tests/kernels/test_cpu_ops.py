@@ -186,6 +186,10 @@ def test_bad_inputs():
         co.rms_norm(x, w, 1e-5, out=torch.empty(2, 65))
     with pytest.raises(ValueError, match="out must be contiguous"):
         co.add_rms_norm_(x, x.clone(), w, 1e-5, out=torch.empty(64, 2).T)
+    with pytest.raises(ValueError, match="rms_norm: eps must be a number, got str"):
+        co.rms_norm(x, w, "1e-5")  # not pybind's TypeError listing the signature
+    with pytest.raises(ValueError, match="add_rms_norm_: eps must be a number, got NoneType"):
+        co.add_rms_norm_(x, x.clone(), w, None)
 
     cos = sin = torch.randn(2, 64)
     with pytest.raises(ValueError, match="qk must be 3-D"):
