@@ -166,6 +166,8 @@ CASES = [  # argv, the one line on stderr
     (["ask", "doc.txt", "q", "--model", "smollm2-135m", "--option", "window=10"],
      "error: an answer of up to 64 tokens (max_new_tokens) leaves no room for a prompt in a window of 10 tokens"),
     (["ask", "--method", "", "doc.txt", "q"], "error: unknown method ''"),
+    (["index", "doc.txt", "--method", "gor", "--option", "chunk_overlap=300"],
+     "error: GoR option chunk_overlap (300) must be below chunk_tokens (256)"),
     (["index", "doc.txt", "--method", "pecan", "-o", "x.html", "--export", "x.html"],
      "error: --export x.html is the same file as the index -o: it would replace it"),
     (["index", "doc.txt", "--method", "pecan", "--export", "a.html", "--export", "a.html"],

@@ -89,11 +89,17 @@ class Gor(Method, name="gor", title="GoR"):
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, embedder=None,
                  sampler=None, responder=None, **options):
         super().__init__(engine, prompt, progress, **options)
-        if self.config.chunk_overlap >= self.config.chunk_tokens:
-            raise ValueError(f"GoR option chunk_overlap ({self.config.chunk_overlap}) must be below chunk_tokens "
-                             f"({self.config.chunk_tokens})")
         self._embedder, self._sampler, self._responder = embedder, sampler, responder
         self._fitted: tuple[Any, int] | None = None  # (GAT, documents it was trained on)
+
+    @classmethod
+    def configure(cls, **options: Any) -> Any:
+        """`Method.configure`, with chunk_overlap below chunk_tokens (so the CLI refuses it before the model loads)."""
+        config = super().configure(**options)
+        if config.chunk_overlap >= config.chunk_tokens:
+            raise ValueError(f"GoR option chunk_overlap ({config.chunk_overlap}) must be below chunk_tokens "
+                             f"({config.chunk_tokens})")
+        return config
 
     @classmethod
     def dataset_defaults(cls, dataset):
