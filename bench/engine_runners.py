@@ -33,13 +33,14 @@ class Runner:
 
 
 class NodekvRunner(Runner):
-    """nodekv: prefill on the dense fp32 weights, decode on the GGUF's quantised blocks (picked by the engine), with
-    fp32 activations or (precision "int8") int8 ones in the quantised projections."""
+    """nodekv on the GGUF's quantised blocks (the engine picks each step's kernels), with fp32 activations, int8
+    ones in the quantised projections (precision "int8"), or as a bf16 model (dtype "bfloat16": dense bf16 weights,
+    multiplied in bf16 where the CPU has bf16 matrix units)."""
 
-    def __init__(self, path: Path, threads: int, precision: str = "exact"):
+    def __init__(self, path: Path, threads: int, precision: str = "exact", dtype: str = "float32"):
         import nodekv
 
-        self.engine = nodekv.load_engine(model=path, threads=threads, precision=precision)
+        self.engine = nodekv.load_engine(model=path, threads=threads, precision=precision, dtype=dtype)
         self.cache = None
 
     def flops(self) -> int:
@@ -102,9 +103,13 @@ class LlamaCppRunner(Runner):
         return int(logits.argmax())
 
 
+NODEKV_VARIANTS = {"nodekv": ("exact", "float32"), "nodekv-int8": ("int8", "float32"),
+                   "nodekv-bf16": ("exact", "bfloat16")}  # engine name: (precision, dtype)
+
+
 def load(engine: str, path: Path, threads: int, n_ctx: int):
-    if engine in ("nodekv", "nodekv-int8"):
-        return NodekvRunner(path, threads, "int8" if engine == "nodekv-int8" else "exact")
+    if engine in NODEKV_VARIANTS:
+        return NodekvRunner(path, threads, *NODEKV_VARIANTS[engine])
     if engine in ("hf", "hf-eager"):
         return HFRunner(path, threads, "eager" if engine == "hf-eager" else "sdpa")
     return LlamaCppRunner(path, threads, n_ctx)

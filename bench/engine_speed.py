@@ -7,8 +7,9 @@ torch.mm peak measured in the same run, and the targets. About 5 minutes on a qu
     python -m nodekv.bench.engine_speed [--model qwen2.5-0.5b] [--engines nodekv,hf,llama-cpp] [--threads 2]
                                         [--rounds 512:512,2048:4096] [--quick] [--json FILE]
 
-Engines: nodekv, nodekv-int8 (precision="int8": int8 activations in the quantised projections), hf (HF
-transformers, sdpa attention), hf-eager (HF's eager attention), llama-cpp. `--rounds`
+Engines: nodekv, nodekv-int8 (precision="int8": int8 activations in the quantised projections), nodekv-bf16
+(dtype="bfloat16": a bf16 model, multiplied in bf16 on CPUs with bf16 matrix units), hf (HF transformers, sdpa
+attention), hf-eager (HF's eager attention), llama-cpp. `--rounds`
 P:C,... prefills P tokens from an empty cache and decodes after C; peak RSS is also read after each round (rounds
 run in the order given, so in increasing length it is the peak up to that length).
 
@@ -33,7 +34,7 @@ from nodekv.paths import example, write_atomic
 
 TEXT = example("lost_in_translation.txt")
 DEFAULT_MODEL = "qwen2.5-0.5b"
-ENGINES = {"nodekv": "nodekv", "nodekv-int8": "nodekv int8", "hf": "HF transformers sdpa",
+ENGINES = {"nodekv": "nodekv", "nodekv-int8": "nodekv int8", "nodekv-bf16": "nodekv bf16", "hf": "HF transformers sdpa",
            "hf-eager": "HF transformers eager", "llama-cpp": "llama.cpp"}
 DEFAULT_ENGINES = ("nodekv", "nodekv-int8", "hf", "llama-cpp")
 # (tokens prefilled from an empty cache and timed, prompt length when the timed decode starts)
@@ -197,13 +198,14 @@ def main(argv: list[str] | None = None) -> None:
                  for i, v in enumerate(speeds(result, args.decode, args.rounds))]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     ours = results.get("nodekv")
-    for mine in ("nodekv", "nodekv-int8"):
-        for peer in ("hf", "hf-eager", "llama-cpp"):
-            if mine in results and peer in results:
-                ratios = [a / b if a and b else None for a, b in zip(speeds(results[mine], args.decode, args.rounds),
-                                                                     speeds(results[peer], args.decode, args.rounds))]
-                print(f"| {ENGINES[mine]} / {ENGINES[peer]} | "
-                      + " | ".join("" if r is None else f"{r:.2f}x" for r in ratios) + " |")
+    mine = [e for e in ENGINES if e.startswith("nodekv")]  # each variant against the exact path, each against peers
+    pairs = [(v, "nodekv") for v in mine[1:]] + [(m, p) for m in mine for p in ("hf", "hf-eager", "llama-cpp")]
+    for a, b in pairs:
+        if a in results and b in results:
+            ratios = [x / y if x and y else None for x, y in zip(speeds(results[a], args.decode, args.rounds),
+                                                                 speeds(results[b], args.decode, args.rounds))]
+            print(f"| {ENGINES[a]} / {ENGINES[b]} | " + " | ".join("" if r is None else f"{r:.2f}x" for r in ratios)
+                  + " |")
     print(f"\ntorch.mm at {args.threads} threads: fp32 2048² {fp32_peak:.1f} GFLOP/s, bf16 512² {bf16_peak:.2f} "
           f"GFLOP/s ({bf16_peak / fp32_peak:.1%} of fp32: " + ("bf16 GEMM is native here, so bf16 models multiply in "
           "bf16)." if native_bf16_matmul() else "without bf16 matrix units, bf16 models' prefill weights stay fp32)."))
