@@ -6,7 +6,8 @@ KL(exact || fast) of the next-token distributions and how often their top-1 toke
 The int8 engine runs the tokens in 32-token teacher-forced steps, the step size up to which precision "int8" takes
 the int8 kernels (longer steps stay exact), so every position's logits come from int8 activations. llama.cpp
 (llama-cpp-python, when installed) reads the same GGUF with its own q8 activations and stands beside it as the
-peer's version of the same trade.
+peer's version of the same trade. A bf16 model of the same GGUF (dtype "bfloat16", whose prompts run on bf16 matrix
+units where the CPU has them) is measured the same way, in one forward.
 
     python -m nodekv.bench.int8_quality [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tokens 2048] [--threads 2]
 """
@@ -96,6 +97,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((f"nodekv int8 ({QUANT_MAX_TOKENS}-token steps)", int8_logits(fast, ids, QUANT_MAX_TOKENS),
                      time.perf_counter() - t))
         del fast
+        half = load_engine(model, threads=args.threads, dtype="bfloat16")
+        t = time.perf_counter()
+        rows.append(("nodekv bf16 (a bf16 model)", half.forward_logits(ids), time.perf_counter() - t))
+        del half
         if peer:
             t = time.perf_counter()
             rows.append(("llama.cpp (its q8 activations)", llama_cpp_logits(path, ids, args.threads),
