@@ -191,7 +191,7 @@ def check_room(model: int, spec: PromptSpec, window: int | None = None) -> int:
     return window - spec.max_new_tokens
 
 
-def check_fits(tokens: int, model: int, what: str) -> None:
+def check_prompt_fits(tokens: int, model: int, what: str) -> None:
     """A ContextOverflowError (a ValueError) naming `what` when its `tokens` exceed the model's window of `model`
     tokens: a method that builds its own prompt around a question checks it before prefilling any part of it."""
     if tokens > model:

@@ -11,7 +11,7 @@ from ...engine.node_store import StoredNode
 from ...engine.session import Session
 from ..base import chat_pieces
 from .dice_prompts import EXTRACT_FACT, planning_turn
-from ..reader import Repair, check_fits
+from ..reader import Repair, check_prompt_fits
 from ..relevance import RelevanceProbe
 
 
@@ -89,7 +89,8 @@ class EngineLM:
         """T for `question`: the algorithm's planning turn (shared prefix), the question, the reply's `opening`."""
         head, tail = self._planning[algorithm]
         rest = self._encode(question) + tail + self._encode(opening)
-        check_fits(len(head) + len(rest), self.engine.config.max_seq_len, "DICE's planning turn with this question")
+        check_prompt_fits(len(head) + len(rest), self.engine.config.max_seq_len,
+                          "DICE's planning turn with this question")
         s = self.engine.prefixes.fork(head, node_id=f"dice-plan-{algorithm}")
         try:
             s.append(rest, node_id="question")

@@ -28,8 +28,8 @@ from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Z_SCALES, next_node, positional_relevance
 from .pecan_store import FORMAT, PecanIndex, load, save, to_graphml, to_html
 from ..prompts import PromptSpec
-from ..reader import (KV_REUSE_OPTIONS, READER_OPTION, GrowingPrompt, Reader, Repair, check_fits, kv_index_key,
-                      store_kv_nodes)
+from ..reader import (KV_REUSE_OPTIONS, READER_OPTION, GrowingPrompt, Reader, Repair, check_prompt_fits,
+                      kv_index_key, store_kv_nodes)
 
 FIRST_TURN = ("Can this question be answered by the following information? Response \"Yes\" or \"No\" in one word. "
               "Do not provide any explanation.\n\nQuestion:\n{}\n\nInformation:\n{}")
@@ -193,7 +193,7 @@ class Pecan(Method, name="pecan", title="PECAN"):
         room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids(question, options))
                                             + self._answer_budget())
         first = [tok.encode(head, parse_special=True), tok.encode(question), tok.encode(info)]
-        check_fits(sum(map(len, first)), eng.config.max_seq_len, "PECAN's first turn with this question")
+        check_prompt_fits(sum(map(len, first)), eng.config.max_seq_len, "PECAN's first turn with this question")
         sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
         s.append(first[0], node_id="head")
         q_len = len(s.append(first[1], node_id="query"))
