@@ -268,10 +268,7 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     if precision == "int8" and device == "auto":
         device = "cpu"  # the int8 kernels are CPU kernels: "auto" means the device the precision runs on
     target = resolve_device(device)
-    if dtype is None:
-        dtype = "bfloat16" if target.type == "cuda" else "float32"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dtype = resolve_dtype(dtype, target)
     backend_ops(backend, DTYPES[dtype], target)  # an unknown backend, or one that cannot run here, is refused now
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -295,6 +292,16 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     pages = default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens, target)
     pool = PagePool(ckpt.config, llama.dtype, pages, page_size, target)
     return Engine(llama, tokenizer, pool, ckpt.path)
+
+
+def resolve_dtype(dtype: str | None, target: torch.device) -> str:
+    """The dtype a `load_engine(dtype=...)` on the device `target` runs in: bfloat16 on CUDA and float32 on the CPU
+    unless named; an unknown name is refused here, before anything loads."""
+    if dtype is None:
+        return "bfloat16" if target.type == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
 
 
 def resolve_device(device: str) -> torch.device:

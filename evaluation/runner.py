@@ -12,8 +12,8 @@ document trains the model that answers it (`fit_s` in its lines); with --ray the
 workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
 file is the same as an uninterrupted run's; records whose lines are errors are tried again, their error lines dropped
-once the run ends. A run file is resumed only under the model, precision, options and method config that wrote it
-(`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration written
+once the run ends. A run file is resumed only under the model, precision, dtype, options and method config that wrote
+it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration written
 since or a longer cross-fitted run is refused, not mixed in, and before the model loads (`check_run`).
 """
 from __future__ import annotations
@@ -117,12 +117,17 @@ def _answered(reference: Path) -> list[dict]:
     return ref
 
 
-RESUMED_AS_WRITTEN = ("model", "precision", "options", "config")  # what a resumed run file must keep
+def dtype_name(engine: Engine) -> str:
+    """The `load_engine` dtype name of the engine's model ("float32", "bfloat16")."""
+    return next(name for name, d in DTYPES.items() if d == engine.model.dtype)
+
+
+RESUMED_AS_WRITTEN = ("model", "precision", "dtype", "options", "config")  # what a resumed run file must keep
 
 
 def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bool = False) -> None:
     """Refuse (ValueError, before any work) to append to a run file that was written under another model file,
-    precision, option set or method config: a calibration file written since (PECAN's t_p) or a method default
+    precision, dtype, option set or method config: a calibration file written since (PECAN's t_p) or a method default
     changed since would otherwise mix two settings in one file under one label. A method that learns across
     documents (`across_documents`) also keeps the run's record count: its folds are dealt over the run's documents,
     so a run extended from 10 records to 30 would mix answers fitted on 8 other documents with answers fitted on 24.
@@ -152,23 +157,24 @@ def _differences(old: dict, new: dict) -> dict[str, str]:
     return {k: f"{k}={old.get(k, '(unset)')} now {new.get(k, '(unset)')}" for k in keys}
 
 
-def _run_meta(cfg: RunConfig, model: str, precision: str, loaded: LoadResult) -> dict:
-    """What a run of cfg over `loaded` on the model file `model` at `precision` is written and resumed under (its
-    .meta.json, less a Top-X run's match): the options with where each comes from (a calibration's t_p when one holds
-    for this model, `with_calibration`), the method config, the generation settings and the records."""
+def _run_meta(cfg: RunConfig, model: str, precision: str, dtype: str, loaded: LoadResult) -> dict:
+    """What a run of cfg over `loaded` on the model file `model` at `precision` and `dtype` is written and resumed
+    under (its .meta.json, less a Top-X run's match): the options with where each comes from (a calibration's t_p
+    when one holds for this model, `with_calibration`), the method config, the generation settings and the records."""
     method_class = get(cfg.method)
     defaults = with_calibration(method_class, method_class.dataset_defaults(cfg.dataset), cfg.dataset,
                                 cfg.path.parent, cfg.options, model, [r.id for r in loaded.records])
     options = {**{k: v for k, (v, _) in defaults.items()}, **cfg.options}
     prompt = prompt_for(cfg.dataset)
-    return {"method": cfg.label, "dataset": cfg.dataset, "model": model, "precision": precision, "options": options,
+    return {"method": cfg.label, "dataset": cfg.dataset, "model": model, "precision": precision, "dtype": dtype,
+            "options": options,
             "config": asdict(method_class.configure(**options)),
             "option_sources": {k: "--option" if k in cfg.options else source for k, (_, source) in defaults.items()},
             "generation": {k: getattr(prompt, k) for k in ("max_new_tokens", "stop", "repetition_penalty")},
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
 
 
-def check_run(cfg: RunConfig, model: str | None, precision: str) -> None:
+def check_run(cfg: RunConfig, model: str | None, precision: str, dtype: str = "float32") -> None:
     """Refuse (ValueError) before `model` (as `load_engine` takes it) loads what `run` would refuse after: a run file
     that does not read as JSON lines, that another eval is writing, or that was written under other settings
     (`check_resumable`); a Top-X reference run without answers. A Top-X run (--match) picks its k on the model, so
@@ -180,7 +186,8 @@ def check_run(cfg: RunConfig, model: str | None, precision: str) -> None:
     if cfg.match is not None:
         _answered(Path(cfg.match))
     else:
-        meta = _run_meta(cfg, str(resolve_model(model)), precision, load_dataset(cfg.dataset, cfg.data_dir, cfg.limit))
+        meta = _run_meta(cfg, str(resolve_model(model)), precision, dtype,
+                         load_dataset(cfg.dataset, cfg.data_dir, cfg.limit))
         check_resumable(cfg.path, meta, bool(lines), get(cfg.method).learns_across_documents)
 
 
@@ -193,7 +200,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     matched = {}
     if cfg.match is not None:
         cfg.options["k"], matched = match_k(engine, cfg, Path(cfg.match))
-    meta = {**_run_meta(cfg, str(engine.path), engine.model.precision, loaded), **matched}
+    meta = {**_run_meta(cfg, str(engine.path), engine.model.precision, dtype_name(engine), loaded), **matched}
     options, method_class = meta["options"], get(cfg.method)
     for k, source in meta["option_sources"].items():
         print(f"{cfg.label} {cfg.dataset}: {k}={options[k]} ({source})", file=sys.stderr)
@@ -223,7 +230,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
             bar.update()
 
         spec = None if ray is None else WorkerSpec(
-            str(engine.path), next(name for name, d in DTYPES.items() if d == engine.model.dtype), cfg.method,
+            str(engine.path), dtype_name(engine), cfg.method,
             options, str(store.root), cfg.dataset, engine.model.precision)
         if method_class.learns_across_documents:
             # every fit needs all the indexes, each one independent work: with Ray they are built on the workers

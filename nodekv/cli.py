@@ -158,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--label", default=None, help="the run's name (default: the method and its options)")
     ev.add_argument("--model", default=None, help=MODEL_HELP)
     ev.add_argument("--precision", default="exact", choices=["exact", "int8"], help=PRECISION_HELP)
+    ev.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: by --device")
     ev.add_argument("--device", default="auto", help=DEVICE_HELP + "; --ray's workers run on the CPU")
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")

@@ -126,13 +126,15 @@ def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
     assert _eval(data, tmp_path, "--label", "run", "--limit", "1") == 0
     path, meta_path = tmp_path / "run-hotpotqa.jsonl", tmp_path / "run-hotpotqa.meta.json"
     written, meta = path.read_text(), json.loads(meta_path.read_text())
-    assert meta["config"]["k"] == 2 and meta["config"]["kv_reuse"] == "off"
+    assert meta["config"]["k"] == 2 and meta["config"]["kv_reuse"] == "off" and meta["dtype"] == "float32"
 
     capsys.readouterr()
     assert _eval(data, tmp_path, "--label", "run", "--k", "3") == 2  # other options under the same label
     err = capsys.readouterr().err
     assert "run-hotpotqa.jsonl was written under other settings" in err and "k=2 now 3" in err
     assert path.read_text() == written and json.loads(meta_path.read_text()) == meta
+    assert _eval(data, tmp_path, "--label", "run", "--dtype", "bfloat16") == 2  # a bf16 model's answers differ
+    assert "  dtype float32 now bfloat16\n" in capsys.readouterr().err
 
     meta["config"]["chunk_tokens"] = 200  # as if the default had been 200 when the file was written
     meta_path.write_text(json.dumps(meta))
@@ -140,7 +142,7 @@ def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
     assert "chunk_tokens=200 now 300" in capsys.readouterr().err
     assert path.read_text() == written
 
-    del meta["config"], meta["precision"]  # an older meta: checked on model and options only
+    del meta["config"], meta["precision"], meta["dtype"]  # an older meta: checked on model and options only
     meta["model"] = "/elsewhere/" + meta["model"].rsplit("/", 1)[-1]  # the same file on another machine
     meta_path.write_text(json.dumps(meta))
     assert _eval(data, tmp_path, "--label", "run") == 0
