@@ -100,7 +100,7 @@ class ModelConfig:
             intermediate_size=num("intermediate_size", int),
             max_seq_len=num("max_position_embeddings", int, 2048),
             head_dim=num("head_dim", int, 0),
-            rope_theta=num("rope_theta", float, config_number(rope, "rope_theta", float, "config.json", 10000.0)),
+            rope_theta=config_number(cfg if "rope_theta" in cfg else rope, "rope_theta", float, "config.json", 10000.0),
             rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or rope),
             norm_eps=num("rms_norm_eps", float, 1e-5),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -159,7 +159,8 @@ def config_number(values: Mapping[str, Any], key: str, kind: type, where: str, d
         if default is None:
             raise ModelLoadError(f"{where} lacks required field {key!r}")
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not float(value).is_integer()):
         expected = "an integer" if kind is int else "a number"
         raise ModelLoadError(f"{where} field {key!r} is {value!r}, expected {expected}")
     return kind(value)
