@@ -198,8 +198,9 @@ def main(argv: list[str] | None = None) -> None:
                  for i, v in enumerate(speeds(result, args.decode, args.rounds))]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     ours = results.get("nodekv")
-    mine = [e for e in ENGINES if e.startswith("nodekv")]  # each variant against the exact path, each against peers
-    pairs = [(v, "nodekv") for v in mine[1:]] + [(m, p) for m in mine for p in ("hf", "hf-eager", "llama-cpp")]
+    variants = [e for e in ENGINES if e.startswith("nodekv-")]  # each against the exact path, all against peers
+    pairs = [(v, "nodekv") for v in variants]
+    pairs += [(m, p) for m in ("nodekv", *variants) for p in ("hf", "hf-eager", "llama-cpp")]
     for a, b in pairs:
         if a in results and b in results:
             ratios = [x / y if x and y else None for x, y in zip(speeds(results[a], args.decode, args.rounds),

@@ -569,4 +569,4 @@ class DecodeStream:
         dec = self.tokenizer.decode
         prefix = dec(self.ids[self._prefix:self._read], self.skip_special)
         full = dec(self.ids[self._prefix:], self.skip_special)
-        return full[len(prefix) if full.startswith(prefix) else len(os.path.commonprefix([prefix, full])):]
+        return full[len(os.path.commonprefix([prefix, full])):]
