@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -332,6 +333,49 @@ void dequantize(const uint8_t* w, int64_t N, int64_t K, QType qt, float* out, in
                 decode_rows_avx2<F>(w, K, r0, r1, out + r0 * K);
             else
                 decode_rows_scalar<F>(w, K, r0, r1, out + r0 * K);
+        });
+    });
+}
+
+namespace {
+
+// fp32 -> bf16 bits, rounded to nearest even, NaN kept a (quiet) NaN: torch's float -> bfloat16 conversion.
+inline uint16_t round_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+void round_row_scalar(const float* in, uint16_t* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = round_to_bf16(in[i]);
+}
+
+NKV_AVX2 void round_row_avx2(const float* in, uint16_t* out, int64_t n) {  // the same loop, vectorised by the compiler
+    for (int64_t i = 0; i < n; ++i) out[i] = round_to_bf16(in[i]);
+}
+
+}  // namespace
+
+void dequantize_bf16(const uint8_t* w, int64_t N, int64_t K, QType qt, uint16_t* out, int n_threads) {
+    const Segment seg{w, qt, N};
+    if (N <= 0) return;
+    const bool avx2 = isa_now() != Isa::kScalar;
+    const int nt = resolve_threads(n_threads, N * row_bytes(qt, K), N);
+    std::vector<float> rows(static_cast<size_t>(nt * K));  // each thread's decoded fp32 row, cache-resident
+    parallel_segments(&seg, 1, nt, [&](int, int64_t r0, int64_t r1, int tid) {
+        float* row = rows.data() + tid * K;
+        visit(qt, [&](auto f) {
+            using F = decltype(f);
+            for (int64_t r = r0; r < r1; ++r) {
+                if (avx2) {
+                    decode_rows_avx2<F>(w, K, r, r + 1, row);
+                    round_row_avx2(row, out + r * K, K);
+                } else {
+                    decode_rows_scalar<F>(w, K, r, r + 1, row);
+                    round_row_scalar(row, out + r * K, K);
+                }
+            }
         });
     });
 }

@@ -55,6 +55,10 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
 // out[N, K] = dequant(w), fp32 row-major.
 void dequantize(const uint8_t* w, int64_t N, int64_t K, QType qt, float* out, int n_threads);
 
+// out[N, K] = dequant(w) rounded to bf16 (nearest even; the bits of torch's float -> bfloat16 conversion of
+// dequantize's output), row-major, each row decoded into a per-thread fp32 row first.
+void dequantize_bf16(const uint8_t* w, int64_t N, int64_t K, QType qt, uint16_t* out, int n_threads);
+
 // "avx512vnni", "avx2" or "scalar": the path matmul/dequantize take now (avx512vnni differs from avx2 only in the
 // int8 path's integer dots, and gives the same bits).
 const char* active_isa();

@@ -95,10 +95,12 @@ class QuantWeight(_QuantRows):
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [out_features, in_features], bit-identical to gguf.quants.dequantize of the same bytes; into
-        `out` (a contiguous float32 CPU tensor of that shape) when given."""
+        `out` (a contiguous float32 or bfloat16 CPU tensor of that shape) when given. Into bfloat16, each value is
+        rounded to nearest even (torch's conversion of the float32 result, bit for bit) as its row is decoded, so
+        no float32 copy of the weight is made."""
         out = _dequantize_target(out, self._n, self.in_features)
-        _C.quant_dequantize(self.data.data_ptr(), self._n, self.in_features, self._qid, out.data_ptr(),
-                            torch.get_num_threads())
+        decode = _C.quant_dequantize if out.dtype == torch.float32 else _C.quant_dequantize_bf16
+        decode(self.data.data_ptr(), self._n, self.in_features, self._qid, out.data_ptr(), torch.get_num_threads())
         return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -149,7 +151,8 @@ class QuantStack(_QuantRows):
         return pieces[0] if len(pieces) == 1 else QuantStack(tuple(pieces))
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [out_features, in_features]: the parts' dequantisations stacked (into `out` when given)."""
+        """float32 [out_features, in_features]: the parts' dequantisations stacked (into `out`, float32 or bfloat16,
+        when given)."""
         out = _dequantize_target(out, self._n, self.in_features)
         row = 0
         for p in self.parts:
@@ -159,12 +162,14 @@ class QuantStack(_QuantRows):
 
 
 def _dequantize_target(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
-    """`out`, checked to be what the dequantise kernel may write (float32, contiguous, CPU, [n, k]), or a new one."""
+    """`out`, checked to be what the dequantise kernels may write (float32 or bfloat16, contiguous, CPU, [n, k]), or a
+    new float32 one."""
     if out is None:
         return torch.empty(n, k, dtype=torch.float32)
-    if out.dtype != torch.float32 or not out.is_cpu or not out.is_contiguous() or tuple(out.shape) != (n, k):
-        raise ValueError(f"dequantize: out must be a contiguous float32 CPU tensor [{n}, {k}], got {out.dtype} "
-                         f"{list(out.shape)} on {out.device}")
+    if (out.dtype not in (torch.float32, torch.bfloat16) or not out.is_cpu or not out.is_contiguous()
+            or tuple(out.shape) != (n, k)):
+        raise ValueError(f"dequantize: out must be a contiguous float32 or bfloat16 CPU tensor [{n}, {k}], got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
     return out
 
 

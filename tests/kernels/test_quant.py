@@ -105,6 +105,31 @@ def test_dequantize_is_exact(isa, qtype):
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
+def test_dequantize_to_bf16_rounds_as_torch_does(isa, qtype):
+    """Into a bfloat16 target each value is gguf's, rounded as torch rounds float32 to bfloat16 (nearest even), bit
+    for bit; also on halfway cases (ties to even, both directions), subnormals, infinities and NaNs, which the fp16
+    scales produce."""
+    w, ref = make_weight(qtype, 19, 10 * BLOCK_ELEMS[qtype], seed=5)
+    out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16)
+    assert w.dequantize(out) is out
+    assert torch.equal(out.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    blocks = np.full((bits.size, BLOCK_BYTES[qtype]), 0x35, dtype=np.uint8)
+    for at in FP16_FIELDS.get(qtype, (0,)):
+        blocks[:, at:at + 2] = bits.view(np.uint8).reshape(-1, 2)
+    w = QuantWeight(torch.from_numpy(blocks), qtype, BLOCK_ELEMS[qtype])
+    with np.errstate(invalid="ignore", over="ignore"):
+        exact = torch.from_numpy(gguf.quants.dequantize(blocks, GG[qtype]).astype(np.float32))
+    low = exact.view(torch.int32) & 0xFFFF
+    assert (low == 0x8000).any() and (low != 0).float().mean() > 0.5  # halfway cases, and values that round
+    ref = exact.to(torch.bfloat16)
+    got = w.dequantize(torch.empty(ref.shape, dtype=torch.bfloat16))
+    nan = ref.isnan()
+    assert torch.equal(got.isnan(), nan)  # a NaN stays a NaN (its payload is torch's business, not the test's)
+    assert torch.equal(got[~nan].view(torch.int16), ref[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
 def test_every_fp16_scale(isa, qtype):
     """All 65536 fp16 bit patterns in each fp16 field (the second one reversed): subnormals, +-0, inf and nan decode
     as numpy's float16 does, also where they meet the other field (inf - inf)."""
@@ -229,6 +254,8 @@ def test_dequantize_into_a_buffer_view(isa, types):
     assert w.dequantize(view) is view and torch.equal(view, ref) and buffer[ref.numel():].isnan().all()
     single, single_ref = parts[0]
     assert torch.equal(single.dequantize(torch.empty(single_ref.shape)), single_ref)
+    half = torch.empty(ref.shape, dtype=torch.bfloat16)  # the bf16 scratch's target
+    assert torch.equal(w.dequantize(half).view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
     for bad in (torch.empty(ref.shape[0], k + 1), torch.empty(ref.shape, dtype=torch.float64),
                 torch.empty(k, ref.shape[0]).t()):
         with pytest.raises(ValueError, match="dequantize: out must be"):
