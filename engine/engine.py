@@ -17,7 +17,7 @@ from .cache_batch import CacheBatch
 from .flops import FlopAccount, forward_flops, recompute_flops
 from .kv_cache import PagedKVCache
 from .loader import load_checkpoint
-from .model import PRECISIONS, KVCache, Llama
+from .model import KVCache, Llama, check_precision
 from .node_store import StoredNode, check_fits, unrotate
 from .page_pool import PagePool, default_pool_pages
 from .prefix_cache import PrefixCache
@@ -260,20 +260,18 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
     at most a quarter of the device's memory); page_size: positions per page. dense_copy: keep a dense fp32 copy of
     a GGUF model's projections for prompts (the older path, for comparison; `model.DequantScratch`).
-    precision: "exact" (fp32 activations throughout) or "int8", the opt-in fast path for GGUF models, float32 on the
-    CPU only: decode steps, probes and short appends multiply int8-quantised activations in the quantised
-    projections, and so do prompts in K-quant (Q4_K/Q6_K) projections, where that is faster than the fp32 GEMM
-    (`Llama`); attention, norms and the residual stream stay fp32. The FLOP account is the same (it counts the
-    model's FLOPs, not instructions)."""
-    if precision == "int8" and device == "auto":
-        device = "cpu"  # the int8 kernels are CPU kernels: "auto" means the device the precision runs on
+    precision: "exact" (fp32 activations throughout), or one of two opt-in fast paths for GGUF models, float32 on
+    the CPU only (`Llama`). "int8": decode steps, probes and short appends multiply int8-quantised activations in the
+    quantised projections, and so do prompts in K-quant (Q4_K/Q6_K) projections, where that is faster than the fp32
+    GEMM. "bf16", on CPUs with bf16 matrix units (AMX or AVX512-BF16; refused elsewhere): prompts (steps of more
+    than 32 tokens) multiply in bf16 there, and every other step is exact. Attention, norms, the residual stream and
+    the KV cache stay fp32 in both. The FLOP account is the same (it counts the model's FLOPs, not instructions)."""
+    if precision in ("int8", "bf16") and device == "auto":
+        device = "cpu"  # both fast paths are CPU ones: "auto" means the device the precision runs on
     target = resolve_device(device)
     dtype = resolve_dtype(dtype, target)
     backend_ops(backend, DTYPES[dtype], target)  # an unknown backend, or one that cannot run here, is refused now
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "int8" and (DTYPES[dtype] != torch.float32 or target.type != "cpu"):
-        raise ValueError("precision 'int8' runs float32 models on the CPU only")
+    check_precision(precision, DTYPES[dtype], target)
     for name, value in (("threads", threads), ("kv_tokens", kv_tokens), ("page_size", page_size)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")

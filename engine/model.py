@@ -44,7 +44,20 @@ GATED_ROWS, GATED_COLS = 512, 2048  # a many-token step's gate|up product in til
 # Q5_0/Q8_0 projections: int8 prefill 0.84-0.94x the exact path's; qwen2.5-1.5b's K-quants 1.24-1.62x; bench
 # engine_speed), so their many-token steps stay on the fp32 GEMM.
 INT8_PROMPT_QTYPES = frozenset({"q4_k", "q6_k"})
-PRECISIONS = ("exact", "int8")  # Llama(precision=...): fp32 activations, or int8 ones in the quantised projections
+# Llama(precision=...): fp32 activations throughout; int8 ones in the quantised projections; or bf16 GEMMs for the
+# quantised projections' many-token steps (prompts) on CPUs with bf16 matrix units, every other step exact
+PRECISIONS = ("exact", "int8", "bf16")
+
+
+def check_precision(precision: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a precision this model and device cannot run, in one line, before any weight loads."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision != "exact" and (dtype != torch.float32 or device.type != "cpu"):
+        raise ValueError(f"precision {precision!r} runs float32 models on the CPU only")
+    if precision == "bf16" and not native_bf16_matmul():
+        raise ValueError("precision 'bf16' needs a CPU with bf16 matrix units (AMX or AVX512-BF16): this one has "
+                         "none, and its bf16 GEMM is ~100x slower than the exact path's fp32 one")
 
 
 class KVCache(Protocol):
@@ -64,21 +77,22 @@ class KVCache(Protocol):
 
 
 class DequantScratch:
-    """One fp32 buffer that many-token steps decode a quantised weight into, one linear at a time, so that a GGUF
-    model keeps no dense copy: resident memory is the file's blocks plus the largest layer. Each weight serves one
-    GEMM per forward, so decoding it costs O(weights) beside the GEMM's O(tokens × weights); the GEMM sees the same
-    values as from a dense copy (the dequantisation is bit-exact), so the numbers are the dense path's."""
+    """One buffer that many-token steps decode a quantised weight into, one linear at a time, so that a GGUF model
+    keeps no dense copy: resident memory is the file's blocks plus the largest layer. Each weight serves one GEMM per
+    forward, so decoding it costs O(weights) beside the GEMM's O(tokens × weights). float32: the GEMM sees the same
+    values as from a dense copy (the dequantisation is bit-exact), so the numbers are the dense path's. bfloat16
+    (precision "bf16"): the values rounded to nearest even as they are decoded, for a bf16 GEMM."""
 
-    def __init__(self):
-        self.buffer = torch.empty(0, dtype=torch.float32)
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        self.buffer = torch.empty(0, dtype=dtype)
 
     def weight(self, quant: QuantLinearWeight, row_ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        """float32 [rows, in]: `quant` (or its rows in `row_ranges`, stacked in order) decoded into the buffer (valid
-        until the next call)."""
+        """[rows, in] in the scratch's dtype: `quant` (or its rows in `row_ranges`, stacked in order) decoded into the
+        buffer (valid until the next call)."""
         parts = [quant] if row_ranges is None else [quant.row_slice(a, b) for a, b in row_ranges]
         rows, k = sum(p.out_features for p in parts), quant.in_features
         if self.buffer.numel() < rows * k:
-            self.buffer = torch.empty(rows * k, dtype=torch.float32)
+            self.buffer = torch.empty(rows * k, dtype=self.buffer.dtype)
         out = self.buffer[:rows * k].view(rows, k)
         row = 0
         for p in parts:
@@ -155,7 +169,10 @@ class Linear:
 
     @staticmethod
     def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias in the weight's dtype, returned in x's. A bias kept in fp32 for the steps on the blocks
+        (precision "bf16") is rounded for the bf16 product: its output is rounded to bf16 anyway."""
         if x.dtype != weight.dtype:
+            bias = None if bias is None else bias.to(weight.dtype)
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
         return F.linear(x, weight, bias)
 
@@ -181,21 +198,20 @@ class Llama:
         """backend: the kernels' backend (see `nodekv.kernels.backend_ops`). dense_copy: keep a dense fp32 copy of
         every quantised projection for many-token steps (the older path: ~4-7x the file's size in memory) instead
         of decoding each into a shared scratch buffer per step (`DequantScratch`); bf16 models always keep one.
-        precision: "exact" (fp32 activations) or "int8": steps of up to QUANT_MAX_TOKENS tokens (decode, probes,
-        short appends), the lm_head, and longer steps of the K-quant projections (INT8_PROMPT_QTYPES) multiply
-        int8-quantised activations (`quant_linear`'s fast path; float32 only); longer steps of other types stay on
-        the fp32 GEMM, which outruns their int8 kernels there. device: where weights, activations and the RoPE tables
-        live ("cpu", or a CUDA device: every weight dense on it, the quantised blocks decoded once at load)."""
+        precision (float32 models on the CPU; `check_precision`): "exact" (fp32 activations), "int8" or "bf16".
+        int8: steps of up to QUANT_MAX_TOKENS tokens (decode, probes, short appends), the lm_head, and longer steps
+        of the K-quant projections (INT8_PROMPT_QTYPES) multiply int8-quantised activations (`quant_linear`'s fast
+        path); longer steps of other types stay on the fp32 GEMM, which outruns their int8 kernels there. bf16: the
+        longer steps of every quantised projection multiply in bf16 (inputs, decoded weights and outputs rounded to
+        bf16, fp32 accumulation) on the CPU's bf16 matrix units, ~4x the fp32 GEMM's speed on AMX; every other step,
+        the lm_head, attention, the norms, the residual stream and the KV cache stay exact. device: where weights,
+        activations and the RoPE tables live ("cpu", or a CUDA device: every weight dense on it, the quantised blocks
+        decoded once at load)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if precision == "int8" and dtype != torch.float32:
-            raise ValueError("precision 'int8' runs float32 models only")
         self.device = torch.device(device)
+        check_precision(precision, dtype, self.device)
         on_cuda = self.device.type == "cuda"
-        if precision == "int8" and on_cuda:
-            raise ValueError("precision 'int8' runs on the CPU's quantised kernels only; use 'exact' on CUDA")
         self.precision = precision
         self.config = config
         self.dtype = dtype
@@ -203,9 +219,12 @@ class Llama:
         # by per-op overhead, and a 512-token prefill runs ~10% faster; other dtypes take the torch reference
         self.ops = backend_ops(backend, dtype, self.device)
         matmul_dtype = dtype if dtype == torch.float32 or on_cuda or native_bf16_matmul() else torch.float32
+        # the dtype of the quantised projections' many-token GEMMs, on their scratch or dense copies
+        prompt_dtype = torch.bfloat16 if precision == "bf16" else matmul_dtype
         # the scratch decodes fp32 values only: bf16 models round their dense weights to bf16 once, at load
-        scratch = None if dense_copy or dtype != torch.float32 or on_cuda else DequantScratch()
-        weights = _WeightReader(tensors, dtype, matmul_dtype, scratch, int8=precision == "int8", device=self.device)
+        scratch = None if dense_copy or dtype != torch.float32 or on_cuda else DequantScratch(prompt_dtype)
+        weights = _WeightReader(tensors, dtype, matmul_dtype, scratch, int8=precision == "int8", device=self.device,
+                                prompt_dtype=prompt_dtype)
 
         head = "embed" if config.tie_embeddings else "lm_head"
         # Logits leave the bf16 lm_head unrounded (bf16 inputs, fp32 accumulation and output): rounded to bf16's 8
@@ -469,9 +488,12 @@ class _WeightReader:
     """Checks each canonical tensor's presence and shape, fuses, and converts to the model's dtypes."""
 
     def __init__(self, tensors, dtype, matmul_dtype, scratch: DequantScratch | None, int8: bool = False,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), prompt_dtype: torch.dtype | None = None):
+        """matmul_dtype: the dtype dense weights multiply in; prompt_dtype: the one of a quantised projection's dense
+        copy (default matmul_dtype)."""
         self.tensors, self.dtype, self.matmul_dtype, self.scratch = tensors, dtype, matmul_dtype, scratch
         self.int8, self.device = int8, device
+        self.prompt_dtype = prompt_dtype or matmul_dtype
         self.blocks = device.type == "cpu"  # the quantised kernels are C++: on other devices every weight is dense
 
     def get(self, name: str, shape: tuple[int, ...]):
@@ -505,7 +527,8 @@ class _WeightReader:
         elif dense and self.scratch is None:
             weight = quant.dequantize()
         if weight is not None:  # bf16 numerics: round weights to bf16 even when the matmul itself runs in fp32
-            weight = weight.to(self.dtype).to(self.device, matmul_dtype).contiguous()
+            copy_dtype = matmul_dtype if quant is None else self.prompt_dtype  # a quantised one's serves prompts only
+            weight = weight.to(self.dtype).to(self.device, copy_dtype).contiguous()
         b = None
         if bias is not None:
             b = torch.cat([self.get(n, (o,)) for n, o in zip(bias, out_sizes)]).to(self.dtype).to(self.device,

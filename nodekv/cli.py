@@ -13,11 +13,13 @@ import sys
 
 from nodekv import commands
 from nodekv.engine.config import PRESETS
+from nodekv.engine.model import PRECISIONS
 from nodekv.engine.models import DEFAULT_MODEL, MODELS
 from nodekv.methods.prompts import PROMPTS
 
 PRECISION_HELP = ("exact: fp32 activations; int8: the fast path, int8 activations in the quantised projections of a "
-                  "GGUF model (docs/engine.md)")
+                  "GGUF model; bf16: a GGUF model's prompts multiplied on the CPU's bf16 matrix units (AMX), every "
+                  "other step exact (docs/engine.md)")
 DEVICE_HELP = "cpu, cuda (or cuda:N), or auto: CUDA when torch sees a GPU (default); bfloat16 there, float32 on the CPU"
 MODEL_HELP = f"a registered name (`nodekv models`), HF directory or .gguf file (default: {DEFAULT_MODEL})"
 
@@ -136,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--model", default=None, help=MODEL_HELP)
     ask.add_argument("--device", default="auto", help=DEVICE_HELP)
     ask.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: by --device")
-    ask.add_argument("--precision", default="exact", choices=["exact", "int8"], help=PRECISION_HELP)
+    ask.add_argument("--precision", default="exact", choices=PRECISIONS, help=PRECISION_HELP)
     ask.add_argument("--prompt", default="", choices=sorted(PROMPTS), metavar="DATASET",
                      help="answer in this dataset's prompt, e.g. narrativeqa for a story (default: the generic "
                           "document-QA one)")
@@ -157,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a method option, repeatable, e.g. --option attention=false (PECAN's ablations)")
     ev.add_argument("--label", default=None, help="the run's name (default: the method and its options)")
     ev.add_argument("--model", default=None, help=MODEL_HELP)
-    ev.add_argument("--precision", default="exact", choices=["exact", "int8"], help=PRECISION_HELP)
+    ev.add_argument("--precision", default="exact", choices=PRECISIONS, help=PRECISION_HELP)
     ev.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: by --device")
     ev.add_argument("--device", default="auto", help=DEVICE_HELP + "; --ray's workers run on the CPU")
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")

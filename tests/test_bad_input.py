@@ -263,8 +263,9 @@ def test_the_python_api_refuses_a_limit_below_one():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"precision": "fp8"}, "precision must be one of exact, int8, got 'fp8'"),
+    ({"precision": "fp8"}, "precision must be one of exact, int8, bf16, got 'fp8'"),
     ({"precision": "int8", "dtype": "bfloat16"}, "precision 'int8' runs float32 models on the CPU only"),
+    ({"precision": "bf16", "dtype": "bfloat16"}, "precision 'bf16' runs float32 models on the CPU only"),
     ({"device": "gpu"}, "device must be one of auto, cpu, cuda or cuda:<index>, got 'gpu'"),
     ({"backend": "fpga"}, "backend must be one of auto, torch, cpu, triton, got 'fpga'"),
     ({"backend": "cpu", "dtype": "bfloat16"}, "the cpu backend runs float32 CPU tensors only"),
@@ -283,8 +284,9 @@ def test_load_engine_refuses_bad_settings_before_reading_the_model(kwargs, messa
         engine.load_engine("no-such-model.gguf", **kwargs)
 
 
-def test_int8_on_auto_takes_the_cpu_where_a_gpu_is_seen(monkeypatch):
-    from nodekv.engine import engine
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_a_cpu_precision_on_auto_takes_the_cpu_where_a_gpu_is_seen(monkeypatch, precision):
+    from nodekv.engine import engine, model
 
     class Loaded(Exception):
         pass
@@ -294,10 +296,22 @@ def test_int8_on_auto_takes_the_cpu_where_a_gpu_is_seen(monkeypatch):
 
     monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(engine, "resolve_model", load)
+    monkeypatch.setattr(model, "native_bf16_matmul", lambda: True)
     with pytest.raises(Loaded):  # past every check, on the CPU
-        engine.load_engine("no-such-model.gguf", precision="int8")
-    with pytest.raises(ValueError, match="precision 'int8' runs float32 models on the CPU only"):
-        engine.load_engine("no-such-model.gguf", precision="int8", device="cuda")
+        engine.load_engine("no-such-model.gguf", precision=precision)
+    with pytest.raises(ValueError, match=f"precision '{precision}' runs float32 models on the CPU only"):
+        engine.load_engine("no-such-model.gguf", precision=precision, device="cuda")
+
+
+def test_bf16_precision_is_refused_without_bf16_matrix_units(monkeypatch):
+    """Where torch's bf16 GEMM has no hardware under it (~100x slower than fp32), precision "bf16" would be the slow
+    path: refused in one line, before the model is read."""
+    from nodekv.engine import engine, model
+
+    monkeypatch.setattr(model, "native_bf16_matmul", lambda: False)
+    monkeypatch.setattr(engine, "load_checkpoint", lambda *a: pytest.fail("the model was read"))
+    with pytest.raises(ValueError, match=r"precision 'bf16' needs a CPU with bf16 matrix units \(AMX or AVX512-BF16\)"):
+        engine.load_engine("no-such-model.gguf", precision="bf16")
 
 
 def test_an_empty_model_name_is_refused_by_name():

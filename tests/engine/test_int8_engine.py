@@ -105,8 +105,8 @@ def test_long_prompts_take_the_int8_kernels_of_listed_types(gguf_path, monkeypat
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"precision": "fp8"}, "precision must be one of exact, int8"),
-    ({"precision": "int8", "dtype": torch.bfloat16}, "runs float32 models only"),
+    ({"precision": "fp8"}, "precision must be one of exact, int8, bf16"),
+    ({"precision": "int8", "dtype": torch.bfloat16}, "runs float32 models on the CPU only"),
 ])
 def test_bad_precision_is_refused(gguf_path, kwargs, message):
     ckpt = load_checkpoint(gguf_path)
