@@ -19,7 +19,7 @@ import torch
 
 from nodekv import _C
 
-from .reference import check_block_table, check_page_shape, overlaps
+from .reference import check_block_table, check_page_shape, check_pages_writable, overlaps
 
 if TYPE_CHECKING:
     from .quant import QuantWeight
@@ -284,6 +284,9 @@ def _explain_paged(q, k_pages, v_pages, layer, block_table, end, k_new, v_new, n
     _last_contig("q", q, fn)
     n, h, hd = q.shape
     _rank("k_pages", k_pages, 5, "[layers, n_pages, kv_heads, page_size, head_dim]", fn)
+    if k_new is not None:  # an expanded pool gets the line every backend's KV write gives, not "must be contiguous"
+        _f32("v_pages", v_pages, fn)
+        check_pages_writable(k_pages, v_pages, fn)
     _contig("k_pages", k_pages, fn)
     _dense("v_pages", v_pages, k_pages.shape, fn)
     check_page_shape(k_pages, fn)

@@ -84,6 +84,16 @@ def check_page_shape(pages: torch.Tensor, fn: str) -> None:
                          f"{list(pages.shape)}")
 
 
+def check_pages_writable(k_pages: torch.Tensor, v_pages: torch.Tensor, fn: str) -> None:
+    """A ValueError unless no two elements of k_pages, nor of v_pages, share memory: a KV write into an expanded
+    (stride-0) pool would land in every page sharing the row, which Triton did silently and torch only warns about
+    (the C++ kernel takes contiguous pages only). Shapes and strides only: no device sync."""
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if overlaps(pages):
+            raise ValueError(f"{fn}: {name} is written in place, so no two of its elements may share memory, got "
+                             f"shape {list(pages.shape)} strides {pages.stride()}")
+
+
 def check_block_table(block_table: torch.Tensor, end: int, pages: torch.Tensor, fn: str) -> None:
     """A ValueError naming the entry unless, on the CPU, the block_table entries that hold positions [0, end) are
     pages of `pages` [layers, n_pages, ...]. A CUDA tensor's values are trusted, as node_bounds' are: reading them
@@ -100,6 +110,7 @@ def check_block_table(block_table: torch.Tensor, end: int, pages: torch.Tensor, 
 def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_table: torch.Tensor, end: int,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v [T, kv_heads, hd] at positions end - T .. end - 1 of one layer's pages."""
+    check_pages_writable(k_pages, v_pages, "write_kv")
     P = k_pages.shape[3]
     pos = torch.arange(end - k.shape[0], end, device=block_table.device)
     pages, rows = block_table[pos // P].long(), pos % P
@@ -126,6 +137,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     gathered keys; with it, queries run in chunks so at most SCORE_CHUNK_BYTES of scores exist at once."""
     check_page_shape(k_pages, "paged_attention")
     check_block_table(block_table, end, k_pages, "paged_attention")  # checked before anything is written
+    if k_new is not None:
+        check_pages_writable(k_pages, v_pages, "paged_attention")
     if mass is not None:
         if node_bounds is None:
             raise ValueError("paged_attention: mass needs node_bounds")

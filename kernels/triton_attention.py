@@ -75,7 +75,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .reference import check_block_table, check_node_bounds, check_page_shape, overlaps
+from .reference import check_block_table, check_node_bounds, check_page_shape, check_pages_writable, overlaps
 
 __all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "sdpa_prefill", "write_kv"]
 
@@ -120,6 +120,7 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_tab
     pages (cast to the pages' dtype). Pages need a contiguous last dim; block_table (int32, best already on the
     pages' device: it is copied there otherwise) must cover positions [0, end)."""
     T, Hkv, hd = k.shape
+    check_pages_writable(k_pages, v_pages, "write_kv")
     if T == 0:
         return
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "write_kv")
@@ -464,6 +465,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     Hkv = k_pages.shape[2]
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
     check_block_table(block_table, end, k_pages, "paged_attention")
+    if k_new is not None:
+        check_pages_writable(k_pages, v_pages, "paged_attention")
     if q.device != k_pages.device:
         raise ValueError(f"paged_attention: q on {q.device}, pages on {k_pages.device}")
     if H % Hkv:
@@ -618,6 +621,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         raise ValueError(f"decode_attention: k_new and v_new must be [{B}, {Hkv}, {hd}], got {tuple(k_new.shape)} "
                          f"and {tuple(v_new.shape)}")
     _check_pages(k_pages, v_pages, block_tables[0], max_end, Hkv, hd, "decode_attention")  # pages, table width
+    check_pages_writable(k_pages, v_pages, "decode_attention")
     if ends.device.type == "cpu":  # each row's entries up to its own end (the padding past it is never read)
         for table, end in zip(block_tables, ends.tolist()):
             check_block_table(table, end, k_pages, "decode_attention")

@@ -365,3 +365,36 @@ def test_triton_paged_attention_refuses_bad_arguments_before_writing():
             triton_attention.paged_attention(q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end,
                                              k_new, v_new, case.node_bounds, m)
     assert torch.equal(case.k_pages, pages) and not mass.any()
+
+
+# the KV writes besides paged_attention's: each backend's write_kv, and Triton's batched decode step
+KV_WRITERS = ["reference.write_kv", pytest.param("triton.write_kv", marks=needs_triton_interpreter),
+              pytest.param("triton.decode_attention", marks=needs_triton_interpreter)]
+
+
+@pytest.mark.parametrize("backend", NAMES + KV_WRITERS)
+@pytest.mark.parametrize("which", ["k_pages", "v_pages"])
+def test_a_kv_write_into_an_expanded_pool_is_refused(backend, which):
+    """Pages that share memory (an expanded view) are refused with one line by every backend's KV write, before
+    anything is written: the reference wrote through them with only torch's deprecation warning, Triton silently
+    (every page then held the last key written to its row), and the C++ path said "must be contiguous"."""
+    from nodekv.kernels import triton_attention
+
+    case = make_case(3, 3, 40, 4, 2, 16, 8, 2)
+    pages = {"k_pages": case.k_pages, "v_pages": case.v_pages}
+    shared = pages[which][:, :1].clone()
+    before = shared.clone()
+    pages[which] = shared.expand_as(pages[which])
+    k_pages, v_pages = pages["k_pages"], pages["v_pages"]
+    with pytest.raises(ValueError, match=rf"{which} is written in place, so no two of its elements may share memory"):
+        if backend == "triton.decode_attention":
+            triton_attention.decode_attention(case.q[-1:], k_pages, v_pages, case.layer, case.block_table[None],
+                                              torch.tensor([case.end], dtype=torch.int32), case.end,
+                                              case.k_new[-1:], case.v_new[-1:])
+        elif backend.endswith("write_kv"):
+            module = reference if backend == "reference.write_kv" else triton_attention
+            module.write_kv(k_pages, v_pages, case.layer, case.block_table, case.end, case.k_new, case.v_new)
+        else:
+            BACKENDS[backend](case.q, k_pages, v_pages, case.layer, case.block_table, case.end, case.k_new,
+                              case.v_new)
+    assert torch.equal(shared, before)
