@@ -94,6 +94,14 @@ def check_pages_writable(k_pages: torch.Tensor, v_pages: torch.Tensor, fn: str) 
                              f"shape {list(pages.shape)} strides {pages.stride()}")
 
 
+def check_kv_pair(k: torch.Tensor, v: torch.Tensor | None, fn: str) -> None:
+    """A ValueError unless v is a tensor of k's shape: a KV write stores both, and torch's indexed write would
+    broadcast a v of one row into every row."""
+    if not isinstance(v, torch.Tensor) or v.shape != k.shape:
+        got = tuple(v.shape) if isinstance(v, torch.Tensor) else v
+        raise ValueError(f"{fn}: v must be a tensor of k's shape {tuple(k.shape)}, got {got}")
+
+
 def check_block_table(block_table: torch.Tensor, end: int, pages: torch.Tensor, fn: str) -> None:
     """A ValueError naming the entry unless, on the CPU, the block_table entries that hold positions [0, end) are
     pages of `pages` [layers, n_pages, ...]. A CUDA tensor's values are trusted, as node_bounds' are: reading them
@@ -110,6 +118,7 @@ def check_block_table(block_table: torch.Tensor, end: int, pages: torch.Tensor, 
 def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_table: torch.Tensor, end: int,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v [T, kv_heads, hd] at positions end - T .. end - 1 of one layer's pages."""
+    check_kv_pair(k, v, "write_kv")
     check_pages_writable(k_pages, v_pages, "write_kv")
     P = k_pages.shape[3]
     pos = torch.arange(end - k.shape[0], end, device=block_table.device)
@@ -135,6 +144,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     mass (float32 [n, N]) += Σ_h Σ_{k in node j} softmax_h(q_i·K / sqrt(hd))[k]: the attention mass of every query
     on every key node, summed over heads (callers divide by heads × layers). Without mass this is torch's SDPA on the
     gathered keys; with it, queries run in chunks so at most SCORE_CHUNK_BYTES of scores exist at once."""
+    if (k_new is None) != (v_new is None):
+        raise ValueError("paged_attention: give both k_new and v_new or neither")
     check_page_shape(k_pages, "paged_attention")
     check_block_table(block_table, end, k_pages, "paged_attention")  # checked before anything is written
     if k_new is not None:

@@ -75,7 +75,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .reference import check_block_table, check_node_bounds, check_page_shape, check_pages_writable, overlaps
+from .reference import (check_block_table, check_kv_pair, check_node_bounds, check_page_shape, check_pages_writable,
+                        overlaps)
 
 __all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "sdpa_prefill", "write_kv"]
 
@@ -120,13 +121,12 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, layer: int, block_tab
     pages (cast to the pages' dtype). Pages need a contiguous last dim; block_table (int32, best already on the
     pages' device: it is copied there otherwise) must cover positions [0, end)."""
     T, Hkv, hd = k.shape
+    check_kv_pair(k, v, "write_kv")
     check_pages_writable(k_pages, v_pages, "write_kv")
     if T == 0:
         return
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "write_kv")
     check_block_table(block_table, end, k_pages, "write_kv")
-    if v.shape != k.shape:
-        raise ValueError(f"write_kv: v {tuple(v.shape)} != k {tuple(k.shape)}")
     k, v = _last_contig(k), _last_contig(v)
     if not 0 <= layer < k_pages.shape[0] or end < T:
         raise ValueError(f"write_kv: layer {layer} / end {end} out of range for {T} tokens")

@@ -398,3 +398,32 @@ def test_a_kv_write_into_an_expanded_pool_is_refused(backend, which):
             BACKENDS[backend](case.q, k_pages, v_pages, case.layer, case.block_table, case.end, case.k_new,
                               case.v_new)
     assert torch.equal(shared, before)
+
+
+@pytest.mark.parametrize("writer", ["reference", pytest.param("triton", marks=needs_triton_interpreter)])
+@pytest.mark.parametrize("rows", [None, 1, 0])
+def test_write_kv_needs_v_of_k_shape(writer, rows):
+    """write_kv without v, or with a v of other rows, is one ValueError in both backends that have it, nothing
+    written: v=None raised AttributeError in both, and the reference broadcast a v of one row into every row."""
+    from nodekv.kernels import triton_attention
+
+    case = make_case(3, 3, 40, 4, 2, 16, 8, 2)
+    v = None if rows is None else case.v_new[:rows]
+    pages = case.k_pages.clone(), case.v_pages.clone()
+    module = reference if writer == "reference" else triton_attention
+    with pytest.raises(ValueError, match=r"write_kv: v must be a tensor of k's shape \(3, 2, 16\), got "):
+        module.write_kv(case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new, v)
+    assert torch.equal(case.k_pages, pages[0]) and torch.equal(case.v_pages, pages[1])
+
+
+@pytest.mark.parametrize("backend", NAMES)
+def test_a_lone_k_new_or_v_new_is_refused(backend):
+    """Every backend refuses k_new without v_new, and the reverse, with one line and nothing written: the reference
+    raised AttributeError on the first and dropped v_new silently on the second."""
+    case = make_case(3, 3, 40, 4, 2, 16, 8, 2)
+    pages = case.k_pages.clone(), case.v_pages.clone()
+    for k_new, v_new in ((case.k_new, None), (None, case.v_new)):
+        with pytest.raises(ValueError, match="give both k_new and v_new or neither"):
+            BACKENDS[backend](case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, k_new,
+                              v_new)
+    assert torch.equal(case.k_pages, pages[0]) and torch.equal(case.v_pages, pages[1])
