@@ -460,10 +460,15 @@ class Decoder:
         if not ok:
             raise ValueError(f"{fn}: invalid arguments (check them with paged_attention, which names the wrong one)")
         hidden = torch.empty(B, self.dim, dtype=_F32) if want_out else None
-        status, bad = self._c.step(rows, cos.data_ptr(), sin_signed.data_ptr(), k_pages.data_ptr(),
-                                   v_pages.data_ptr(), n_pages, page, want_out,
-                                   0 if hidden is None else hidden.data_ptr(),
-                                   0 if logits is None else logits.data_ptr(), torch.get_num_threads())
+        try:  # free in the fast path; pybind checks every argument before the kernel runs
+            status, bad = self._c.step(rows, cos.data_ptr(), sin_signed.data_ptr(), k_pages.data_ptr(),
+                                       v_pages.data_ptr(), n_pages, page, want_out,
+                                       0 if hidden is None else hidden.data_ptr(),
+                                       0 if logits is None else logits.data_ptr(), torch.get_num_threads())
+        except TypeError:  # a token or end that is a number but not an integer (5.0)
+            _integers(fn, **{f"tokens[{b}]": t for b, t in enumerate(tokens)},
+                      **{f"ends[{b}]": e for b, e in enumerate(ends)})
+            raise
         if status == 3:
             raise ValueError(f"{fn}: token {tokens[bad]} is outside the vocabulary [0, {self.vocab})")
         if status:

@@ -543,6 +543,10 @@ def test_decoder_names_the_bad_row(tmp_path):
         dec.step([1, 2, 101], cos, sin, pool.k, pool.v, tables, ends)
     with pytest.raises(ValueError, match="Decoder.step: invalid arguments"):  # RoPE rows for 2 of 3 rows
         dec.step([1, 2, 3], cos[:2], sin[:2], pool.k, pool.v, tables, ends)
+    with pytest.raises(ValueError, match=r"Decoder.step: tokens\[1\] must be an integer, got float 2.0"):
+        dec.step([1, 2.0, 3], cos, sin, pool.k, pool.v, tables, ends)  # was pybind's TypeError with its signature
+    with pytest.raises(ValueError, match=r"Decoder.step: ends\[0\] must be an integer, got float"):
+        dec.step([1, 2, 3], cos, sin, pool.k, pool.v, tables, [float(ends[0])] + ends[1:])
     bad = tables[1].clone()
     bad[-1] = -1
     with pytest.raises(ValueError, match=rf"block_table\[{len(bad) - 1}\] = -1 is not a page"):
