@@ -100,6 +100,10 @@ class GenerationState:
         self._mass_rows: list[torch.Tensor] = []  # one per accepted token
         self._pending_mass: torch.Tensor | None = None  # the chosen token's, filled by its forward
         self._cancelled = False
+        # `generate` settles finishes after its last step: until then a failure cancels this state as a running one,
+        # back onto the pages its session held since it began (a settled finish lets them go: `PagedKVCache.hold`)
+        self._settle_late = False
+        self._unsettled: tuple | None = None  # (ids, logits, mass) of a finish not yet settled
 
     @property
     def done(self) -> bool:
@@ -164,7 +168,13 @@ class GenerationState:
         if self._cancelled:
             return
         self.settle(self, None, None, None)
-        self._cancelled = True
+        self._cancelled, self._unsettled = True, None
+
+    def _settle_finish(self) -> None:
+        """Settle a finish that `_settle_late` kept back."""
+        if self._unsettled is not None:
+            finish, self._unsettled = self._unsettled, None
+            self.settle(self, *finish)
 
     def _mask(self) -> torch.Tensor | None:
         """bool [vocab]: the tokens the constraints allow next (None: any)."""
@@ -184,7 +194,10 @@ class GenerationState:
             self._stream.flush()
             text = self._stream.text
         mass = torch.cat(self._mass_rows) if self._bounds is not None and self.ids else None
-        self.settle(self, self.ids, self.logits, mass)
+        if self._settle_late:
+            self._unsettled = (self.ids, self.logits, mass)
+        else:
+            self.settle(self, self.ids, self.logits, mass)
         self.result = Generation(text, self.ids, self.node_id if self.ids else None, reason, self.logprobs, self.flops)
         return None
 
@@ -250,9 +263,12 @@ def generate(engine: ModelRunner, sessions: Sequence[DecodingSession], params: S
         for s, seed in zip(sessions, seeds):
             one = params if seed == params.seed else SamplingParams.of(params, seed=seed)
             states.append(s.start_generation(one, **steering))
+            states[-1]._settle_late = True  # a later failure takes back what finished states copied on write too
         running = states
         while running:
             running = step(engine, running)
+        for st in states:
+            st._settle_finish()
     except BaseException:
         for st in states:
             st.cancel()

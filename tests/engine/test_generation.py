@@ -369,3 +369,28 @@ def test_a_fork_whose_generation_fails_gives_back_the_page_it_copied(tiny, fail_
     fork.release()
     prefix.release()
     assert eng.pool.n_free == eng.pool.n_pages
+
+
+def test_a_failed_batch_gives_back_the_page_a_finished_fork_copied(tiny):
+    """Two forks share their prefix's partly filled last page, and each copies it on its first step. When one fork
+    has finished (EOS) and the other's next step fails, generate cancels both: the finished one must go back to the
+    shared page too (before, it kept its copy: one page fewer free after a call that changed nothing)."""
+    _, eng = tiny
+    prefix = eng.session()
+    prefix.append(PROMPT[:5])  # page size 4: the second page partly filled
+    forks = [prefix.fork(), prefix.fork()]
+    before = ([f.cache.state() for f in forks], eng.pool.refcount[:], eng.pool.n_free)
+    calls = []
+
+    def eos_then_fail(ids, logits):  # called for fork 0, then fork 1, at every step
+        calls.append(len(ids))
+        if len(calls) == 3:  # fork 0's second token: EOS, it finishes
+            return torch.full_like(logits, float("-inf")).index_fill_(0, torch.tensor([EOS]), 0.0)
+        if len(calls) == 4:  # fork 1's second token
+            raise RuntimeError("processor failed")
+        return logits
+
+    with pytest.raises(RuntimeError, match="processor failed"):
+        eng.generate_batch(forks, 5, logits_processors=[eos_then_fail])
+    assert ([f.cache.state() for f in forks], eng.pool.refcount, eng.pool.n_free) == before
+    assert [f.tokens for f in forks] == [PROMPT[:5]] * 2 and all(f._generation is None for f in forks)
