@@ -104,6 +104,7 @@ class LlamaCppRunner(Runner):
 
 
 NODEKV_VARIANTS = {"nodekv": ("exact", "float32"), "nodekv-int8": ("int8", "float32"),
+                   "nodekv-bf16-prompts": ("bf16", "float32"),
                    "nodekv-bf16": ("exact", "bfloat16")}  # engine name: (precision, dtype)
 
 

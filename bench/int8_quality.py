@@ -7,7 +7,8 @@ The int8 engine runs the tokens in 32-token teacher-forced steps, the step size 
 the int8 kernels (longer steps stay exact), so every position's logits come from int8 activations. llama.cpp
 (llama-cpp-python, when installed) reads the same GGUF with its own q8 activations and stands beside it as the
 peer's version of the same trade. A bf16 model of the same GGUF (dtype "bfloat16", whose prompts run on bf16 matrix
-units where the CPU has them) is measured the same way, in one forward.
+units where the CPU has them) is measured the same way, in one forward, and so, on CPUs with those units, is the exact
+model with precision "bf16" (its prompts' projections multiplied in bf16, everything else exact).
 
     python -m nodekv.bench.int8_quality [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tokens 2048] [--threads 2]
 """
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=count, default=2048)
     p.add_argument("--threads", type=count, default=2)
     args = p.parse_args(argv)
+    from nodekv.engine.cpu import native_bf16_matmul
     from nodekv.engine.engine import load_engine
     from nodekv.engine.model import QUANT_MAX_TOKENS
 
@@ -97,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((f"nodekv int8 ({QUANT_MAX_TOKENS}-token steps)", int8_logits(fast, ids, QUANT_MAX_TOKENS),
                      time.perf_counter() - t))
         del fast
+        if native_bf16_matmul():
+            prompts = load_engine(model, threads=args.threads, precision="bf16")
+            t = time.perf_counter()
+            rows.append(("nodekv bf16 prompts (precision bf16)", prompts.forward_logits(ids), time.perf_counter() - t))
+            del prompts
         half = load_engine(model, threads=args.threads, dtype="bfloat16")
         t = time.perf_counter()
         rows.append(("nodekv bf16 (a bf16 model)", half.forward_logits(ids), time.perf_counter() - t))

@@ -115,6 +115,17 @@ def test_batch_refuses_prompts_longer_than_the_story_allows(monkeypatch, capsys)
     assert "need 8,000 tokens" in capsys.readouterr().err
 
 
+def test_engine_speed_refuses_bf16_prompts_without_bf16_matrix_units(monkeypatch, capsys):
+    from nodekv.bench import engine_speed
+
+    monkeypatch.setattr("nodekv.engine.cpu.native_bf16_matmul", lambda: False)
+    _fake_children(monkeypatch, fail="engine_speed")  # a child started would say "failed"
+    argv = [*SMALL["engine_speed"][:-1]]
+    argv[argv.index("nodekv")] = "nodekv,nodekv-bf16-prompts"
+    assert _main(engine_speed, monkeypatch, *argv) == 2
+    assert "nodekv-bf16-prompts needs a CPU with bf16 matrix units" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name, argv, message", [
     ("cpu_kernels", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
     ("prefill_attention", ["--seq", "8", "--reps", "0"], "argument --reps: must be at least 1, got 0"),
