@@ -111,16 +111,18 @@ def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
         pos += 4
         metadata[key] = read_value(vtype)
 
-    infos = []
+    infos: dict[str, tuple[tuple[int, ...], GGMLQuantizationType, int]] = {}
     for _ in range(n_tensors):
         name = read_str()
+        if name in infos:  # as llama.cpp and GGUFReader: a dict would silently keep the last of the two
+            raise ModelLoadError(f"cannot read GGUF file {path}: corrupt (tensor {name} is listed twice)")
         (n_dims,) = struct.unpack_from(end + "I", mm, pos)
         if not 1 <= n_dims <= _MAX_DIMS:
             raise ModelLoadError(f"cannot read GGUF file {path}: corrupt (tensor {name} has {n_dims} dimensions)")
         dims = struct.unpack_from(end + "Q" * n_dims, mm, pos + 4)
         qtype, offset = struct.unpack_from(end + "IQ", mm, pos + 4 + 8 * n_dims)
         pos += 4 + 8 * n_dims + 12
-        infos.append((name, tuple(int(d) for d in dims), GGMLQuantizationType(qtype), offset))
+        infos[name] = (tuple(int(d) for d in dims), GGMLQuantizationType(qtype), offset)
 
     alignment = int(metadata.get("general.alignment", 32))
     if alignment <= 0 or alignment & (alignment - 1):  # as llama.cpp: data_start below divides by it
@@ -128,7 +130,7 @@ def _parse(path: Path, mm: mmap.mmap) -> GGUFFile:
                              "of two)")
     data_start = -(-pos // alignment) * alignment
     tensors = {}
-    for name, dims, qtype, offset in infos:
+    for name, (dims, qtype, offset) in infos.items():
         block, type_size = GGML_QUANT_SIZES[qtype]
         cols, rows = dims[0], int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
         if cols % block:

@@ -161,19 +161,21 @@ def test_read_gguf_tensors_match_gguf_reader(tmp_path):
         assert np.array_equal(m.data, t.data), t.name
 
 
-def _raw_gguf(version: int = 3, n_dims: int = 1, alignment: int | None = None) -> bytes:
-    """A GGUF v`version` file holding one 8-float tensor "a" of `n_dims` header dimensions (8, 1, 1, ...), written
-    byte by byte (the gguf package's writer refuses the corrupt values these tests need)."""
+def _raw_gguf(version: int = 3, n_dims: int = 1, alignment: int | None = None,
+              names: tuple[str, ...] = ("a",)) -> bytes:
+    """A GGUF v`version` file holding an 8-float tensor of `n_dims` header dimensions (8, 1, 1, ...) under each of
+    `names`, written byte by byte (the gguf package's writer refuses the corrupt values these tests need)."""
     import struct
 
     def text(s: str) -> bytes:
         return struct.pack("<Q", len(s)) + s.encode()
 
     kv = [] if alignment is None else [text("general.alignment") + struct.pack("<II", 4, alignment)]
-    header = b"GGUF" + struct.pack("<IQQ", version, 1, len(kv)) + b"".join(kv)
-    header += text("a") + struct.pack("<I", n_dims) + struct.pack("<Q", 8) + struct.pack("<Q", 1) * min(n_dims - 1, 3)
-    header += struct.pack("<IQ", 0, 0)  # F32 at offset 0
-    return header + bytes(-len(header) % 32) + bytes(32)
+    header = b"GGUF" + struct.pack("<IQQ", version, len(names), len(kv)) + b"".join(kv)
+    for k, name in enumerate(names):
+        header += text(name) + struct.pack("<I", n_dims) + struct.pack("<Q", 8)
+        header += struct.pack("<Q", 1) * min(n_dims - 1, 3) + struct.pack("<IQ", 0, 32 * k)  # F32, 32 bytes each
+    return header + bytes(-len(header) % 32) + bytes(32 * len(names))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -182,6 +184,7 @@ def _raw_gguf(version: int = 3, n_dims: int = 1, alignment: int | None = None) -
     (dict(alignment=0), "general.alignment 0 is not a power of two"),  # was a ZeroDivisionError
     (dict(alignment=24), "general.alignment 24 is not a power of two"),
     (dict(version=4), "GGUF version 4 is not supported"),
+    (dict(names=("a", "b", "a")), "tensor a is listed twice"),  # was read as the second "a"
 ])
 def test_corrupt_gguf_header(tmp_path, bad, message):
     from nodekv.engine.gguf_file import read_gguf
