@@ -16,6 +16,7 @@ from .config import ModelConfig
 from .cache_batch import CacheBatch
 from .flops import FlopAccount, forward_flops, recompute_flops
 from .kv_cache import PagedKVCache
+from .gguf_file import GGUFFile, read_gguf
 from .loader import load_checkpoint
 from .model import KVCache, Llama, check_precision
 from .node_store import StoredNode, check_fits, unrotate
@@ -280,12 +281,14 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     from .tokenizer import Tokenizer
 
     path = resolve_model(model)
-    # a HF directory's tokenizer files are checked before its weights load; a GGUF's tokenizer is in the header
-    # load_checkpoint parses first, so reading it now would parse that header twice
-    tokenizer = Tokenizer.from_dir(path) if path.is_dir() else None
-    ckpt = load_checkpoint(path)
-    if tokenizer is None:
-        tokenizer = Tokenizer.from_gguf(ckpt.path, ckpt.gguf_metadata)
+    # the tokenizer is checked before the weights load: a HF directory's files, or a GGUF's header, parsed once
+    source: Path | GGUFFile = path
+    if path.is_dir():
+        tokenizer = Tokenizer.from_dir(path)
+    else:
+        source = read_gguf(path)
+        tokenizer = Tokenizer.from_gguf(path, source.metadata)
+    ckpt = load_checkpoint(source)
     llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy, precision, target)
     pages = default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens, target)
     pool = PagePool(ckpt.config, llama.dtype, pages, page_size, target)

@@ -61,22 +61,23 @@ def package_file(package: str, relative: str) -> Path:
 
 @dataclass
 class Checkpoint:
-    """What a model path holds: config, canonical tensors, and for GGUF files the metadata (tokenizer inside)."""
+    """What a model path holds: config and canonical tensors (a GGUF file's tokenizer metadata is `read_gguf`'s)."""
 
     config: ModelConfig
     tensors: dict[str, Tensor]
     path: Path
-    gguf_metadata: dict | None = None
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a HF directory or a .gguf file."""
+def load_checkpoint(path: str | os.PathLike | GGUFFile) -> Checkpoint:
+    """Read a HF directory or a .gguf file; a GGUF file whose header `read_gguf` has already parsed (to check its
+    tokenizer first) may be passed as that GGUFFile, which saves parsing the header again."""
+    if isinstance(path, GGUFFile):
+        return Checkpoint(*_load_gguf(path), path.path)
     path = Path(path)
     if path.is_dir():
         return Checkpoint(*_load_hf_dir(path), path)
     if path.is_file():
-        config, tensors, metadata = _load_gguf(path)
-        return Checkpoint(config, tensors, path, metadata)
+        return Checkpoint(*_load_gguf(read_gguf(path)), path)
     raise ModelLoadError(f"model path {str(path)!r} does not exist (expected a HF directory or a .gguf file)")
 
 
@@ -161,12 +162,11 @@ def _hf_canonical(key: str) -> str | None:
 
 
 # ---------------------------------------------------------------- GGUF
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], dict]:
-    file = read_gguf(path)
+def _load_gguf(file: GGUFFile) -> tuple[ModelConfig, dict[str, Tensor]]:
     config = _gguf_config(file)
     permuted = file.metadata["general.architecture"] in _GGUF_PERMUTED_QK
     tensors: dict[str, Tensor] = {}
-    with open(path, "rb") as raw:
+    with open(file.path, "rb") as raw:
         for t in file.tensors.values():
             canonical = _gguf_canonical(t.name)
             if canonical is None:
@@ -178,7 +178,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor], dict]:
             tensors[canonical] = _unpermute_rows(value, config.n_heads, canonical)
         elif permuted and kind in ("wk", "bk"):
             tensors[canonical] = _unpermute_rows(value, config.n_kv_heads, canonical)
-    return config, tensors, file.metadata
+    return config, tensors
 
 
 def gguf_config(path: str | os.PathLike) -> ModelConfig:

@@ -115,6 +115,16 @@ def test_hf_dir_without_tokenizer_is_refused_before_its_weights_load(save_hf, mo
         engine.load_engine(path, device="cpu")
 
 
+def test_gguf_without_tokenizer_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+    import nodekv.engine.engine as engine
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(tiny_hf_model(), path, "q8_0")  # config and weights, no tokenizer.ggml.* metadata
+    monkeypatch.setattr(engine, "load_checkpoint", lambda *a: pytest.fail("the weights were loaded first"))
+    with pytest.raises(ModelLoadError, match="GGUF has no tokenizer metadata"):
+        engine.load_engine(path, device="cpu")
+
+
 def test_truncated_safetensors(save_hf):
     path = _hf_dir(save_hf)
     file = path / "model.safetensors"
