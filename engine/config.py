@@ -166,6 +166,17 @@ def config_number(values: Mapping[str, Any], key: str, kind: type, where: str, d
     return kind(value)
 
 
+def config_flag(values: Mapping[str, Any], key: str, where: str, default: bool | None = None) -> bool | None:
+    """`values[key]`, which must be a bool, or `default` when it is absent or null; a ModelLoadError naming `key`
+    and `where` it was read for anything else (bool() would take the string "false" as true)."""
+    value = values.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{where} field {key!r} is {value!r}, expected true or false")
+    return value
+
+
 _LLAMA3_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                               original_max_position_embeddings=8192)
 

@@ -22,6 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+from .config import config_flag
 from .errors import ModelLoadError
 from .gguf_file import read_gguf
 
@@ -335,8 +336,8 @@ class Tokenizer:
         names = {"bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad}
         return cls(backend, vocab_size=n, bos_id=bos,
                    eos_ids=[eos, tid("eot_token_id"), tid("eom_token_id")],
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-                   add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+                   add_bos=config_flag(meta, "tokenizer.ggml.add_bos_token", where, add_bos_default),
+                   add_eos=config_flag(meta, "tokenizer.ggml.add_eos_token", where, False),
                    chat_template=meta.get("tokenizer.chat_template"),
                    special_tokens={k: tokens[v] if v is not None else None for k, v in names.items()},
                    source=where)
@@ -367,7 +368,8 @@ class Tokenizer:
             backend = Backend.from_file(str(tj))
         except Exception as e:  # tokenizers raises plain Exception on a bad file
             raise ModelLoadError(f"{tj}: cannot load tokenizer.json ({e})") from e
-        cfg = read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+        cfg_file = path / "tokenizer_config.json"
+        cfg = read_json(cfg_file) if cfg_file.is_file() else {}
 
         # added tokens listed only in tokenizer_config.json (older saves)
         for spec in (cfg.get("added_tokens_decoder") or {}).values():
@@ -386,8 +388,8 @@ class Tokenizer:
             if (path / extra).is_file():
                 eos_ids += _id_list(read_json(path / extra).get("eos_token_id"))
 
-        add_bos = cfg.get("add_bos_token")
-        if not isinstance(add_bos, bool):  # e.g. Llama 3: the post-processor adds BOS
+        add_bos = config_flag(cfg, "add_bos_token", str(cfg_file))
+        if add_bos is None:  # e.g. Llama 3: the post-processor adds BOS
             plain = backend.encode("a", add_special_tokens=False).ids
             full = backend.encode("a", add_special_tokens=True).ids
             add_bos = bos is not None and len(full) > len(plain) and full[0] == bos
@@ -402,8 +404,9 @@ class Tokenizer:
             template = read_json(path / "chat_template.json").get("chat_template")
         specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         return cls(backend, bos_id=bos, eos_ids=eos_ids, add_bos=add_bos,
-                   add_eos=bool(cfg.get("add_eos_token", False)), chat_template=template if isinstance(template, str)
-                   else None, special_tokens=specials, source=str(path))
+                   add_eos=config_flag(cfg, "add_eos_token", str(cfg_file), False),
+                   chat_template=template if isinstance(template, str) else None, special_tokens=specials,
+                   source=str(path))
 
     # -- encode / decode ----------------------------------------------------------------------------------
     @cached_property

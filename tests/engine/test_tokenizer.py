@@ -546,6 +546,26 @@ def test_dir_errors(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize("flag", ["false", "False", 0, 1])
+def test_dir_add_bos_and_add_eos_flags(tmp_path, flag):
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, processors
+
+    backend = Backend(models.WordLevel({"<s>": 0, "</s>": 1, "a": 2}, unk_token="a"))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    for key, attr, written, expect in (("add_bos_token", "add_bos", False, False),
+                                       ("add_bos_token", "add_bos", None, True),  # unset: the post-processor adds BOS
+                                       ("add_eos_token", "add_eos", True, True),
+                                       ("add_eos_token", "add_eos", None, False)):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", key: written}))
+        assert getattr(Tokenizer.from_dir(tmp_path), attr) is expect, (key, written)
+    for key in ("add_bos_token", "add_eos_token"):  # bool("false") was True
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", key: flag}))
+        with pytest.raises(ModelLoadError, match=rf"tokenizer_config.json field '{key}' is {flag!r}, expected true"):
+            Tokenizer.from_dir(tmp_path)
+
+
 def test_gguf_errors(tmp_path):
     alphabet = list(_bytes_to_unicode().values())
     base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": alphabet + ["Ġt"],
@@ -564,6 +584,8 @@ def test_gguf_errors(tmp_path):
         Tokenizer.from_gguf(tmp_path / "e.gguf")
     with pytest.raises(ModelLoadError):
         Tokenizer.from_gguf(tmp_path / "missing.gguf")
+    with pytest.raises(ModelLoadError, match="field 'tokenizer.ggml.add_bos_token' is 'false', expected true"):
+        Tokenizer.from_gguf(_write_gguf(tmp_path / "g.gguf", dict(base, **{"tokenizer.ggml.add_bos_token": "false"})))
     t = Tokenizer.from_gguf(_write_gguf(tmp_path / "f.gguf", base))  # no pre: llama.cpp's 'default'
     assert t.decode(t.encode("ok, 1234!")) == "ok, 1234!"
 
