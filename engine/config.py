@@ -103,8 +103,8 @@ class ModelConfig:
             rope_theta=config_number(cfg if "rope_theta" in cfg else rope, "rope_theta", float, "config.json", 10000.0),
             rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or rope),
             norm_eps=num("rms_norm_eps", float, 1e-5),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            tie_embeddings=config_flag(cfg, "tie_word_embeddings", "config.json", False),
+            qkv_bias=config_flag(cfg, "attention_bias", "config.json", arch == "Qwen2ForCausalLM"),
             architecture=arch,
         )
 

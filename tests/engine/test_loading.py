@@ -214,6 +214,9 @@ def test_corrupt_gguf_header(tmp_path, bad, message):
     ({"rms_norm_eps": [1e-5]}, r"field 'rms_norm_eps' is \[1e-05\], expected a number"),
     ({"rope_scaling": "llama3"}, "field 'rope_scaling' is 'llama3', expected an object"),  # was an AttributeError
     ({"num_attention_heads": 0, "head_dim": None}, "n_heads must be positive, got 0"),  # was a ZeroDivisionError
+    # bool("false") is True: an untied lm_head was ignored for the embedding, or q/k/v biases were asked for
+    ({"tie_word_embeddings": "false"}, "field 'tie_word_embeddings' is 'false', expected true or false"),
+    ({"attention_bias": 0}, "field 'attention_bias' is 0, expected true or false"),
 ])
 def test_hf_config_field_of_wrong_type(save_hf, edit, message):
     from nodekv.engine.loader import model_config
