@@ -221,6 +221,19 @@ def check_unicode(text: str, what: str = "text") -> str:
     return text
 
 
+def _token_ids(ids: Iterable[Any]) -> list[int]:
+    """`ids` (ints, numpy/torch integers, or a 1-D numpy/torch integer array) as Python ints; a ValueError naming the
+    first that is not an integer in [0, 2**32) -- the tokenizers library's id type: int() would cut 3.7 to 3 and
+    read "5" or True as an id, and an id past 2**32 raised OverflowError inside the library."""
+    values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    for k, i in enumerate(values):
+        if hasattr(i, "tolist"):  # a numpy or torch scalar: its Python value
+            i = values[k] = i.tolist()
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2 ** 32:
+            raise ValueError(f"token id {i!r} at position {k} is not an integer in [0, 2**32)")
+    return values
+
+
 def _id_list(value: Any) -> list[int]:
     if isinstance(value, bool):
         return []
@@ -433,15 +446,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of token ids; special (control) tokens are written out unless `skip_special`. Ids past the
-        vocabulary (e.g. padding rows of a larger embedding) decode to nothing; negative ids are a ValueError."""
-        ids = ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
-        if ids and min(ids) < 0:
-            raise ValueError(f"negative token id in {ids[:8]}...")
-        return self._tok.decode(ids, skip_special_tokens=skip_special)
+        vocabulary (e.g. padding rows of a larger embedding) decode to nothing; an id that is not an integer in
+        [0, 2**32) (negative, a float, a bool) is a ValueError. numpy and torch integer arrays are taken."""
+        return self._tok.decode(_token_ids(ids), skip_special_tokens=skip_special)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (byte-level spelling for BPE vocabularies)."""
-        return self._tok.id_to_token(int(token_id))
+        return self._tok.id_to_token(_token_ids([token_id])[0])
 
     def token_id(self, piece: str) -> int:
         """The single id `piece` encodes to (special tokens included), e.g. ``token_id("Yes")``; ValueError if
@@ -544,14 +555,15 @@ class DecodeStream:
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special
-        self.ids: list[int] = [int(i) for i in context][-6:]
+        self.ids: list[int] = _token_ids(context)[-6:]
         self._prefix = 0
         self._read = len(self.ids)
         self.text = ""
 
     def push(self, token_id: int) -> str:
-        """Add one generated id; return the newly completed text ('' while a character is still incomplete)."""
-        self.ids.append(int(token_id))
+        """Add one generated id; return the newly completed text ('' while a character is still incomplete). An id
+        `Tokenizer.decode` refuses is refused here before it joins the stream."""
+        self.ids += _token_ids([token_id])
         new = self._unread()
         if new and not new.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self.ids)

@@ -298,8 +298,32 @@ def test_special_tokens_and_bos(tok):
     assert "<|im_start|>" not in tok.decode(ids, skip_special=True)
     assert tok.decode(ids, skip_special=True).endswith("user\nhi\nassistant\n")
     assert tok.decode([19556, 49152, 905]) == "Hello world"  # past the vocabulary (embedding padding): nothing
-    with pytest.raises(ValueError, match="negative"):
-        tok.decode([-1])
+
+
+@pytest.mark.model
+def test_decode_takes_integer_ids_only(tok):
+    import numpy as np
+    import torch
+
+    ids = tok.encode("Hello world")
+    for array in (np.array(ids), np.array(ids, dtype=np.uint32), torch.tensor(ids), [np.int32(i) for i in ids],
+                  list(torch.tensor(ids))):
+        assert tok.decode(array) == "Hello world", type(array)
+        assert tok.decode_stream(context=array).push(ids[0]) == "Hello"
+    assert tok.decode([2 ** 32 - 1]) == ""  # past the vocabulary
+    # were cut to an id (3.7 -> 3, True -> 1, "5" -> 5) or raised OverflowError in the tokenizers library
+    for bad in (-1, 2 ** 32, 2 ** 40, 3.7, True, "5", np.float32(3), torch.tensor(3.0)):
+        with pytest.raises(ValueError, match=r"token id .* is not an integer in \[0, 2\*\*32\)"):
+            tok.decode([ids[0], bad])
+        with pytest.raises(ValueError, match="not an integer"):
+            tok.id_to_token(bad)
+        stream = tok.decode_stream()
+        assert stream.push(ids[0]) == "Hello"
+        with pytest.raises(ValueError, match="not an integer"):
+            stream.push(bad)
+        assert stream.push(ids[1]) == " world"  # the refused id did not join the stream
+    with pytest.raises(ValueError, match="not an integer"):
+        tok.decode(np.array(ids, dtype=np.float64))
 
 
 @pytest.mark.model
