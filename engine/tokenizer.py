@@ -450,6 +450,14 @@ class Tokenizer:
         [0, 2**32) (negative, a float, a bool) is a ValueError. numpy and torch integer arrays are taken."""
         return self._tok.decode(_token_ids(ids), skip_special_tokens=skip_special)
 
+    @cached_property
+    def byte_level(self) -> bool:
+        """Whether the decoder is byte-level BPE's, which writes the bytes of all the ids as one UTF-8 text, each
+        invalid sequence as U+FFFD (Rust's from_utf8_lossy, as Python's ``bytes.decode("utf-8", "replace")``)."""
+        from tokenizers.decoders import ByteLevel
+
+        return isinstance(self._tok.decoder, ByteLevel)
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (byte-level spelling for BPE vocabularies)."""
         return self._tok.id_to_token(_token_ids([token_id])[0])
@@ -559,6 +567,9 @@ class DecodeStream:
         self._prefix = 0
         self._read = len(self.ids)
         self.text = ""
+        # a byte-level decoder: later bytes change only the one U+FFFD of a final incomplete character, the text
+        # before it is final (a stand-in tokenizer that only decodes says nothing: held text waits)
+        self._byte_level = getattr(tokenizer, "byte_level", False)
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the newly completed text ('' while a character is still incomplete). An id
@@ -566,10 +577,21 @@ class DecodeStream:
         self.ids += _token_ids([token_id])
         new = self._unread()
         if new and not new.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            self.text += new
-            return new
+            return self._release(new, len(self.ids))
+        # bytes that make no character (a run of lone continuation bytes) would be held, and decoded again at every
+        # push, until flush; a byte-level decoder can change only the held text's last U+FFFD, so the text of the
+        # ids before the last one is final when it stops short of that
+        if self._byte_level and len(self.ids) - 1 > self._read:
+            done = self._unread(len(self.ids) - 1)
+            if done and len(done) < len(new) and new.startswith(done):
+                return self._release(done, len(self.ids) - 1)
         return ""
+
+    def _release(self, new: str, read: int) -> str:
+        """Return `new`, the text the ids up to `read` add, as released."""
+        self._prefix, self._read = self._read, read
+        self.text += new
+        return new
 
     def flush(self) -> str:
         """Release whatever is held back (an incomplete character comes out as U+FFFD)."""
@@ -578,10 +600,11 @@ class DecodeStream:
         self.text += new
         return new
 
-    def _unread(self) -> str:
-        """The text the ids after `_read` add: where the read ids decode with a U+FFFD for bytes the later ones
-        complete (an incomplete character at the end of `context`), from that character on, not from its length."""
+    def _unread(self, end: int | None = None) -> str:
+        """The text the ids after `_read` (up to `end`) add: where the read ids decode with a U+FFFD for bytes the
+        later ones complete (an incomplete character at the end of `context`), from that character on, not from its
+        length."""
         dec = self.tokenizer.decode
         prefix = dec(self.ids[self._prefix:self._read], self.skip_special)
-        full = dec(self.ids[self._prefix:], self.skip_special)
+        full = dec(self.ids[self._prefix:end], self.skip_special)
         return full[len(os.path.commonprefix([prefix, full])):]

@@ -378,6 +378,27 @@ def test_decode_stream(tok):
 
 
 @pytest.mark.model
+def test_decode_stream_of_bytes_that_make_no_character(tok):
+    """Byte tokens pushed one by one, against Python's own UTF-8 decoding of their bytes (invalid ones as U+FFFD,
+    as the tokenizers library's byte-level decoder writes them)."""
+    import random
+
+    spelled = {b: tok._tok.token_to_id(ch) for b, ch in _bytes_to_unicode().items()}  # vocabulary entries
+    byte_ids = {b: i for b, i in spelled.items() if i is not None}  # bytes UTF-8 never holds may have none
+    lone = DecodeStream(tok)  # lone continuation bytes were all held, decoded again at every push, until flush
+    pieces = [lone.push(byte_ids[0x80]) for _ in range(2000)]
+    assert sum(map(len, pieces)) >= 1999 and lone.text + lone.flush() == "\ufffd" * 2000
+    rng = random.Random(0)
+    for _ in range(300):
+        data = bytes(rng.choice([0x41, 0x80, 0x9F, 0xBF, 0xC3, 0xE4, 0xF0, *rng.sample(sorted(byte_ids), 4)])
+                     for _ in range(rng.randrange(1, 30)))
+        ids = [byte_ids[b] for b in data if b in byte_ids]
+        stream = DecodeStream(tok)
+        text = "".join(stream.push(i) for i in ids) + stream.flush()
+        assert text == tok.decode(ids) == bytes(b for b in data if b in byte_ids).decode("utf-8", "replace"), data
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("text", ["ab 🎉 cd", "é🎉🎉 a", "x 你好 y 𝔘𝔫𝔦", "abc \ufffd def", "\ufffd🎉\ufffd"])
 def test_decode_stream_after_a_context_cut_inside_a_character(tok, text):
     """A generation cut in the middle of a character, then continued: the stream's context ends in the character's
