@@ -10,6 +10,7 @@ from types import ModuleType
 
 import torch
 
+from ..kernels import reference
 from .errors import ContextOverflowError, PoolExhaustedError, SessionReleasedError
 from .page_pool import PagePool
 
@@ -78,9 +79,13 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k, v ([T, kv_heads, hd]) after the cached tokens; causal attention over everything cached for
-        q ([n, heads, hd]), the queries of the last n <= T new positions. Returns [n, heads * hd]."""
-        return self.ops.paged_attention(q, self.pool.k, self.pool.v, layer, self._table, self.length + k.shape[0],
-                                        k, v, self._bounds, self._mass)
+        q ([n, heads, hd]), the queries of the last n <= T new positions. Returns [n, heads * hd] in q's dtype.
+        Queries in another dtype than the pool's (bf16 ones over fp32 pages: precision "bf16"'s prompts) attend
+        through the torch reference, in their dtype (SDPA on the gathered keys), while k and v are stored as the
+        pool keeps them."""
+        ops = self.ops if q.dtype == self.pool.k.dtype else reference
+        return ops.paged_attention(q, self.pool.k, self.pool.v, layer, self._table, self.length + k.shape[0],
+                                   k, v, self._bounds, self._mass)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Store k, v ([T, kv_heads, hd]) without attending, at `positions` (int64 [T], cached or reserved by

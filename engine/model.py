@@ -325,6 +325,9 @@ class Llama:
         cast = _identity if dt == torch.float32 else lambda t: t.to(dt)
         cos, sin = rope
         n_qk = c.n_heads + c.n_kv_heads
+        # precision "bf16": a prompt attends in bf16 too (torch's SDPA on the bf16 units; the cache keeps fp32 K/V),
+        # unless node mass is collected, which the fp32 kernels do in one pass
+        half_attention = self.precision == "bf16" and T > QUANT_MAX_TOKENS and not cache.collecting
         x = self._embed_rows(tokens)
         h = ops.rms_norm(x, self.layers[0].attn_norm, c.norm_eps)
         for i, layer in enumerate(self.layers):
@@ -335,7 +338,7 @@ class Llama:
             prune = i == c.n_layers - 1 and rows is not None
             if prune and not cache.collecting:
                 q, x = q[rows], x[rows]
-            attn = cache.attend(i, q, k, v)
+            attn = cache.attend(i, q.to(torch.bfloat16), k, v).float() if half_attention else cache.attend(i, q, k, v)
             if prune and cache.collecting:
                 attn, x = attn[rows], x[rows]
             h = ops.add_rms_norm_(x, layer.wo(attn), layer.ffn_norm, c.norm_eps)

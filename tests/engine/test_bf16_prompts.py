@@ -1,7 +1,8 @@
 """The engine's bf16 prompt path (load_engine(precision="bf16")) on tiny GGUF models: the quantised projections'
 many-token steps are bf16 products (inputs, decoded weights and outputs rounded to bf16, accumulated in fp32), checked
-against a float64 product of the same rounded operands; steps of up to QUANT_MAX_TOKENS tokens and the lm_head stay
-on the exact path bit for bit; a prompt's logits stay close to the exact path's; and no dense copy is kept.
+against a float64 product of the same rounded operands, and their attention runs in bf16 over the fp32 cache (unless
+node mass is collected), checked against float64 attention; steps of up to QUANT_MAX_TOKENS tokens and the lm_head
+stay on the exact path bit for bit; a prompt's logits stay close to the exact path's; and no dense copy is kept.
 
 Where the CPU has no bf16 matrix units, precision "bf16" is refused (tests/test_bad_input.py); these tests lift that
 check, since torch's bf16 GEMM gives the same numbers there, only slowly, and the shapes here are tiny."""
@@ -100,6 +101,62 @@ def test_no_dense_copy_and_a_dense_copy_in_bf16(gguf_path):
     a = scratch.forward(ids, new_cache(scratch, page_size=8), logits="all")
     b = dense.forward(ids, new_cache(dense, page_size=8), logits="all")
     torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+def _attention64(q, k, v, start):
+    """float64 causal GQA attention of q [n, H, hd] at positions start.. over k, v [end, kv_heads, hd]."""
+    n, H, hd = q.shape
+    keys, values = (t.double().repeat_interleave(H // t.shape[1], 1) for t in (k, v))
+    scores = torch.einsum("nhd,khd->hnk", q.double(), keys) / hd ** 0.5
+    visible = torch.arange(k.shape[0])[None, :] <= torch.arange(start, start + n)[:, None]
+    p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hnk,khd->nhd", p, values).reshape(n, H * hd)
+
+
+def test_bf16_queries_attend_in_bf16_over_fp32_pages(gguf_path):
+    """A cache of fp32 pages asked to attend bf16 queries (a prompt under precision "bf16") stores the new keys and
+    values in fp32 as given and returns the attention of the bf16-rounded queries, keys and values, in bf16: within
+    bf16's rounding of the float64 result, after a prefix it attends too."""
+    model = _model(gguf_path, "bf16")
+    c = model.config
+    cache = new_cache(model, page_size=8)
+    gen = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(45, c.n_kv_heads, c.head_dim, generator=gen) for _ in range(2))
+    q = torch.randn(45, c.n_heads, c.head_dim, generator=gen)
+    outs = []
+    for a, b in ((0, 12), (12, 45)):  # a prefix, then a prompt after it
+        cache.begin(b - a)
+        outs.append(cache.attend(0, q[a:b].to(torch.bfloat16), k[a:b], v[a:b]))
+        cache.commit(b - a)
+    assert all(o.dtype == torch.bfloat16 for o in outs)
+    kept_k, kept_v = cache.read(0, torch.arange(45))
+    assert torch.equal(kept_k, k) and torch.equal(kept_v, v)
+    for out, (a, b) in zip(outs, ((0, 12), (12, 45))):
+        exact = _attention64(_bf16(q[a:b]), _bf16(k[:b]), _bf16(v[:b]), a)
+        assert (out.double() - exact).abs().max() <= BF16_ULP * exact.abs().max()  # ~3x the error seen
+
+
+def test_prompts_attend_in_bf16_unless_node_mass_is_collected(gguf_path, monkeypatch):
+    """Under precision "bf16" a many-token step's queries attend in bf16 in every layer; a step that collects node mass
+    keeps the fp32 kernels, which accumulate the mass in their one pass; a decode step stays exact."""
+    from nodekv.engine import kv_cache
+
+    seen = []
+    attention = kv_cache.reference.paged_attention
+    monkeypatch.setattr(kv_cache.reference, "paged_attention",
+                        lambda q, *a, **k: seen.append(q.dtype) or attention(q, *a, **k))
+    model = _model(gguf_path, "bf16")
+    ids = torch.randint(0, 101, (QUANT_MAX_TOKENS + 9,), generator=torch.Generator().manual_seed(5))
+    cache = new_cache(model, page_size=8)
+    model.forward(ids, cache)
+    assert seen == [torch.bfloat16] * model.config.n_layers
+    model.forward(ids[:1], cache)
+    assert len(seen) == model.config.n_layers
+    cache = new_cache(model, page_size=8)
+    mass = torch.zeros(len(ids), 2)
+    cache.collect(torch.tensor([0, 20, len(ids)], dtype=torch.int32), mass)
+    model.forward(ids, cache)
+    assert len(seen) == model.config.n_layers and mass.sum() > 0
 
 
 @pytest.mark.parametrize("kwargs, message", [
