@@ -265,8 +265,9 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     the CPU only (`Llama`). "int8": decode steps, probes and short appends multiply int8-quantised activations in the
     quantised projections, and so do prompts in K-quant (Q4_K/Q6_K) projections, where that is faster than the fp32
     GEMM. "bf16", on CPUs with bf16 matrix units (AMX or AVX512-BF16; refused elsewhere): prompts (steps of more
-    than 32 tokens) multiply in bf16 there, and every other step is exact. Attention, norms, the residual stream and
-    the KV cache stay fp32 in both. The FLOP account is the same (it counts the model's FLOPs, not instructions)."""
+    than 32 tokens) multiply and attend in bf16 there, and every other step is exact. Norms, the residual stream and
+    the KV cache stay fp32 in both. A HF directory (dense weights) is refused. The FLOP account is the same (it
+    counts the model's FLOPs, not instructions)."""
     if precision in ("int8", "bf16") and device == "auto":
         device = "cpu"  # both fast paths are CPU ones: "auto" means the device the precision runs on
     target = resolve_device(device)
@@ -281,6 +282,9 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     from .tokenizer import Tokenizer
 
     path = resolve_model(model)
+    if precision != "exact" and path.is_dir():
+        raise ValueError(f"precision {precision!r} runs a GGUF model's quantised projections: {path} is a HF "
+                         "directory, whose weights are dense")
     # the tokenizer is checked before the weights load: a HF directory's files, or a GGUF's header, parsed once
     source: Path | GGUFFile = path
     if path.is_dir():

@@ -203,8 +203,9 @@ class Llama:
         of the K-quant projections (INT8_PROMPT_QTYPES) multiply int8-quantised activations (`quant_linear`'s fast
         path); longer steps of other types stay on the fp32 GEMM, which outruns their int8 kernels there. bf16: the
         longer steps of every quantised projection multiply in bf16 (inputs, decoded weights and outputs rounded to
-        bf16, fp32 accumulation) on the CPU's bf16 matrix units, ~4x the fp32 GEMM's speed on AMX; every other step,
-        the lm_head, attention, the norms, the residual stream and the KV cache stay exact. device: where weights,
+        bf16, fp32 accumulation) on the CPU's bf16 matrix units, ~4x the fp32 GEMM's speed on AMX, and attend in bf16
+        unless node mass is collected; every other step, the lm_head, the norms, the residual stream and the KV cache
+        stay exact. Either needs quantised projections (a ValueError without any). device: where weights,
         activations and the RoPE tables live ("cpu", or a CUDA device: every weight dense on it, the quantised blocks
         decoded once at load)."""
         if dtype not in (torch.float32, torch.bfloat16):
@@ -244,6 +245,8 @@ class Llama:
             self.embed = self.lm_head.dense if tied else weights.dense("embed", embed_shape)
         self.norm = weights.dense("norm", (config.dim,)).float()
         self.layers = [self._layer(weights, f"layers.{i}.") for i in range(config.n_layers)]
+        if precision != "exact" and all(lin.quant is None for l in self.layers for lin in (l.wqkv, l.wo, l.w13, l.w2)):
+            raise ValueError(f"precision {precision!r} runs quantised projections, and this model has none")
         inv_freq = rope_inv_freq(config)
         if "rope_freqs" in tensors:
             inv_freq = inv_freq / weights.get("rope_freqs", (config.head_dim // 2,))

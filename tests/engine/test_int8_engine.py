@@ -1,7 +1,7 @@
 """The engine's int8 fast path (load_engine(precision="int8")) on tiny GGUF models: few-token steps take the int8
 kernels (their logits move off the exact path's by about the activations' quantisation error, and no further), the
 fused decode step gives the op-by-op int8 step's numbers bit for bit, a batch of sequences gives each sequence's
-one-token steps, long prompts take the int8 kernels where their types are listed and stay exact elsewhere, and bad precisions are refused before anything loads."""
+one-token steps, long prompts take the int8 kernels where their types are listed and stay exact elsewhere, and bad precisions (or a model without quantised projections) are refused before anything loads."""
 from __future__ import annotations
 
 import pytest
@@ -112,3 +112,21 @@ def test_bad_precision_is_refused(gguf_path, kwargs, message):
     ckpt = load_checkpoint(gguf_path)
     with pytest.raises(ValueError, match=message):
         Llama(ckpt.config, ckpt.tensors, **kwargs)
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_a_fast_precision_without_quantised_projections_is_refused(hf_tiny, monkeypatch, precision):
+    """Both fast paths run quantised projections: a HF directory (dense weights) is refused before it is read, and a
+    model built from dense tensors when it is built, rather than running the exact path under another name."""
+    from nodekv.engine import engine, model as model_module
+
+    monkeypatch.setattr(model_module, "native_bf16_matmul", lambda: True)
+    monkeypatch.setattr(engine, "load_checkpoint", lambda *a: pytest.fail("the model was read"))
+    _, path = hf_tiny
+    with pytest.raises(ValueError, match=f"precision '{precision}' runs a GGUF model's quantised projections: "):
+        engine.load_engine(path, precision=precision)
+    monkeypatch.undo()
+    monkeypatch.setattr(model_module, "native_bf16_matmul", lambda: True)
+    ckpt = load_checkpoint(path)
+    with pytest.raises(ValueError, match=f"precision '{precision}' runs quantised projections, and this model has"):
+        Llama(ckpt.config, ckpt.tensors, precision=precision)
