@@ -32,10 +32,14 @@ def prompts(ids: list[int], n: int, length: int) -> list[list[int]]:
 
 
 def _precisions(text: str) -> list[str]:
-    from nodekv.engine.model import PRECISIONS
+    """Precisions an fp32 CPU engine runs here (bf16 needs bf16 matrix units), checked before any model loads."""
+    from nodekv.engine.model import check_precision
 
-    if unknown := sorted(set(text.split(",")) - set(PRECISIONS)):
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}")
+    for name in text.split(","):
+        try:
+            check_precision(name, torch.float32, torch.device("cpu"))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return text.split(",")
 
 

@@ -131,6 +131,8 @@ def test_engine_speed_refuses_bf16_prompts_without_bf16_matrix_units(monkeypatch
     ("prefill_attention", ["--seq", "8", "--reps", "0"], "argument --reps: must be at least 1, got 0"),
     ("gor_sampling", ["--model", "smollm2-135m", "--draws", "0"], "argument --draws: must be at least 1, got 0"),
     ("engine_speed", SMALL["engine_speed"][:-1] + ["--decode", "0"], "argument --decode: must be at least 1, got 0"),
+    ("batch", ["--model", "smollm2-135m", "--precisions", "exact,fp8"],
+     "argument --precisions: precision must be one of exact, int8, bf16, got 'fp8'"),
     ("answer_memory", ["--model", "nosuch"], "argument --model: model 'nosuch' is neither a registered name"),
     ("gpu_engine", ["--preset", "tiny", "--device", "cuda:99"], "argument --device: device 'cuda:99': torch"),
 ])

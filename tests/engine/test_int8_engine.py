@@ -1,7 +1,8 @@
 """The engine's int8 fast path (load_engine(precision="int8")) on tiny GGUF models: few-token steps take the int8
 kernels (their logits move off the exact path's by about the activations' quantisation error, and no further), the
 fused decode step gives the op-by-op int8 step's numbers bit for bit, a batch of sequences gives each sequence's
-one-token steps, long prompts take the int8 kernels where their types are listed and stay exact elsewhere, and bad precisions (or a model without quantised projections) are refused before anything loads."""
+one-token steps, long prompts take the int8 kernels where their types are listed and stay exact elsewhere, and bad
+precisions (or a model without quantised projections) are refused before anything loads."""
 from __future__ import annotations
 
 import pytest
