@@ -68,22 +68,17 @@ PYBIND11_MODULE(_C, m) {
         "int8: x quantised to int8 per block (the fast path, quant_matmul.h).");
     m.def(
         "quant_dequantize",
-        [](std::uintptr_t w, int64_t N, int64_t K, int qtype, std::uintptr_t out, int n_threads) {
+        [](std::uintptr_t w, int64_t N, int64_t K, int qtype, std::uintptr_t out, int n_threads, bool bf16) {
             const q::QType qt = q::qtype_from_id(qtype);
             py::gil_scoped_release nogil;
-            q::dequantize(ptr<const uint8_t>(w), N, K, qt, ptr<float>(out), n_threads);
+            if (bf16)
+                q::dequantize_bf16(ptr<const uint8_t>(w), N, K, qt, ptr<uint16_t>(out), n_threads);
+            else
+                q::dequantize(ptr<const uint8_t>(w), N, K, qt, ptr<float>(out), n_threads);
         },
         py::arg("w"), py::arg("N"), py::arg("K"), py::arg("qtype"), py::arg("out"), py::arg("n_threads"),
-        "out[N,K] (fp32) = dequant(w); addresses of contiguous buffers.");
-    m.def(
-        "quant_dequantize_bf16",
-        [](std::uintptr_t w, int64_t N, int64_t K, int qtype, std::uintptr_t out, int n_threads) {
-            const q::QType qt = q::qtype_from_id(qtype);
-            py::gil_scoped_release nogil;
-            q::dequantize_bf16(ptr<const uint8_t>(w), N, K, qt, ptr<uint16_t>(out), n_threads);
-        },
-        py::arg("w"), py::arg("N"), py::arg("K"), py::arg("qtype"), py::arg("out"), py::arg("n_threads"),
-        "out[N,K] (bf16 bits) = dequant(w) rounded to nearest even; addresses of contiguous buffers.");
+        py::arg("bf16") = false,
+        "out[N,K] = dequant(w), fp32, or with bf16 its bits rounded to nearest even; addresses of contiguous buffers.");
     m.def(
         "quant_block_size",
         [](int qtype) {

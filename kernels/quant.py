@@ -99,8 +99,8 @@ class QuantWeight(_QuantRows):
         rounded to nearest even (torch's conversion of the float32 result, bit for bit) as its row is decoded, so
         no float32 copy of the weight is made."""
         out = _dequantize_target(out, self._n, self.in_features)
-        decode = _C.quant_dequantize if out.dtype == torch.float32 else _C.quant_dequantize_bf16
-        decode(self.data.data_ptr(), self._n, self.in_features, self._qid, out.data_ptr(), torch.get_num_threads())
+        _C.quant_dequantize(self.data.data_ptr(), self._n, self.in_features, self._qid, out.data_ptr(),
+                            torch.get_num_threads(), out.dtype == torch.bfloat16)
         return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
