@@ -108,7 +108,7 @@ def main() -> None:
          lambda i: cpu_ops.paged_attention(q, k_pages, v_pages, i, table, end, k_new, v_new, bounds, mass,
                                            out=y_attn)),
     ]
-    print(f"T=1, SmolLM2-135M shapes, {args.threads} threads, isa {_C.cpu_ops_isa()}; µs per call, median (p10)")
+    print(f"T=1, SmolLM2-135M shapes, {args.threads} threads, isa {_C.isa()}; µs per call, median (p10)")
     print(f"{'kernel':<26}{'torch ops replaced':<22}{'torch':>16}{'nodekv':>16}{'nodekv out=':>16}{'speedup':>9}")
     for name, what, torch_fn, ours_fn, out_fn in cases:
         (tm, tp), (om, op) = per_call_us(torch_fn, args.seconds), per_call_us(ours_fn, args.seconds)

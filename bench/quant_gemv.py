@@ -128,18 +128,18 @@ def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense:
             quant_linear(xs[t, w.in_features], w, int8=True)
 
     def run_int8_avx2(t):  # the int8 kernels without VNNI, where the CPU has it (the same bits, slower)
-        _C.quant_limit_isa("avx2")
+        _C.limit_isa("avx2")
         try:
             run_int8(t)
         finally:
-            _C.quant_limit_isa("avx512vnni")
+            _C.limit_isa("avx512")
 
     def run_dense(t):
         for w in dense_ws:
             F.linear(xs[t, w.shape[1]], w)
 
-    vnni = int8 and _C.quant_isa() == "avx512vnni"
-    kernels = [("quant", run_quant)] + [(f"int8 {_C.quant_isa()}", run_int8)] * int8 + \
+    vnni = int8 and _C.isa() == "avx512"
+    kernels = [("quant", run_quant)] + [(f"int8 {_C.isa()}", run_int8)] * int8 + \
         [("int8 avx2", run_int8_avx2)] * vnni + [("dense", run_dense)] * dense
     times: dict[tuple[str, int], list[float]] = {(name, t): [] for name, _ in kernels for t in counts}
     for rep in range(reps + 1):  # the first round warms up

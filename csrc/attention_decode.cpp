@@ -402,7 +402,7 @@ void decode_typed(const PagedArgs& a) {
 
 void decode_attention(const PagedArgs& a) {
     if (a.n <= 0) return;
-    if (avx2_active() && a.hd % 16 == 0)
+    if (isa_now() >= Isa::kAvx2 && a.hd % 16 == 0)
         decode_typed<Avx2Ops>(a);
     else
         decode_typed<ScalarOps>(a);

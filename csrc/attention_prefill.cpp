@@ -7,7 +7,8 @@
 // blocks from position 0 up to the block's last token (blocks fully above the diagonal are
 // skipped), compute the score tile S = Q K^T with a register-blocked FMA kernel, update a running
 // max and sum per row (online softmax, in base 2 with scale * log2(e) folded into the packed Q),
-// and accumulate O += P V. As a task owns its query rows, it adds their node mass straight into
+// and accumulate O += P V. The FMA kernels come in AVX2 (tiles of 6 rows x 16 columns) and AVX-512
+// (12 x 32, for hd % 32 == 0) versions that sum in the same order, so give the same bits. As a task owns its query rows, it adds their node mass straight into
 // the caller's matrix, head after head: no races and an order that does not depend on threads.
 //
 // Node mass: nodes are runs of keys and all rows of a task walk the keys in the same order, so
@@ -122,6 +123,7 @@ NKV_AVX2 void pv_rows(const float* p, const float* v, int64_t n, int64_t hd, con
 }
 
 struct Avx2Ops {  // hd % 16 == 0
+    static constexpr int64_t kCols = 16;  // S is computed in column tiles of kCols
     // S[R, ncols] = Qp[R, hd] K^T (kt: K^T with row stride ldk); ncols % 16 == 0.
     NKV_AVX2 static void qk(const float* qp, int64_t R, const float* kt, int64_t ldk, int64_t hd, int64_t ncols,
                             float* s) {
@@ -244,9 +246,121 @@ struct Avx2Ops {  // hd % 16 == 0
     }
 };
 
+// ---------------------------------------------------------------- AVX-512 kernels
+//
+// The AVX2 kernels' arithmetic on 16 lanes: every score, output element and row sum is summed in the AVX2
+// order (the row sum's 16 lanes are AVX2's two accumulators side by side), so the results are the same bits.
+
+// s[MR, 32] (row stride kBK) = q[MR, hd] (row stride hd) . kt[hd, 32] (row stride ldk).
+template <int MR>
+NKV_AVX512 inline void qk_tile512(const float* q, const float* kt, int64_t ldk, int64_t hd, float* s) {
+    __m512 a0[MR], a1[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+        a0[r] = _mm512_setzero_ps();
+        a1[r] = _mm512_setzero_ps();
+    }
+    for (int64_t d = 0; d < hd; ++d) {
+        const __m512 k0 = _mm512_loadu_ps(kt + d * ldk), k1 = _mm512_loadu_ps(kt + d * ldk + 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+            const __m512 b = _mm512_set1_ps(q[r * hd + d]);
+            a0[r] = _mm512_fmadd_ps(b, k0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(b, k1, a1[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+        _mm512_storeu_ps(s + r * kBK, a0[r]);
+        _mm512_storeu_ps(s + r * kBK + 16, a1[r]);
+    }
+}
+
+// o[MR, 32] (row stride hd) = o * alpha[r] + p[MR, :n] (row stride kBK) . v[:n, 32] (row stride hd).
+template <int MR>
+NKV_AVX512 inline void pv_tile512(const float* p, const float* v, int64_t n, int64_t hd, const float* alpha,
+                                  float* o) {
+    __m512 a0[MR], a1[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+        const __m512 al = _mm512_set1_ps(alpha[r]);
+        a0[r] = _mm512_mul_ps(_mm512_loadu_ps(o + r * hd), al);
+        a1[r] = _mm512_mul_ps(_mm512_loadu_ps(o + r * hd + 16), al);
+    }
+    for (int64_t k = 0; k < n; ++k) {
+        const __m512 v0 = _mm512_loadu_ps(v + k * hd), v1 = _mm512_loadu_ps(v + k * hd + 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+            const __m512 b = _mm512_set1_ps(p[r * kBK + k]);
+            a0[r] = _mm512_fmadd_ps(b, v0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(b, v1, a1[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+        _mm512_storeu_ps(o + r * hd, a0[r]);
+        _mm512_storeu_ps(o + r * hd + 16, a1[r]);
+    }
+}
+
+template <int MR>
+NKV_AVX512 void qk_rows512(const float* q, const float* kt, int64_t ldk, int64_t hd, int64_t ncols, float* s) {
+    for (int64_t c = 0; c < ncols; c += 32) qk_tile512<MR>(q, kt + c, ldk, hd, s + c);
+}
+
+template <int MR>
+NKV_AVX512 void pv_rows512(const float* p, const float* v, int64_t n, int64_t hd, const float* alpha, float* o) {
+    for (int64_t c = 0; c < hd; c += 32) pv_tile512<MR>(p, v + c, n, hd, alpha, o + c);
+}
+
+// Rows [0, R) in tiles of up to kMR512, the tail through a table of tile heights.
+constexpr int kMR512 = 12;  // 24 accumulators + 2 loads + a broadcast of the 32 registers
+template <int... M>
+struct Rows512 {
+    using Qk = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float*);
+    using Pv = void (*)(const float*, const float*, int64_t, int64_t, const float*, float*);
+    static constexpr Qk qk[] = {nullptr, qk_rows512<M>...};
+    static constexpr Pv pv[] = {nullptr, pv_rows512<M>...};
+};
+using Rows = Rows512<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
+
+struct Avx512Ops : Avx2Ops {  // hd % 32 == 0
+    static constexpr int64_t kCols = 32;
+    // S[R, ncols] = Qp[R, hd] K^T; ncols % 32 == 0.
+    NKV_AVX512 static void qk(const float* qp, int64_t R, const float* kt, int64_t ldk, int64_t hd, int64_t ncols,
+                              float* s) {
+        for (int64_t r = 0; r < R; r += kMR512)
+            Rows::qk[std::min<int64_t>(kMR512, R - r)](qp + r * hd, kt, ldk, hd, ncols, s + r * kBK);
+    }
+    // Avx2Ops::softmax_row on 16 lanes; ncols % 32 == 0.
+    NKV_AVX512 static float softmax_row(float* s, int64_t nv, int64_t ncols, float* m, float* alpha) {
+        for (int64_t k = nv; k < ncols; ++k) s[k] = kNegInf;
+        __m512 mx = _mm512_set1_ps(kNegInf);
+        for (int64_t k = 0; k < ncols; k += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + k));
+        const float mn = std::max(*m, _mm512_reduce_max_ps(mx));
+        *alpha = *m == kNegInf ? 0.0f : std::exp2(*m - mn);
+        *m = mn;
+        const __m512 vm = _mm512_set1_ps(mn);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t k = 0; k < ncols; k += 16) {
+            const __m512 e = exp2_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + k), vm));
+            _mm512_storeu_ps(s + k, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        return hsum(_mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1)));
+    }
+    // O[R, hd] = O * alpha + P[R, :n] V[:n, hd].
+    NKV_AVX512 static void pv(const float* p, int64_t R, const float* v, int64_t n, int64_t hd, const float* alpha,
+                              float* o) {
+        for (int64_t r = 0; r < R; r += kMR512)
+            Rows::pv[std::min<int64_t>(kMR512, R - r)](p + r * kBK, v, n, hd, alpha + r, o + r * hd);
+    }
+};
+
 // ---------------------------------------------------------------- scalar kernels
 
 struct ScalarOps {
+    static constexpr int64_t kCols = 16;
     static void qk(const float* qp, int64_t R, const float* kt, int64_t ldk, int64_t hd, int64_t ncols, float* s) {
         for (int64_t r = 0; r < R; ++r) {
             float* sr = s + r * kBK;
@@ -391,7 +505,7 @@ void run_task(const PagedArgs& a, int64_t G, int64_t t0, int64_t t1, const Packe
         TaskMass tm{R, -1, sc.acc, sc.ref};
         int64_t jb = 0;  // with mass: the node holding b0
         for (int64_t b0 = 0; b0 < end; b0 += kBK) {
-            const int64_t n = std::min(kBK, end - b0), ncols = (n + 15) / 16 * 16;
+            const int64_t n = std::min(kBK, end - b0), ncols = (n + Ops::kCols - 1) / Ops::kCols * Ops::kCols;
             // Rows whose token sees none of this block (only in the last blocks) are left out of
             // S, softmax and PV: the rows are ordered by token, so they come first (tokens t <
             // first_blind see no key >= b0).
@@ -496,7 +610,10 @@ void prefill_typed(const PagedArgs& a) {
 
 void prefill_attention(const PagedArgs& a) {
     if (a.n <= 0) return;
-    if (avx2_active() && a.hd % 16 == 0)
+    const Isa isa = isa_now();
+    if (isa >= Isa::kAvx512 && a.hd % 32 == 0)
+        prefill_typed<Avx512Ops>(a);
+    else if (isa >= Isa::kAvx2 && a.hd % 16 == 0)
         prefill_typed<Avx2Ops>(a);
     else
         prefill_typed<ScalarOps>(a);

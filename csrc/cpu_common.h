@@ -1,9 +1,16 @@
-// Shared by the CPU kernels: the run-time SIMD check, small AVX2 helpers, and an OpenMP team
-// with a guard against barrier stalls on a busy machine.
+// Shared by the CPU kernels: the run-time SIMD level, small AVX2/AVX-512 helpers, and an OpenMP
+// team with a guard against barrier stalls on a busy machine.
 //
-// No -mavx2 is given at build time: SIMD code carries NKV_AVX2 (or NKV_VNNI) and runs only where
-// cpu_has_avx2() (cpu_has_vnni()) says so, so the module loads on any x86-64.
+// No -mavx2 is given at build time: SIMD code carries NKV_AVX2 (or NKV_AVX512) and runs only where
+// isa_now() says so, so the module loads on any x86-64.
 #pragma once
+
+// GCC 12's AVX-512 intrinsics pass an undefined vector through and warn of it wherever they inline (GCC bug 105593,
+// fixed in 13): silenced for the files that include this one, on GCC 12 only.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #include <immintrin.h>
 #include <omp.h>
@@ -12,11 +19,14 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #define NKV_AVX2 __attribute__((target("avx2,fma,f16c")))
-// AVX2 plus AVX-512 VNNI on 256-bit vectors (vpdpbusd on ymm needs AVX512_VNNI and AVX512VL): the int8 path's byte
-// products (quant_formats.h). AMD Zen 4 and later, Intel Ice Lake / Sapphire Rapids and later.
-#define NKV_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+// AVX2 plus AVX-512 F/VL/BW/DQ/VNNI: the int8 path's byte products on 256-bit vectors (vpdpbusd on ymm,
+// quant_formats.h) and the fp32 prefill attention on 512-bit ones. AMD Zen 4 and later, Intel Ice Lake / Sapphire
+// Rapids and later.
+#define NKV_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 
 namespace nodekv {
 
@@ -30,13 +40,36 @@ inline bool cpu_has_avx2() {
     return has;
 }
 
-inline bool cpu_has_vnni() {
+inline bool cpu_has_avx512() {
     static const bool has = [] {
         __builtin_cpu_init();
         return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512vnni");
     }();
     return has;
+}
+
+// The SIMD levels, each a superset of the one before. Every kernel takes the highest the CPU has, up to the limit
+// limit_isa sets (a testing and benchmarking hook: the levels give the same bits, except where a kernel says not).
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+inline constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512"};
+inline std::atomic<int> g_isa_limit{static_cast<int>(Isa::kAvx512)};
+
+inline Isa isa_now() {
+    const int limit = g_isa_limit.load(std::memory_order_relaxed);
+    if (limit >= static_cast<int>(Isa::kAvx512) && cpu_has_avx512()) return Isa::kAvx512;
+    if (limit >= static_cast<int>(Isa::kAvx2) && cpu_has_avx2()) return Isa::kAvx2;
+    return Isa::kScalar;
+}
+
+inline const char* isa_name() { return kIsaNames[static_cast<int>(isa_now())]; }
+
+// No SIMD level above `name` from now on ("scalar", "avx2" or "avx512", the default: the best there is).
+inline void limit_isa(const std::string& name) {
+    for (int i = 0; i < 3; ++i)
+        if (name == kIsaNames[i]) return g_isa_limit.store(i, std::memory_order_relaxed);
+    throw std::invalid_argument("unknown SIMD level '" + name + "' (scalar, avx2 or avx512)");
 }
 
 NKV_AVX2 inline float hsum(__m256 v) {
@@ -84,6 +117,28 @@ NKV_AVX2 inline __m256 exp2_nonpos(__m256 x) {
     const __m256 p = exp_reduced(r);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+// exp_reduced on 16 lanes (the same operations, so the same bits lane by lane).
+NKV_AVX512 inline __m512 exp_reduced(__m512 r) {
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    return _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+}
+
+// exp2_nonpos on 16 lanes, the same bits lane by lane.
+NKV_AVX512 inline __m512 exp2_nonpos(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147180559945309f));
+    const __m512 p = exp_reduced(r);
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
 
 // Lanes [0, n) of a vector, n in 0..8, for masked loads and stores of a row's tail.

@@ -10,9 +10,7 @@
 namespace nodekv::ops {
 namespace {
 
-std::atomic<bool> g_force_scalar{false};
-
-bool use_avx2() { return cpu_has_avx2() && !g_force_scalar.load(std::memory_order_relaxed); }
+bool use_avx2() { return isa_now() >= Isa::kAvx2; }
 
 // A product the compiler may not fuse with the sum that follows into an FMA (GCC contracts
 // intrinsics too), so that rope rounds as torch's separate multiplies and add do.
@@ -189,11 +187,5 @@ void silu_mul(const float* gu, int64_t T, int64_t I, float* y) {
     else
         silu_mul_scalar(gu, T, I, y);
 }
-
-const char* active_isa() { return use_avx2() ? "avx2" : "scalar"; }
-
-bool avx2_active() { return use_avx2(); }
-
-void set_force_scalar(bool on) { g_force_scalar.store(on, std::memory_order_relaxed); }
 
 }  // namespace nodekv::ops

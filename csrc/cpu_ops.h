@@ -32,14 +32,4 @@ void rope(float* x, int64_t T, int64_t n_heads, int64_t hd, int64_t stride_t, in
 // silu(g) = g / (1 + exp(-g)). gu [T, 2I], y [T, I]. Single-threaded.
 void silu_mul(const float* gu, int64_t T, int64_t I, float* y);
 
-// "avx2" or "scalar": the path these kernels take now.
-const char* active_isa();
-
-// Whether the AVX2 path is taken now (the CPU has it and set_force_scalar is off); shared with
-// the attention kernels (paged_attention.h).
-bool avx2_active();
-
-// Testing hook: force the scalar kernels (these and attention) even where AVX2 is available.
-void set_force_scalar(bool on);
-
 }  // namespace nodekv::ops

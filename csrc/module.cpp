@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu_common.h"
 #include "cpu_ops.h"
 #include "fused_decode.h"
 #include "paged_attention.h"
@@ -52,6 +53,11 @@ nodekv::decode::QLinear qlinear(const std::vector<std::uintptr_t>& v) {
 PYBIND11_MODULE(_C, m) {
     m.doc() = "nodekv C++ kernels";
 
+    m.def("isa", &nodekv::isa_name, "'avx512', 'avx2' or 'scalar': the SIMD level every CPU kernel takes now.");
+    m.def("limit_isa", &nodekv::limit_isa, py::arg("name"),
+          "Testing and benchmarking hook: no SIMD level above name ('scalar', 'avx2' or 'avx512', the default: the "
+          "best the CPU has) in any CPU kernel from now on.");
+
     m.def(
         "quant_matmul",
         [](std::uintptr_t x, int64_t T, int64_t K, std::uintptr_t segs, int64_t n_segs, std::uintptr_t bias,
@@ -86,10 +92,6 @@ PYBIND11_MODULE(_C, m) {
             return py::make_tuple(q::block_elems(qt), q::block_bytes(qt));
         },
         py::arg("qtype"), "(elements, bytes) per block of a ggml type id with a native kernel.");
-    m.def("quant_isa", &q::active_isa,
-          "'avx512vnni', 'avx2' or 'scalar': the path the quant kernels take now.");
-    m.def("quant_limit_isa", &q::limit_isa, py::arg("name"),
-          "Testing hook: no SIMD level above name ('scalar', 'avx2' or 'avx512vnni', the default: the best there is).");
 
     namespace o = nodekv::ops;
     m.def(
@@ -151,9 +153,6 @@ PYBIND11_MODULE(_C, m) {
         "K/V pages through block_table (int32), storing k_new/v_new [T, kv_heads, hd] at end-T.. first (0 = none); "
         "mass [n, n_nodes] += attention per key node (0 = none); out [n, H*hd]. Returns 0, or 1 for a block table "
         "entry out of range, 2 for bad node bounds (nothing written then).");
-    m.def("cpu_ops_isa", &o::active_isa, "'avx2' or 'scalar': the path the cpu_ops kernels take now.");
-    m.def("cpu_ops_force_scalar", &o::set_force_scalar, py::arg("on"),
-          "Testing hook: force the scalar cpu_ops kernels even where AVX2 is available.");
 
     namespace d = nodekv::decode;
     py::class_<d::Decoder>(m, "Decoder",

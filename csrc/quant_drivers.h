@@ -1,6 +1,6 @@
 // The matmul drivers over a format's dot (quant_matmul.cpp), written once and compiled once per SIMD level:
 // quant_matmul.cpp includes this file twice, in namespace avx2 with NKV_SIMD = NKV_AVX2 and in namespace vnni with
-// NKV_SIMD = NKV_VNNI, so that the VNNI formats' dots inline into drivers built for them. Hence no include guard.
+// NKV_SIMD = NKV_AVX512, so that the VNNI formats' dots inline into drivers built for them. Hence no include guard.
 // It sees quant_matmul.cpp's constants (kRowTile, kTokens, kSweepRows, kXChunkFloats).
 
 // Output rows [r, re) for TT tokens (prepared x at xp + t ldx, output at y + t ldy) of a weight w of N rows of nb

@@ -351,7 +351,7 @@ NKV_AVX2 inline void signed_dot(__m256i w, __m256 dw, const XQ32* x, int64_t ldx
 // AVX2 takes maddubs and madd). No int16 pair sum saturates in the AVX2 dots, so both compute the same integers, and
 // the float steps after them are the same: the two paths give the same bits (tested), whichever the CPU has.
 template <int TT>
-NKV_VNNI inline void signed_dot_vnni(__m256i w, __m256 dw, const XQ32* x, int64_t ldx, __m256* acc) {
+NKV_AVX512 inline void signed_dot_vnni(__m256i w, __m256 dw, const XQ32* x, int64_t ldx, __m256* acc) {
     const __m256i aw = _mm256_sign_epi8(w, w), zero = _mm256_setzero_si256();
     for (int t = 0; t < TT; ++t)
         add_scaled(_mm256_dpbusd_epi32(zero, aw, _mm256_sign_epi8(load256(x[t * ldx].q), w)), dw, x[t * ldx], acc[t]);
@@ -395,7 +395,7 @@ struct ScaledQuants {
         signed_dot<TT>(F::signed_bytes(blk), bcast_half(blk), x, ldx, acc);
     }
     template <int TT>
-    NKV_VNNI static void dot_i8_vnni(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
+    NKV_AVX512 static void dot_i8_vnni(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
         signed_dot_vnni<TT>(F::signed_bytes(blk), bcast_half(blk), x, ldx, acc);
     }
     static float dot_i8_scalar(const uint8_t* blk, const XQ32& x) {
@@ -462,7 +462,7 @@ struct Q4_0 {
         signed_dot<TT>(signed_bytes(blk), bcast_half(blk), x, ldx, acc);
     }
     template <int TT>
-    NKV_VNNI static void dot_i8_vnni(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
+    NKV_AVX512 static void dot_i8_vnni(const uint8_t* blk, const XQ32* x, int64_t ldx, __m256* acc) {
         signed_dot_vnni<TT>(signed_bytes(blk), bcast_half(blk), x, ldx, acc);
     }
     NKV_AVX2 static __m256i signed_bytes(const uint8_t* blk) {
@@ -676,7 +676,7 @@ struct Q4_K {
     // dot_i8 with VNNI: the 8 loads' products summed into sub-block j's int32 lane j directly, then times sc_j (an
     // exact int32 product, the integer the madd with the scales gives above)
     template <int TT>
-    NKV_VNNI static void dot_i8_vnni(const uint8_t* blk, const XQ256T* x, int64_t ldx, __m256* acc) {
+    NKV_AVX512 static void dot_i8_vnni(const uint8_t* blk, const XQ256T* x, int64_t ldx, __m256* acc) {
         Int8Block b;
         int8_block(blk, &b);
         const __m256i scales = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(b.sc)));

@@ -37,11 +37,6 @@ decltype(auto) visit(QType qt, bool int8, Fn&& fn) {
     });
 }
 
-// The SIMD levels, each a superset of the one before; matmul takes the highest the CPU has, up to g_isa_limit.
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kVnni = 2 };
-constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512vnni"};
-std::atomic<int> g_isa_limit{static_cast<int>(Isa::kVnni)};
-
 constexpr int kRowTile = 4;  // rows per one-token kernel step; thread work chunks are multiples of it
 // Tokens per pass of the several-token kernel: a block's 4 unpacked vectors, its scale, a partial sum and 8
 // accumulators fill the 16 ymm registers (fewer passes of more tokens, or more of fewer, measured slower; the
@@ -51,12 +46,6 @@ constexpr int64_t kCallTokens = 64;      // tokens per run of the kernels (matmu
 constexpr int kSweepRows = 8;            // rows per sweep over a chunk of K (matmul_range); the prefetch distance
 constexpr int64_t kXChunkFloats = 4096;  // a sweep's chunk of prepared x (16 KiB) stays in the 32 KiB L1 cache
 
-Isa isa_now() {
-    const int limit = g_isa_limit.load(std::memory_order_relaxed);
-    if (limit >= static_cast<int>(Isa::kVnni) && cpu_has_vnni()) return Isa::kVnni;
-    if (limit >= static_cast<int>(Isa::kAvx2) && cpu_has_avx2()) return Isa::kAvx2;
-    return Isa::kScalar;
-}
 
 // ---------------------------------------------------------------- scalar path
 
@@ -121,7 +110,7 @@ struct Int8Vnni : Int8<F> {};
 template <class F>
 struct Int8Vnni<F, std::void_t<decltype(&F::template dot_i8_vnni<1>)>> : Int8<F> {
     template <int TT>
-    NKV_VNNI static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
+    NKV_AVX512 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
         F::template dot_i8_vnni<TT>(blk, reinterpret_cast<const typename F::XQ*>(xp), ldx / Int8<F>::kPrep, acc);
     }
 };
@@ -149,7 +138,7 @@ namespace avx2 {
 }  // namespace avx2
 
 namespace vnni {
-#define NKV_SIMD NKV_VNNI
+#define NKV_SIMD NKV_AVX512
 #include "quant_drivers.h"
 #undef NKV_SIMD
 }  // namespace vnni
@@ -280,7 +269,7 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
                 float* out = y + row0[s];
                 if (!int8)
                     avx2::matmul_range<F>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
-                else if (isa == Isa::kVnni)
+                else if (isa == Isa::kAvx512)
                     vnni::matmul_range<Int8Vnni<F>>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
                 else
                     avx2::matmul_range<Int8<F>>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
@@ -378,14 +367,6 @@ void dequantize_bf16(const uint8_t* w, int64_t N, int64_t K, QType qt, uint16_t*
             }
         });
     });
-}
-
-const char* active_isa() { return kIsaNames[static_cast<int>(isa_now())]; }
-
-void limit_isa(const std::string& name) {
-    for (int i = 0; i < 3; ++i)
-        if (name == kIsaNames[i]) return g_isa_limit.store(i, std::memory_order_relaxed);
-    throw std::invalid_argument("quant: unknown SIMD level '" + name + "' (scalar, avx2 or avx512vnni)");
 }
 
 }  // namespace nodekv::quant

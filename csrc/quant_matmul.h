@@ -59,12 +59,4 @@ void dequantize(const uint8_t* w, int64_t N, int64_t K, QType qt, float* out, in
 // dequantize's output), row-major, each row decoded into a per-thread fp32 row first.
 void dequantize_bf16(const uint8_t* w, int64_t N, int64_t K, QType qt, uint16_t* out, int n_threads);
 
-// "avx512vnni", "avx2" or "scalar": the path matmul/dequantize take now (avx512vnni differs from avx2 only in the
-// int8 path's integer dots, and gives the same bits).
-const char* active_isa();
-
-// Testing and benchmarking hook: take no SIMD level above `name` ("scalar", "avx2" or "avx512vnni", the default,
-// which means the best the CPU has); std::invalid_argument for another name.
-void limit_isa(const std::string& name);
-
 }  // namespace nodekv::quant

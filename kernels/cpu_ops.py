@@ -7,8 +7,8 @@ more than the arithmetic; each function here is one call of a few µs, most of i
 paths only: float32 CPU tensors in the layouts stated, else a ValueError naming the offending argument, and no
 fallback. `out=` takes a preallocated result (float32, contiguous, the result's shape; it must not overlap the
 inputs) and saves the allocation. Any T works, but only attention uses more than one thread: the others are meant
-for few tokens. The AVX2/FMA code is picked at run time (`_C.cpu_ops_isa()`); `_C.cpu_ops_force_scalar(True)` forces
-the scalar one (a testing hook).
+for few tokens. The SIMD code is picked at run time (`_C.isa()`: AVX2/FMA, and AVX-512 for prefill attention);
+`_C.limit_isa("avx2")` or `("scalar")` caps it for every C++ kernel (a testing and benchmarking hook).
 """
 from __future__ import annotations
 

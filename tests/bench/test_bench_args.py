@@ -129,6 +129,8 @@ def test_engine_speed_refuses_bf16_prompts_without_bf16_matrix_units(monkeypatch
 @pytest.mark.parametrize("name, argv, message", [
     ("cpu_kernels", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
     ("prefill_attention", ["--seq", "8", "--reps", "0"], "argument --reps: must be at least 1, got 0"),
+    ("prefill_attention", ["--seq", "8", "--heads", "12", "5", "128"],
+     "--heads: 5 KV heads do not divide 12 query heads"),
     ("gor_sampling", ["--model", "smollm2-135m", "--draws", "0"], "argument --draws: must be at least 1, got 0"),
     ("engine_speed", SMALL["engine_speed"][:-1] + ["--decode", "0"], "argument --decode: must be at least 1, got 0"),
     ("batch", ["--model", "smollm2-135m", "--precisions", "exact,fp8"],

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import new_cache, tiny_engine, tiny_hf_model, write_tiny_gguf
+from conftest import new_cache, simd_level, tiny_engine, tiny_hf_model, write_tiny_gguf
 from numerics import hf_attention
-from nodekv import _C
 from nodekv.engine.cache_batch import CacheBatch
 from nodekv.engine.errors import PoolExhaustedError
 from nodekv.engine.kv_cache import PagedKVCache
@@ -305,14 +304,11 @@ def test_scalar_kernels_and_one_thread_give_the_same_steps(tmp_path):
         torch.set_num_threads(1)
         one, _ = _decode(model, ids, 100, True)
         torch.set_num_threads(threads)
-        _C.quant_limit_isa("scalar")
-        _C.cpu_ops_force_scalar(True)
-        scalar, _ = _decode(model, ids, 100, True)
-        scalar_plain, _ = _decode(model, ids, 100, False)
+        with simd_level("scalar"):
+            scalar, _ = _decode(model, ids, 100, True)
+            scalar_plain, _ = _decode(model, ids, 100, False)
     finally:
         torch.set_num_threads(threads)
-        _C.quant_limit_isa("avx512vnni")
-        _C.cpu_ops_force_scalar(False)
     assert torch.equal(one, base)
     assert torch.equal(scalar, scalar_plain)
     _close(scalar, base, 1e-5)

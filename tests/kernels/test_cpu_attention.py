@@ -13,18 +13,19 @@ import dataclasses
 import pytest
 import torch
 
-from nodekv import _C
+from conftest import simd_level
 from nodekv.kernels import cpu_ops as co
 from nodekv.kernels import reference
 from paged_cases import PagedCase, brute_force, make_case
 
 
-@pytest.fixture(params=["native", "scalar"])
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
 def isa(request):
-    """Run a test on the SIMD path where the CPU has it, and on the forced scalar path."""
-    _C.cpu_ops_force_scalar(request.param == "scalar")
-    yield request.param
-    _C.cpu_ops_force_scalar(False)
+    """Run a test at each SIMD level the CPU has (AVX-512 serves only prefills with hd % 32 == 0)."""
+    with simd_level(request.param) as level:
+        if level != request.param:
+            pytest.skip(f"this CPU has no {request.param}")
+        yield level
 
 
 def case(n: int, T: int, end: int, H: int, Hkv: int, hd: int, P: int, N: int, seed: int = 0,
@@ -85,6 +86,8 @@ SHAPES = [  # (n queries, T new tokens, end, H, Hkv, hd, page size, nodes)
     (130, 150, 350, 9, 3, 64, 8, 50),   # pruned last rows on the tiled kernel
     (77, 77, 333, 4, 2, 64, 1, 333),    # every key its own node, pages of 1
     (70, 70, 100, 4, 2, 24, 5, 6),      # hd 24, odd page size
+    (90, 90, 190, 6, 2, 80, 64, 11),    # hd 80: the AVX2 tiled kernel at level avx512 too
+    (61, 61, 61, 12, 2, 96, 64, 61),    # hd 96, 6 query heads a KV head, one key block, every key a node
 ]
 
 
@@ -124,6 +127,21 @@ def test_threads_do_not_change_results(n, end):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(out1, out2) and torch.equal(mass1, mass2)
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] > 16],
+                         ids=lambda s: "n{}-T{}-end{}-H{}-kv{}-hd{}-P{}-N{}".format(*s))
+def test_avx512_prefill_gives_the_avx2_bits(shape):
+    """The AVX-512 tiled kernel sums every score, output element and row sum in the AVX2 kernel's order: the same
+    output and node mass, bit for bit (also where hd % 32 != 0 sends it to the AVX2 kernel)."""
+    with simd_level("avx512") as level:
+        if level != "avx512":
+            pytest.skip(f"this CPU has no AVX-512 (it takes {level})")
+        c = case(*shape, seed=sum(shape))
+        wide, wide_mass = run(c)
+    with simd_level("avx2"):
+        narrow, narrow_mass = run(c)
+    assert torch.equal(wide, narrow) and torch.equal(wide_mass, narrow_mass)
 
 
 def test_kernels_agree(isa):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nodekv import _C
+from conftest import simd_level
 from nodekv.kernels import cpu_ops as co
 from numerics import assert_close, gen
 
@@ -22,9 +22,8 @@ TS = [1, 3, 8]
 @pytest.fixture(params=["native", "scalar"])
 def isa(request):
     """Run a test on the SIMD path where the CPU has it, and on the forced scalar path."""
-    _C.cpu_ops_force_scalar(request.param == "scalar")
-    yield request.param
-    _C.cpu_ops_force_scalar(False)
+    with simd_level("avx512" if request.param == "native" else "scalar"):
+        yield request.param
 
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
+from conftest import simd_level  # noqa: E402
 from nodekv import _C  # noqa: E402
 from nodekv.kernels.quant import (  # noqa: E402
     BLOCK_BYTES, BLOCK_ELEMS, QTYPES, QuantStack, QuantWeight, quant_linear)
@@ -27,9 +28,8 @@ SHAPES = [(1, 1), (7, 2), (33, 28), (61, 19), (130, 3)]
 @pytest.fixture(params=ISAS)
 def isa(request):
     """Run a test on the SIMD path where the CPU has it, and on the forced scalar path."""
-    _C.quant_limit_isa("scalar" if request.param == "scalar" else "avx512vnni")
-    yield request.param
-    _C.quant_limit_isa("avx512vnni")
+    with simd_level("avx512" if request.param == "native" else "scalar"):
+        yield request.param
 
 
 def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator, offset: float = 0.0) -> np.ndarray:

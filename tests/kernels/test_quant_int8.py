@@ -14,6 +14,7 @@ pytest.importorskip("gguf")
 
 from nodekv.kernels.quant import BLOCK_ELEMS, QTYPES, QuantStack, quant_linear  # noqa: E402
 
+from conftest import simd_level  # noqa: E402
 from test_quant import SHAPES, isa, make_weight  # noqa: E402,F401  (isa: the SIMD/scalar fixture)
 
 
@@ -93,37 +94,28 @@ def test_vnni_gives_the_avx2_bits(qtype):
     steps follow: the same bits for every type, odd shapes, one token and several passes of them."""
     from nodekv import _C
 
-    _C.quant_limit_isa("avx512vnni")
-    if _C.quant_isa() != "avx512vnni":
-        pytest.skip(f"this CPU takes the {_C.quant_isa()} path (no AVX-512 VNNI)")
+    if _C.isa() != "avx512":
+        pytest.skip(f"this CPU takes the {_C.isa()} path (no AVX-512 VNNI)")
     for n, blocks in SHAPES:
         w, _ = make_weight(qtype, n, blocks * BLOCK_ELEMS[qtype], seed=n + blocks, offset=0.1)
         for t in (1, 3, 70):
             x = torch.randn(t, blocks * BLOCK_ELEMS[qtype], generator=torch.Generator().manual_seed(t)) * 3
             vnni = quant_linear(x, w, int8=True)
-            _C.quant_limit_isa("avx2")
-            try:
-                assert _C.quant_isa() == "avx2"
+            with simd_level("avx2") as level:
+                assert level == "avx2"
                 avx2 = quant_linear(x, w, int8=True)
-            finally:
-                _C.quant_limit_isa("avx512vnni")
             assert torch.equal(vnni, avx2), (n, blocks, t)
 
 
 def test_scalar_and_simd_agree_closely():
     """The two paths quantise x to the same bits and differ only in the order of fp32 roundings."""
-    from nodekv import _C
-
     for qtype in QTYPES:
         k = 2 * BLOCK_ELEMS[qtype]
         w, ref = make_weight(qtype, 29, k, seed=11)
         x = torch.randn(5, k, generator=torch.Generator().manual_seed(12))
         simd = quant_linear(x, w, int8=True)
-        _C.quant_limit_isa("scalar")
-        try:
+        with simd_level("scalar"):
             scalar = quant_linear(x, w, int8=True)
-        finally:
-            _C.quant_limit_isa("avx512vnni")
         scale = (x.abs() @ ref.abs().T).max().item()
         assert (simd - scalar).abs().max().item() <= 2 * k * 2.0 ** -24 * scale, qtype
 
