@@ -35,11 +35,14 @@ class Runner:
 class NodekvRunner(Runner):
     """nodekv on the GGUF's quantised blocks (the engine picks each step's kernels), with fp32 activations, int8
     ones in the quantised projections (precision "int8"), or as a bf16 model (dtype "bfloat16": dense bf16 weights,
-    multiplied in bf16 where the CPU has bf16 matrix units)."""
+    multiplied in bf16 where the CPU has bf16 matrix units); isa caps the SIMD level of every C++ kernel."""
 
-    def __init__(self, path: Path, threads: int, precision: str = "exact", dtype: str = "float32"):
+    def __init__(self, path: Path, threads: int, precision: str = "exact", dtype: str = "float32",
+                 isa: str = "avx512"):
         import nodekv
+        from nodekv import _C
 
+        _C.limit_isa(isa)  # this process runs one engine
         self.engine = nodekv.load_engine(model=path, threads=threads, precision=precision, dtype=dtype)
         self.cache = None
 
@@ -103,9 +106,9 @@ class LlamaCppRunner(Runner):
         return int(logits.argmax())
 
 
-NODEKV_VARIANTS = {"nodekv": ("exact", "float32"), "nodekv-int8": ("int8", "float32"),
-                   "nodekv-bf16-prompts": ("bf16", "float32"),
-                   "nodekv-bf16": ("exact", "bfloat16")}  # engine name: (precision, dtype)
+NODEKV_VARIANTS = {"nodekv": ("exact", "float32"), "nodekv-avx2": ("exact", "float32", "avx2"),
+                   "nodekv-int8": ("int8", "float32"), "nodekv-bf16-prompts": ("bf16", "float32"),
+                   "nodekv-bf16": ("exact", "bfloat16")}  # engine name: (precision, dtype[, SIMD level cap])
 
 
 def load(engine: str, path: Path, threads: int, n_ctx: int):

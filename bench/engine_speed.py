@@ -7,7 +7,8 @@ torch.mm peak measured in the same run, and the targets. About 5 minutes on a qu
     python -m nodekv.bench.engine_speed [--model qwen2.5-0.5b] [--engines nodekv,hf,llama-cpp] [--threads 2]
                                         [--rounds 512:512,2048:4096] [--quick] [--json FILE]
 
-Engines: nodekv, nodekv-int8 (precision="int8": int8 activations in the quantised projections), nodekv-bf16-prompts
+Engines: nodekv, nodekv-avx2 (nodekv with its C++ kernels capped at AVX2: the same bits, and on a CPU with AVX-512
+what it buys), nodekv-int8 (precision="int8": int8 activations in the quantised projections), nodekv-bf16-prompts
 (precision="bf16": prompts multiplied on the CPU's bf16 matrix units, decode exact; refused on CPUs without them),
 nodekv-bf16 (dtype="bfloat16": a bf16 model, multiplied in bf16 on CPUs with bf16 matrix units), hf (HF
 transformers, sdpa attention), hf-eager (HF's eager attention), llama-cpp. `--rounds`
@@ -35,7 +36,8 @@ from nodekv.paths import example, write_atomic
 
 TEXT = example("lost_in_translation.txt")
 DEFAULT_MODEL = "qwen2.5-0.5b"
-ENGINES = {"nodekv": "nodekv", "nodekv-int8": "nodekv int8", "nodekv-bf16-prompts": "nodekv bf16 prompts",
+ENGINES = {"nodekv": "nodekv", "nodekv-avx2": "nodekv avx2",
+           "nodekv-int8": "nodekv int8", "nodekv-bf16-prompts": "nodekv bf16 prompts",
            "nodekv-bf16": "nodekv bf16", "hf": "HF transformers sdpa", "hf-eager": "HF transformers eager",
            "llama-cpp": "llama.cpp"}
 DEFAULT_ENGINES = ("nodekv", "nodekv-int8", "hf", "llama-cpp")
