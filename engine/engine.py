@@ -19,7 +19,7 @@ from .kv_cache import PagedKVCache
 from .gguf_file import GGUFFile, read_gguf
 from .loader import load_checkpoint
 from .model import KVCache, Llama, check_precision
-from .node_store import StoredNode, check_fits, unrotate
+from .node_store import StoredNode, check_fits, describe_model, same_model, unrotate
 from .page_pool import PagePool, default_pool_pages
 from .prefix_cache import PrefixCache
 from .models import resolve_model
@@ -42,21 +42,24 @@ class Engine:
     """A model ready to run: `session()` for cached prompts, `prefixes.fork(ids)` for a session that starts with a
     shared prompt prefilled once, `forward_logits` for scoring, `flops` for cost."""
 
-    def __init__(self, model: Llama, tokenizer: Tokenizer, pool: PagePool, path: Path | None = None):
+    def __init__(self, model: Llama, tokenizer: Tokenizer, pool: PagePool, path: Path | None = None,
+                 weights: str | None = None):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.pool = pool
         self.path = path
+        self.weights = weights  # the checkpoint's `Checkpoint.fingerprint`, if known
         self.flops = FlopAccount()
         self.prefixes = PrefixCache(self)  # few-shot and instruction prompts prefilled once, forked per use
 
     @cached_property
     def model_id(self) -> dict:
-        """What stored KV and saved indexes are tied to: the model file's name and a hash of its config (two
-        files of one name and config count as one model)."""
+        """What stored KV and saved indexes are tied to (`same_model` compares two): the model file's name, a hash
+        of its config and, where the engine was loaded from a checkpoint, the checkpoint's weight fingerprint."""
         config = json.dumps(asdict(self.config), sort_keys=True, default=str)
-        return {"name": self.path.name if self.path else None, "config": hashlib.sha256(config.encode()).hexdigest()}
+        ident = {"name": self.path.name if self.path else None, "config": hashlib.sha256(config.encode()).hexdigest()}
+        return ident | ({"weights": self.weights} if self.weights else {})
 
     @property
     def device(self) -> torch.device:
@@ -158,9 +161,9 @@ class Engine:
         the tables a prefill uses (no forward: no FLOPs). All or nothing. A node stored by another model is refused:
         keys and values of one model's shapes are another's garbage."""
         check_fits(node, self.config)
-        if node.model is not None and node.model != self.model_id:
-            raise ValueError(f"a node stored by model {node.model.get('name')} (config {node.model.get('config')[:12]})"
-                             f" cannot be placed in {self.model_id['name']}'s cache: store it with this model")
+        if node.model is not None and not same_model(node.model, self.model_id):
+            raise ValueError(f"a node stored by model {describe_model(node.model)} cannot be placed in "
+                             f"{describe_model(self.model_id)}'s cache: store it with this model")
         n, state = len(node), cache.state()
         start = cache.begin(n)
         try:
@@ -293,10 +296,11 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
         source = read_gguf(path)
         tokenizer = Tokenizer.from_gguf(path, source.metadata)
     ckpt = load_checkpoint(source)
+    weights = ckpt.fingerprint  # of the tensors as read, before the model fuses and converts them
     llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy, precision, target)
     pages = default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens, target)
     pool = PagePool(ckpt.config, llama.dtype, pages, page_size, target)
-    return Engine(llama, tokenizer, pool, ckpt.path)
+    return Engine(llama, tokenizer, pool, ckpt.path, weights)
 
 
 def resolve_dtype(dtype: str | None, target: torch.device) -> str:

@@ -7,9 +7,11 @@ with a native kernel stay quantised (`QuantWeight`); everything else is returned
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping, Union
 
@@ -66,6 +68,26 @@ class Checkpoint:
     config: ModelConfig
     tensors: dict[str, Tensor]
     path: Path
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A SHA-256 of every tensor's name, type and shape and of 4 KiB at its start, middle and end: what tells
+        two checkpoints of one name and config apart (a fine-tune changes the values of each tensor it touches
+        throughout, so the samples do too), at ~12 KiB read a tensor instead of the whole file."""
+        h = hashlib.sha256()
+        for name in sorted(self.tensors):
+            t = self.tensors[name]
+            raw = t.data if isinstance(t, QuantWeight) else t.detach().contiguous().flatten().view(torch.uint8)
+            kind = t.qtype if isinstance(t, QuantWeight) else str(t.dtype)
+            h.update(f"{name} {kind} {list(raw.shape)}\n".encode())
+            raw = raw.flatten()
+            mid = max(0, raw.numel() // 2 - _SAMPLE // 2)
+            for part in (raw[:_SAMPLE], raw[mid:mid + _SAMPLE], raw[-_SAMPLE:]):
+                h.update(part.numpy().tobytes())
+        return h.hexdigest()
+
+
+_SAMPLE = 4096  # bytes a fingerprint reads at each of a tensor's start, middle and end
 
 
 def load_checkpoint(path: str | os.PathLike | GGUFFile) -> Checkpoint:

@@ -40,6 +40,23 @@ class StoredNode:
         return len(self.tokens)
 
 
+def same_model(recorded, loaded: dict) -> bool:
+    """Whether a model identity recorded with stored KV or an index (`Engine.model_id`: a name, a config hash and a
+    weight fingerprint) names the loaded one, `loaded` (all of those, or only some: a check before the model loads):
+    it names a model and config, and every key both hold is equal. One recorded before weight fingerprints were (no
+    "weights") is checked by name and config."""
+    return isinstance(recorded, dict) and {"name", "config"} <= recorded.keys() \
+        and all(recorded[k] == loaded[k] for k in recorded.keys() & loaded.keys())
+
+
+def describe_model(model) -> str:
+    """A model identity for an error message: its name, and short hashes of its config and weights."""
+    if not isinstance(model, dict):
+        return repr(model)
+    hashes = [f"{key} {str(model[key])[:12]}" for key in ("config", "weights") if model.get(key)]
+    return str(model.get("name")) + (f" ({', '.join(hashes)})" if hashes else "")
+
+
 def check_fits(node: StoredNode, config) -> None:
     """ValueError unless `node` holds at least one token, every token id is in `config`'s vocabulary and its keys
     and values have that model's attention shape."""
@@ -163,8 +180,9 @@ class NodeStore:
         if lacking or header["dtype"] not in STORE_DTYPES:
             raise NodeStoreError(f"{self.path} has a corrupt node store header: " + (
                 f"no {', '.join(lacking)}" if lacking else f"dtype {header['dtype']!r}"))
-        if header["model"] != model:
-            raise NodeStoreError(f"{self.path} was stored with model {header['model']}, not the loaded {model}")
+        if not same_model(header["model"], model):
+            raise NodeStoreError(f"{self.path} was stored with model {describe_model(header['model'])}, not the loaded "
+                                 f"{describe_model(model)}")
         self.digest = hashlib.sha256(self._map[16:16 + size]).hexdigest()  # `write_node_store`'s, to know it by
         self._base = 16 + size
         if len(self._map) != self._base + header["payload_bytes"]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..engine.engine import Engine
-from ..engine.node_store import NodeStore, NodeStoreError, StoredNode, write_node_store
+from ..engine.node_store import NodeStore, NodeStoreError, StoredNode, describe_model, same_model, write_node_store
 from ..paths import atomic_path, write_atomic
 
 
@@ -40,7 +40,7 @@ def read_index_file(path: str | Path, fmt: str, version: int, engine: Engine, wh
 def check_index_file(path: str | Path, fmt: str, model: str | Path, what: str, kv: bool = False) -> None:
     """Before a model loads: an IndexFileError for an index file that `read_index_file` will refuse for being
     unreadable, of another format than `fmt`, corrupt, or built with a model file of another name than `model`'s (a
-    model of the same name whose config differs, or another format version, is refused at the read); kv: a
+    model of the same name whose config or weights differ, or another format version, is refused at the read); kv: a
     NodeStoreError for a node store beside it that `read_kv_beside` will refuse."""
     data = _read_checked(Path(path), fmt, None, what)
     _check_model(Path(path), data, {"name": Path(model).name})
@@ -66,12 +66,11 @@ def _read_checked(path: Path, fmt: str | None, version: int | None, what: str) -
 
 
 def _check_model(path: Path, data: dict, model: dict) -> None:
-    """Refuse an index built with another model than `model` (its keys: the name, and the config hash if given)."""
-    built = data.get("model") if isinstance(data.get("model"), dict) else {}
-    if any(built.get(k) != v for k, v in model.items()):
-        raise IndexFileError(f"{path} was built with model {built.get('name')} (config "
-                             f"{str(built.get('config'))[:12]}), not {model['name']}: load that model (--model) or "
-                             "build the index again")
+    """Refuse an index built with another model than `model` (an `Engine.model_id`, or only its name before a model
+    loads): `same_model`."""
+    if not same_model(data.get("model"), model):
+        raise IndexFileError(f"{path} was built with model {describe_model(data.get('model'))}, not "
+                             f"{describe_model(model)}: load that model (--model) or build the index again")
 
 
 def saved_format(path: str | Path) -> str | None:

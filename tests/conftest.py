@@ -78,7 +78,8 @@ def tiny_engine(path, backend: str = "auto", dtype=torch.float32, pages: int = 6
 
     ckpt = load_checkpoint(path)
     model = Llama(ckpt.config, ckpt.tensors, dtype, backend)
-    return Engine(model, DigitTokenizer(), PagePool(ckpt.config, model.dtype, pages, page_size))
+    return Engine(model, DigitTokenizer(), PagePool(ckpt.config, model.dtype, pages, page_size), ckpt.path,
+                  ckpt.fingerprint)
 
 
 def tiny_hf_model(kind: str = "llama", *, tied: bool = False, rope_scaling: bool = False, n_kv_heads: int = 2,

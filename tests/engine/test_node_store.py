@@ -4,6 +4,7 @@ first, it and a question give a prefill's logits; placing charges no FLOPs, refu
 and leaves the session unchanged on error; a session ending in a stored node has no logits to generate from."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -380,3 +381,48 @@ def test_repair_copies_pages_shared_with_a_fork_before_writing(pair):
         assert torch.equal(cached_kv(fork, 0, 18)[0], k_fork)  # the fork's pages are untouched
         assert not torch.equal(cached_kv(s, 0, 18)[0], k_fork)
         fork.release()
+
+
+def test_nodes_and_indexes_of_other_weights_under_one_name_and_config_are_refused(tmp_path):
+    """A fine-tune saved under the base model's file name has its config too: the weight fingerprint tells them
+    apart. A node or index recorded before fingerprints were (no "weights") is still checked by name and config."""
+    from nodekv.engine.node_store import NodeStore, NodeStoreError, write_node_store
+    from nodekv.methods.index_file import IndexFileError, read_index_file, write_index_file
+
+    engines = []
+    for seed in (5, 6):
+        path = tmp_path / f"seed{seed}" / "model.gguf"
+        path.parent.mkdir()
+        write_tiny_gguf(tiny_hf_model("qwen2", seed=seed), path, "f32", arch="qwen2")
+        engines.append(tiny_engine(path, pages=16, page_size=8))
+    base, tuned = engines
+    assert base.model_id.keys() == {"name", "config", "weights"}
+    assert {k: v for k, v in base.model_id.items() if k != "weights"} == \
+        {k: v for k, v in tuned.model_id.items() if k != "weights"}
+    assert base.model_id["weights"] != tuned.model_id["weights"]
+    assert tiny_engine(tmp_path / "seed5" / "model.gguf").model_id == base.model_id  # the same file: the same id
+
+    node = base.store_node(ids(6, 1))
+    old = {k: v for k, v in base.model_id.items() if k != "weights"}
+    with tuned.session() as s:
+        with pytest.raises(ValueError, match=r"stored by model model.gguf \(config [0-9a-f]{12}, weights"):
+            s.append_stored(node)
+        assert len(s.nodes) == 0
+        s.append_stored(StoredNode(node.tokens, node.k, node.v, old))
+    store = tmp_path / "nodes.kv"
+    write_node_store(store, {"a": node}, base.model_id)
+    assert NodeStore(store, base.model_id)["a"].model == base.model_id
+    with pytest.raises(NodeStoreError, match="was stored with model"):
+        NodeStore(store, tuned.model_id)
+
+    index = tmp_path / "x.idx"
+    write_index_file(index, "nodekv-test", 1, base, {"n": 1})
+    assert read_index_file(index, "nodekv-test", 1, base, "test index") == {"n": 1}
+    with pytest.raises(IndexFileError, match="built with model model.gguf"):
+        read_index_file(index, "nodekv-test", 1, tuned, "test index")
+    data = json.loads(index.read_text())
+    data.pop("checksum")
+    data["model"] = old
+    data["checksum"] = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+    index.write_text(json.dumps(data))
+    assert read_index_file(index, "nodekv-test", 1, tuned, "test index") == {"n": 1}
