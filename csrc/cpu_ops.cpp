@@ -2,7 +2,6 @@
 #include "cpu_ops.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 #include "cpu_common.h"

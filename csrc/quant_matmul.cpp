@@ -11,7 +11,6 @@
 #include "quant_matmul.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -45,7 +44,6 @@ constexpr int kTokens = 8;
 constexpr int64_t kCallTokens = 64;      // tokens per run of the kernels (matmul splits longer inputs)
 constexpr int kSweepRows = 8;            // rows per sweep over a chunk of K (matmul_range); the prefetch distance
 constexpr int64_t kXChunkFloats = 4096;  // a sweep's chunk of prepared x (16 KiB) stays in the 32 KiB L1 cache
-
 
 // ---------------------------------------------------------------- scalar path
 

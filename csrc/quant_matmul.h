@@ -14,7 +14,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 
 namespace nodekv::quant {
 
