@@ -27,11 +27,8 @@ from nodekv.kernels import cpu_ops, reference
 def at_level(level: str, fn: Callable[[], object]) -> Callable[[], object]:
     """fn run with every C++ kernel capped at SIMD level `level`."""
     def run() -> object:
-        _C.limit_isa(level)
-        try:
+        with cpu_ops.simd_level(level):
             return fn()
-        finally:
-            _C.limit_isa("avx512")
     return run
 
 

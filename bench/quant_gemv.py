@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from nodekv import _C
+from nodekv.kernels.cpu_ops import simd_level
 from nodekv.kernels.quant import BLOCK_BYTES, BLOCK_ELEMS, QuantLinearWeight, QuantStack, QuantWeight, quant_linear
 
 Parts = list[tuple[int, str]]  # (rows, qtype) of the row segments of a projection
@@ -128,11 +129,8 @@ def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense:
             quant_linear(xs[t, w.in_features], w, int8=True)
 
     def run_int8_avx2(t):  # the int8 kernels without VNNI, where the CPU has it (the same bits, slower)
-        _C.limit_isa("avx2")
-        try:
+        with simd_level("avx2"):
             run_int8(t)
-        finally:
-            _C.limit_isa("avx512")
 
     def run_dense(t):
         for w in dense_ws:

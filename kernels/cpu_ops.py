@@ -8,18 +8,31 @@ paths only: float32 CPU tensors in the layouts stated, else a ValueError naming 
 fallback. `out=` takes a preallocated result (float32, contiguous, the result's shape; it must not overlap the
 inputs) and saves the allocation. Any T works, but only attention uses more than one thread: the others are meant
 for few tokens. The SIMD code is picked at run time (`_C.isa()`: AVX2/FMA, and AVX-512 for prefill attention);
-`_C.limit_isa("avx2")` or `("scalar")` caps it for every C++ kernel (a testing and benchmarking hook).
+`simd_level("avx2")` or `("scalar")` caps it for every C++ kernel inside a block (a testing and benchmarking hook).
 """
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
 from nodekv import _C
 
 from .reference import check_block_table, check_page_shape, check_pages_writable, overlaps
+
+
+@contextmanager
+def simd_level(name: str) -> Iterator[str]:
+    """Every C++ CPU kernel (these, attention, the quantised matmuls) at SIMD level `name` ('scalar', 'avx2' or
+    'avx512') or the best the CPU has below it, inside the block; yields the level taken. The levels give the same
+    bits except the scalar one. Process-wide: not for use while other threads run kernels."""
+    _C.limit_isa(name)
+    try:
+        yield _C.isa()
+    finally:
+        _C.limit_isa("avx512")
 
 if TYPE_CHECKING:
     from .quant import QuantWeight

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,19 +18,6 @@ needs_triton_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET")
 MODEL_BACKENDS = ["torch", "cpu", pytest.param("triton", marks=needs_triton_interpreter)]  # engines on CPU tensors
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-
-
-@contextmanager
-def simd_level(name: str):
-    """Every C++ CPU kernel at SIMD level `name` ('scalar', 'avx2', 'avx512') or the best below it inside the block;
-    yields the level taken."""
-    from nodekv import _C
-
-    _C.limit_isa(name)
-    try:
-        yield _C.isa()
-    finally:
-        _C.limit_isa("avx512")
 
 
 def new_cache(model, tokens: int = 512, page_size: int = 8):

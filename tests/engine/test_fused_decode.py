@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import new_cache, simd_level, tiny_engine, tiny_hf_model, write_tiny_gguf
+from conftest import new_cache, tiny_engine, tiny_hf_model, write_tiny_gguf
 from numerics import hf_attention
 from nodekv.engine.cache_batch import CacheBatch
 from nodekv.engine.errors import PoolExhaustedError
@@ -304,7 +304,7 @@ def test_scalar_kernels_and_one_thread_give_the_same_steps(tmp_path):
         torch.set_num_threads(1)
         one, _ = _decode(model, ids, 100, True)
         torch.set_num_threads(threads)
-        with simd_level("scalar"):
+        with cpu_ops.simd_level("scalar"):
             scalar, _ = _decode(model, ids, 100, True)
             scalar_plain, _ = _decode(model, ids, 100, False)
     finally:

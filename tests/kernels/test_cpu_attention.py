@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import simd_level
 from nodekv.kernels import cpu_ops as co
+from nodekv.kernels.cpu_ops import simd_level
 from nodekv.kernels import reference
 from paged_cases import PagedCase, brute_force, make_case
 

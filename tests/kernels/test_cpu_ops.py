@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import simd_level
 from nodekv.kernels import cpu_ops as co
+from nodekv.kernels.cpu_ops import simd_level
 from numerics import assert_close, gen
 
 TS = [1, 3, 8]

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
-from conftest import simd_level  # noqa: E402
 from nodekv import _C  # noqa: E402
+from nodekv.kernels.cpu_ops import simd_level  # noqa: E402
 from nodekv.kernels.quant import (  # noqa: E402
     BLOCK_BYTES, BLOCK_ELEMS, QTYPES, QuantStack, QuantWeight, quant_linear)
 

@@ -14,7 +14,7 @@ pytest.importorskip("gguf")
 
 from nodekv.kernels.quant import BLOCK_ELEMS, QTYPES, QuantStack, quant_linear  # noqa: E402
 
-from conftest import simd_level  # noqa: E402
+from nodekv.kernels.cpu_ops import simd_level  # noqa: E402
 from test_quant import SHAPES, isa, make_weight  # noqa: E402,F401  (isa: the SIMD/scalar fixture)
 
 
