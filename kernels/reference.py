@@ -149,6 +149,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     check_page_shape(k_pages, "paged_attention")
     check_block_table(block_table, end, k_pages, "paged_attention")  # checked before anything is written
     if k_new is not None:
+        check_kv_pair(k_new, v_new, "paged_attention")  # here, so that the refusal names the function called
         check_pages_writable(k_pages, v_pages, "paged_attention")
     if mass is not None:
         if node_bounds is None:

@@ -466,6 +466,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     block_table = _check_pages(k_pages, v_pages, block_table, end, Hkv, hd, "paged_attention")
     check_block_table(block_table, end, k_pages, "paged_attention")
     if k_new is not None:
+        check_kv_pair(k_new, v_new, "paged_attention")  # here, so that the refusal names the function called
         check_pages_writable(k_pages, v_pages, "paged_attention")
     if q.device != k_pages.device:
         raise ValueError(f"paged_attention: q on {q.device}, pages on {k_pages.device}")

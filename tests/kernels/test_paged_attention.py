@@ -427,3 +427,15 @@ def test_a_lone_k_new_or_v_new_is_refused(backend):
             BACKENDS[backend](case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, k_new,
                               v_new)
     assert torch.equal(case.k_pages, pages[0]) and torch.equal(case.v_pages, pages[1])
+
+
+@pytest.mark.parametrize("backend", NAMES)
+def test_a_v_new_of_other_rows_is_refused_in_the_callers_name(backend):
+    """paged_attention with a v_new of other rows than k_new's is one ValueError naming paged_attention, nothing
+    written: the reference and Triton backends named write_kv, the helper they store through."""
+    case = make_case(3, 3, 40, 4, 2, 16, 8, 2)
+    pages = case.k_pages.clone(), case.v_pages.clone()
+    with pytest.raises(ValueError, match=r"^paged_attention: v(_new)? "):
+        BACKENDS[backend](case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new,
+                          case.v_new[:1])
+    assert torch.equal(case.k_pages, pages[0]) and torch.equal(case.v_pages, pages[1])
