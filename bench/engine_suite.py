@@ -2,15 +2,15 @@
 Markdown. Every piece runs in its own process at the same thread count:
 
 - prefill and decode tokens/s and peak memory for nodekv, HF transformers sdpa and llama.cpp (when installed) at
-  512 / 2K / 8K tokens on qwen2.5-0.5b and at 512 / 2K on SmolLM2, and HF eager attention on SmolLM2 (its T×T
-  scores take minutes beyond 2K; `engine_speed`), with torch.mm's fp32 peak
-  measured in the same run and nodekv's achieved GFLOP/s;
+  512 / 2K / 8K tokens on qwen2.5-0.5b and at 512 / 2K on qwen2.5-1.5b (the model the methods are judged on) and
+  SmolLM2, and HF eager attention on SmolLM2 (its T×T scores take minutes beyond 2K; `engine_speed`), with torch.mm's
+  fp32 peak measured in the same run and nodekv's achieved GFLOP/s;
 - batched decode throughput at 1/2/4/8 sessions (`batch`);
 - node-mass collection against HF's output_attentions (`node_mass`, SmolLM2);
 - one node appended to a cached prompt, probed and rolled back, against prefilling the whole prompt again (here).
 
-The 8K prefills alone take 8 minutes here (on both models they would be 13): SmolLM2 stops at 2K so that the run
-stays under 15 minutes on a quiet 2-core machine. `--quick` runs every piece small (a smoke test): its numbers are
+Only the first model prefills 8K tokens (every model's 8K prefills would double the run): the whole run took 13
+minutes on a 2-core Xeon (2026-11-28). `--quick` runs every piece small (a smoke test): its numbers are
 not measurements, so its files go to build/engine_suite-quick unless --out says otherwise (never over the committed
 results by default) and say "quick": true. Every piece's file and engine.json are written together, and only once
 every piece has succeeded: a failed run leaves the previous results as they were.
@@ -33,7 +33,7 @@ from nodekv.bench import count, models, output_folder
 from nodekv.bench.engine_speed import ENGINES as SPEED_ENGINES
 from nodekv.paths import base, results_dir, write_atomic
 
-MODELS = ("qwen2.5-0.5b", "smollm2-135m")
+MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "smollm2-135m")
 ENGINES = "nodekv,hf,llama-cpp"
 EAGER_MODEL = "smollm2-135m"  # HF eager runs on this model only (a second HF load of the 0.5B costs a minute)
 # rounds: for the first model; other_rounds: for the others
