@@ -2,7 +2,9 @@
 
 - decode: B sessions with different prompts generate N tokens each through `Engine.generate_batch` (one forward per
   step for all B); aggregate tokens/s at each B and the ratio to B = 1 (which runs the fused one-token decoder), for
-  each precision asked (an engine each: exact fp32 activations, and the int8 fast path);
+  each precision asked (an engine each: exact fp32 activations, and the int8 fast path; a name ending in -avx2 runs
+  that engine with its C++ kernels capped at AVX2, which on a CPU with AVX-512 shows what the 512-bit kernels buy:
+  `--precisions exact,exact-avx2`);
 - prefill: 8 short prompts as one `Engine.append_batch` against 8 `Session.append` calls.
 
 EOS is masked (a logits processor) so every session generates exactly N tokens. Rounds alternate between the
@@ -31,13 +33,17 @@ def prompts(ids: list[int], n: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
+AVX2_CAP = "-avx2"  # a precision name's suffix: its engine's kernels capped at AVX2 (`cpu_ops.simd_level`)
+
+
 def _precisions(text: str) -> list[str]:
-    """Precisions an fp32 CPU engine runs here (bf16 needs bf16 matrix units), checked before any model loads."""
+    """Precisions an fp32 CPU engine runs here (bf16 needs bf16 matrix units), each optionally with AVX2_CAP, checked
+    before any model loads."""
     from nodekv.engine.model import check_precision
 
     for name in text.split(","):
         try:
-            check_precision(name, torch.float32, torch.device("cpu"))
+            check_precision(name.removesuffix(AVX2_CAP), torch.float32, torch.device("cpu"))
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return text.split(",")
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     from nodekv.engine.engine import load_engine
     from nodekv.engine.models import resolve_model
     from nodekv.engine.tokenizer import Tokenizer
+    from nodekv.kernels.cpu_ops import simd_level
 
     precisions, sizes = args.precisions, args.batches
     n = max(max(sizes), args.prefill_prompts)
@@ -103,15 +110,21 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"{n} prompts of --prompt-tokens {args.prompt_tokens} need {n * args.prompt_tokens:,} tokens; "
                 f"{TEXT.name} has {len(ids):,} ({len(ids) // n:,} per prompt at most)")
     texts = prompts(ids, n, args.prompt_tokens)
-    engines = {prec: load_engine(args.model, threads=args.threads, precision=prec) for prec in precisions}
+    loaded = {}  # one engine per precision, shared by its capped name
+    for prec in precisions:
+        base = prec.removesuffix(AVX2_CAP)
+        loaded.setdefault(base, load_engine(args.model, threads=args.threads, precision=base))
+    engines = {prec: loaded[prec.removesuffix(AVX2_CAP)] for prec in precisions}
+    levels = {prec: "avx2" if prec.endswith(AVX2_CAP) else "avx512" for prec in precisions}
     engine = engines[precisions[0]]
-    for e in engines.values():
+    for e in loaded.values():
         decode_seconds(e, texts[:2], 4)  # warm: the fused decoder, RoPE tables, thread pools
     decode = {(prec, b): [] for prec in precisions for b in sizes}
     prefill = {True: [], False: []}
     for _ in range(args.rounds):
         for prec, b in decode:
-            decode[prec, b].append(decode_seconds(engines[prec], texts[:b], args.tokens))
+            with simd_level(levels[prec]):
+                decode[prec, b].append(decode_seconds(engines[prec], texts[:b], args.tokens))
         for batched in (False, True):
             prefill[batched].append(prefill_seconds(engine, texts[:args.prefill_prompts], batched))
 

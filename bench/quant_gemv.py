@@ -15,8 +15,9 @@ With one token count (--tokens, default 1: decode) it prints the per-projection 
 whole model's matmuls at each count on the quantised blocks and with dense fp32 F.linear on the dequantised weights,
 in ms and tokens/s, and tokens/s relative to one token (what batching that many decode steps buys), measured side by
 side. The count where dense overtakes the blocks is where a forward should switch to dense weights. --int8 adds the
-int8 fast path (`quant_linear(..., int8=True)`) beside the exact one in either table, and in the sweep, on a CPU with
-AVX-512 VNNI, the same int8 kernels limited to AVX2 beside it.
+int8 fast path (`quant_linear(..., int8=True)`) beside the exact one in either table. On a CPU with AVX-512 the sweep
+also runs the kernels limited to AVX2 (the same bits): the exact path's, whose 8 tokens or more take two tokens per
+512-bit FMA, and with --int8 the int8 path's, which use VNNI.
 """
 from __future__ import annotations
 
@@ -128,6 +129,10 @@ def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense:
         for w in weights:
             quant_linear(xs[t, w.in_features], w, int8=True)
 
+    def run_quant_avx2(t):  # the exact kernels without token pairs, where the CPU has AVX-512 (the same bits)
+        with simd_level("avx2"):
+            run_quant(t)
+
     def run_int8_avx2(t):  # the int8 kernels without VNNI, where the CPU has it (the same bits, slower)
         with simd_level("avx2"):
             run_int8(t)
@@ -136,9 +141,10 @@ def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense:
         for w in dense_ws:
             F.linear(xs[t, w.shape[1]], w)
 
-    vnni = int8 and _C.isa() == "avx512"
-    kernels = [("quant", run_quant)] + [(f"int8 {_C.isa()}", run_int8)] * int8 + \
-        [("int8 avx2", run_int8_avx2)] * vnni + [("dense", run_dense)] * dense
+    avx512 = _C.isa() == "avx512"
+    kernels = [("quant", run_quant)] + [("quant avx2", run_quant_avx2)] * avx512 + \
+        [(f"int8 {_C.isa()}", run_int8)] * int8 + [("int8 avx2", run_int8_avx2)] * (int8 and avx512) + \
+        [("dense", run_dense)] * dense
     times: dict[tuple[str, int], list[float]] = {(name, t): [] for name, _ in kernels for t in counts}
     for rep in range(reps + 1):  # the first round warms up
         for t in counts:
