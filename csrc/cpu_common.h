@@ -24,7 +24,8 @@
 
 #define NKV_AVX2 __attribute__((target("avx2,fma,f16c")))
 // AVX2 plus AVX-512 F/VL/BW/DQ/VNNI: the int8 path's byte products on 256-bit vectors (vpdpbusd on ymm,
-// quant_formats.h) and the fp32 prefill attention on 512-bit ones. AMD Zen 4 and later, Intel Ice Lake / Sapphire
+// quant_formats.h), and on 512-bit ones the fp32 prefill attention and the exact quantised matmuls of 8 tokens or
+// more (two tokens per FMA). AMD Zen 4 and later, Intel Ice Lake / Sapphire
 // Rapids and later.
 #define NKV_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 

@@ -22,7 +22,19 @@
 // in place, bits 4..7, gives 16 (q - c), and prepare scales the matching x by 1/16 or dot folds it into a
 // scale, both exact); for bytes, sign extension and conversion. Centring matters for accuracy: with q in
 // 0..15, d * sum(x q) and the offset times sum(x) are two large terms that cancel when sum(x) is large.
-#pragma once
+//
+// quant_matmul.cpp includes this file twice: as it is (namespace formats, the SIMD code built for AVX2), and with
+// NKV_FORMATS_512 defined (namespace formats512, the same source built for AVX-512, where the exact dots also take
+// x as token pairs: PairX below). Hence the two include guards.
+#if defined(NKV_FORMATS_512) ? !defined(NKV_QUANT_FORMATS_512_H) : !defined(NKV_QUANT_FORMATS_H)
+#ifdef NKV_FORMATS_512
+#define NKV_QUANT_FORMATS_512_H
+#pragma push_macro("NKV_AVX2")
+#undef NKV_AVX2
+#define NKV_AVX2 NKV_AVX512
+#else
+#define NKV_QUANT_FORMATS_H
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -35,7 +47,11 @@
 #include "cpu_common.h"
 #include "quant_matmul.h"
 
+#ifdef NKV_FORMATS_512
+namespace nodekv::quant::formats512 {
+#else
 namespace nodekv::quant::formats {
+#endif
 
 inline uint16_t load_u16(const uint8_t* p) {
     uint16_t v;
@@ -101,6 +117,58 @@ template <int TT>
 NKV_AVX2 inline void scaled_dot(const __m256 v[4], __m256 d, const float* x, int64_t ldx, __m256* acc) {
     for (int t = 0; t < TT; ++t) acc[t] = _mm256_fmadd_ps(d, dot4(v, x + t * ldx), acc[t]);
 }
+
+// acc[t] += c x_t[0..7] for the TT tokens x_t = x + t ldx: a block's term against x's block sums
+template <int TT>
+NKV_AVX2 inline void scaled_x(__m256 c, const float* x, int64_t ldx, __m256* acc) {
+    for (int t = 0; t < TT; ++t) acc[t] = _mm256_fmadd_ps(c, _mm256_loadu_ps(x + t * ldx), acc[t]);
+}
+
+#ifdef NKV_FORMATS_512
+// Prepared x for 512-bit FMAs over two tokens at once: tokens 2p and 2p + 1 share a block of twice a token's
+// floats at x + p ldx, holding every 8 elements of the first token, then the same 8 of the second (element e of
+// token 2p + h at 16 (e / 8) + 8 h + e % 8), and one __m512 accumulator acc[p] (token 2p in its low half). The dots
+// index x in a token's elements, always multiples of 8, so `x + off` moves 2 off floats. Lane for lane the FMAs are
+// the one-token ones, so every token gets the bits it gets through `const float*` x and __m256 accumulators; the
+// last of an odd count runs on its halves of the block and accumulator in 256 bits.
+struct PairX {
+    const float* p;
+    PairX operator+(int64_t off) const { return {p + 2 * off}; }
+};
+
+NKV_AVX512 inline __m512 both_halves(__m256 v) { return _mm512_insertf32x8(_mm512_castps256_ps512(v), v, 1); }
+
+template <int TT>
+NKV_AVX512 inline void scaled_dot(const __m256 v[4], __m256 d, PairX x, int64_t ldx, __m512* acc) {
+    const __m512 v0 = both_halves(v[0]), v1 = both_halves(v[1]), v2 = both_halves(v[2]), v3 = both_halves(v[3]);
+    const __m512 dd = both_halves(d);
+    for (int p = 0; p < TT / 2; ++p) {
+        const float* xp = x.p + p * ldx;
+        __m512 a = _mm512_mul_ps(v0, _mm512_loadu_ps(xp));
+        a = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xp + 16), a);
+        a = _mm512_fmadd_ps(v2, _mm512_loadu_ps(xp + 32), a);
+        a = _mm512_fmadd_ps(v3, _mm512_loadu_ps(xp + 48), a);
+        acc[p] = _mm512_fmadd_ps(dd, a, acc[p]);
+    }
+    if constexpr (TT % 2 != 0) {
+        const float* xp = x.p + TT / 2 * ldx;
+        __m256 a = _mm256_mul_ps(v[0], _mm256_loadu_ps(xp));
+        a = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 16), a);
+        a = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xp + 32), a);
+        a = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 48), a);
+        acc[TT / 2] = _mm512_zextps256_ps512(_mm256_fmadd_ps(d, a, _mm512_castps512_ps256(acc[TT / 2])));
+    }
+}
+
+template <int TT>
+NKV_AVX512 inline void scaled_x(__m256 c, PairX x, int64_t ldx, __m512* acc) {
+    const __m512 cc = both_halves(c);
+    for (int p = 0; p < TT / 2; ++p) acc[p] = _mm512_fmadd_ps(cc, _mm512_loadu_ps(x.p + p * ldx), acc[p]);
+    if constexpr (TT % 2 != 0)
+        acc[TT / 2] = _mm512_zextps256_ps512(
+            _mm256_fmadd_ps(c, _mm256_loadu_ps(x.p + TT / 2 * ldx), _mm512_castps512_ps256(acc[TT / 2])));
+}
+#endif
 
 // 16 nibble bytes (byte j: element j low, j + 16 high) in element order: v[0], v[1] = q - c of elements
 // 0..7, 8..15; v[2], v[3] = 16 (q - c) of elements 16..23, 24..31. Both 128-bit lanes hold the 16 bytes;
@@ -383,8 +451,8 @@ struct ScaledQuants {
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(d, v[i]));
     }
     NKV_AVX2 static void prepare(const float* x, float* xp) { std::memcpy(xp, x, sizeof(float) * 32); }
-    template <int TT>
-    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
+    template <int TT, class X = const float*, class Acc = __m256>
+    NKV_AVX2 static void dot(const uint8_t* blk, X xp, int64_t ldx, Acc* acc) {
         __m256 v[4];
         F::quants(blk, v);
         scaled_dot<TT>(v, bcast_half(blk), xp, ldx, acc);
@@ -450,8 +518,8 @@ struct Q4_0 {
         _mm256_storeu_ps(out + 24, _mm256_mul_ps(d16, v[3]));
     }
     NKV_AVX2 static void prepare(const float* x, float* xp) { prepare_nibbles(x, xp); }
-    template <int TT>
-    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
+    template <int TT, class X = const float*, class Acc = __m256>
+    NKV_AVX2 static void dot(const uint8_t* blk, X xp, int64_t ldx, Acc* acc) {
         __m256 v[4];
         nibbles(blk + 2, 8.0f, v);
         scaled_dot<TT>(v, bcast_half(blk), xp, ldx, acc);
@@ -502,8 +570,8 @@ struct Q4_1 {
         prepare_nibbles(x, xp);
         _mm256_storeu_ps(xp + 32, _mm256_setr_ps(0.0f, sum32(x), 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f));
     }
-    template <int TT>
-    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
+    template <int TT, class X = const float*, class Acc = __m256>
+    NKV_AVX2 static void dot(const uint8_t* blk, X xp, int64_t ldx, Acc* acc) {
         __m256 v[4];
         nibbles(blk + 4, 8.0f, v);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(blk))));  // [d, m, 0, 0]
@@ -512,10 +580,8 @@ struct Q4_1 {
         // otherwise cancel (exact for all but extreme d/m ratios); lane 0 meets x's 0
         const __m256 eight = _mm256_setr_ps(0.0f, 8.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
         const __m256 mp = _mm256_fmadd_ps(d, eight, _mm256_zextps128_ps256(dm));
-        for (int t = 0; t < TT; ++t) {
-            const float* x = xp + t * ldx;
-            acc[t] = _mm256_fmadd_ps(mp, _mm256_loadu_ps(x + 32), _mm256_fmadd_ps(d, dot4(v, x), acc[t]));
-        }
+        scaled_dot<TT>(v, d, xp, ldx, acc);
+        scaled_x<TT>(mp, xp + 32, ldx, acc);
     }
     using XQ = XQ32;
     // d sum(q q_x) d_x + m s_x: the min meets x's sum, which the quantiser keeps (s)
@@ -635,8 +701,8 @@ struct Q4_K {
         std::memcpy(xp, x, sizeof(float) * 256);
         for (int j = 0; j < 8; ++j) xp[256 + j] = sum32(x + 32 * j);
     }
-    template <int TT>
-    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
+    template <int TT, class X = const float*, class Acc = __m256>
+    NKV_AVX2 static void dot(const uint8_t* blk, X xp, int64_t ldx, Acc* acc) {
         __m256 dsc, dmn;
         scales(blk, &dsc, &dmn);
         const __m256 s = nibble_scales(dsc);
@@ -649,7 +715,7 @@ struct Q4_K {
             scaled_dot<TT>(odd, lane(s, 2 * i + 1), xp + 64 * i + 32, ldx, acc);
         }
         const __m256 offset = _mm256_fmsub_ps(_mm256_set1_ps(8.0f), dsc, dmn);  // w = d sc (q - 8) + offset
-        for (int t = 0; t < TT; ++t) acc[t] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(xp + t * ldx + 256), acc[t]);
+        scaled_x<TT>(offset, xp + 256, ldx, acc);
     }
     using XQ = XQ256T;
     // d d_x sum_j sc_j sum(q_j q_xj) - dmin d_x sum_j m_j sum(q_xj), the weights transposed into x's interleaved order
@@ -795,8 +861,8 @@ struct Q6_K {
         }
     }
     NKV_AVX2 static void prepare(const float* x, float* xp) { prepare_split(x, 256, xp); }
-    template <int TT>
-    NKV_AVX2 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
+    template <int TT, class X = const float*, class Acc = __m256>
+    NKV_AVX2 static void dot(const uint8_t* blk, X xp, int64_t ldx, Acc* acc) {
         __m256 s[2];
         scales(blk, s);
         for (int h = 0; h < 2; ++h) {
@@ -864,4 +930,9 @@ decltype(auto) visit(QType qt, Fn&& fn) {
     throw std::invalid_argument("quant: bad QType " + std::to_string(static_cast<int>(qt)));
 }
 
-}  // namespace nodekv::quant::formats
+}  // namespace nodekv::quant::formats, formats512
+
+#ifdef NKV_FORMATS_512
+#pragma pop_macro("NKV_AVX2")
+#endif
+#endif  // the include guards

@@ -6,8 +6,9 @@
 // token's outputs are bit for bit those it gets alone, so a batch of decode steps reproduces sequential ones.
 // One token (decode) is bound by the weight bytes and the instructions to unpack them: each block is read once,
 // R rows at a time so that the rows share the x loads. More tokens are bound by FMAs: each block is unpacked
-// once per pass of up to kTokens tokens and FMAed into all of their accumulators. x is prepared once per call
-// (per type). The scalar path decodes a row at a time and takes plain dot products, also per token.
+// once per pass of up to kTokens tokens and FMAed into all of their accumulators; with AVX-512, from kPairsMinTokens
+// on, two tokens per 512-bit FMA (Pairs), each lane's arithmetic the AVX2 one's. x is prepared once per call (per
+// type). The scalar path decodes a row at a time and takes plain dot products, also per token.
 #include "quant_matmul.h"
 
 #include <algorithm>
@@ -18,6 +19,9 @@
 
 #include "cpu_common.h"
 #include "quant_formats.h"
+#define NKV_FORMATS_512
+#include "quant_formats.h"  // again, built for AVX-512: namespace formats512
+#undef NKV_FORMATS_512
 
 namespace nodekv::quant {
 namespace {
@@ -44,6 +48,11 @@ constexpr int kTokens = 8;
 constexpr int64_t kCallTokens = 64;      // tokens per run of the kernels (matmul splits longer inputs)
 constexpr int kSweepRows = 8;            // rows per sweep over a chunk of K (matmul_range); the prefetch distance
 constexpr int64_t kXChunkFloats = 4096;  // a sweep's chunk of prepared x (16 KiB) stays in the 32 KiB L1 cache
+// Tokens from which the exact path runs them in pairs on AVX-512 (Pairs): the same bits either way, but each block's
+// unpacked weights are first copied into both halves of 512-bit registers, which fewer tokens do not repay (on a
+// Xeon with 512-bit FMA units, qwen2.5-1.5b's Q4_K and Q6_K projections: 0.8-0.9x AVX2 at 2 tokens, 1.0x at 4,
+// 1.15-1.6x at 8 to 32)
+constexpr int64_t kPairsMinTokens = 8;
 
 // ---------------------------------------------------------------- scalar path
 
@@ -102,7 +111,7 @@ struct Int8 {
     }
 };
 
-// Int8<F> with the format's VNNI dot where it has one (the same bits, tested): the drivers in namespace vnni run it.
+// Int8<F> with the format's VNNI dot where it has one (the same bits, tested): the drivers in namespace avx512 run it.
 template <class F, class = void>
 struct Int8Vnni : Int8<F> {};
 template <class F>
@@ -112,6 +121,42 @@ struct Int8Vnni<F, std::void_t<decltype(&F::template dot_i8_vnni<1>)>> : Int8<F>
         F::template dot_i8_vnni<TT>(blk, reinterpret_cast<const typename F::XQ*>(xp), ldx / Int8<F>::kPrep, acc);
     }
 };
+
+// A format's exact path over token pairs (formats512::PairX) as a format for the drivers: its prepared x is a pair
+// block per block (kPrep twice the format's), and its dot runs the 512-bit FMAs of two tokens at once, each lane's
+// arithmetic the one-token dot's (the same bits, tested). On cores with 512-bit FMA units a several-token step then
+// issues half the FMAs; one token stays on the AVX2 dot, whose bound is unpacking the weights, not FMAs.
+template <class F>
+struct Pairs {
+    static constexpr QType kType = F::kType;
+    static constexpr int64_t kElems = F::kElems, kBytes = F::kBytes, kPrep = 2 * F::kPrep;
+    static constexpr int kTokensPerX = 2;
+    using Acc = __m512;
+    static_assert(F::kPrep % 8 == 0, "PairX interleaves x in runs of 8 floats");
+    template <int TT>
+    NKV_AVX512 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m512* acc) {
+        F::template dot<TT>(blk, formats512::PairX{xp}, ldx, acc);
+    }
+};
+
+// A driver format's accumulator (F::Acc: __m512 for Pairs, else __m256) and tokens per accumulator and per prepared
+// x row (2 for Pairs, else 1).
+template <class F, class = void>
+struct AccOf {
+    using type = __m256;
+    static constexpr int kTokens = 1;
+};
+template <class F>
+struct AccOf<F, std::void_t<typename F::Acc>> {
+    using type = typename F::Acc;
+    static constexpr int kTokens = F::kTokensPerX;
+};
+
+// Token t's sum from its row's accumulators a.
+NKV_AVX2 inline float token_sum(const __m256* a, int t) { return hsum(a[t]); }
+NKV_AVX512 inline float token_sum(const __m512* a, int t) {
+    return hsum(t % 2 ? _mm512_extractf32x8_ps(a[t / 2], 1) : _mm512_castps512_ps256(a[t / 2]));
+}
 
 template <class F>
 NKV_AVX2 void decode_rows_avx2(const uint8_t* w, int64_t K, int64_t r0, int64_t r1, float* out) {
@@ -129,17 +174,34 @@ NKV_AVX2 void prepare_x(const float* x, int64_t T, int64_t K, float* xp) {
         for (int64_t b = 0; b < nb; ++b) F::prepare(x + t * K + b * F::kElems, xp + (t * nb + b) * F::kPrep);
 }
 
+// xp[p] = tokens 2p and 2p + 1 of x in Pairs<F>'s layout (formats512::PairX), p < ceil(T / 2); an odd T's last
+// block has zeros where a second token would be.
+template <class F>
+NKV_AVX2 void prepare_x_pairs(const float* x, int64_t T, int64_t K, float* xp) {
+    const int64_t nb = K / F::kElems;
+    float one[F::kPrep];
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+            F::prepare(x + t * K + b * F::kElems, one);
+            float* dst = xp + (t / 2 * nb + b) * 2 * F::kPrep + 8 * (t % 2);
+            for (int64_t e = 0; e < F::kPrep; e += 8) {
+                std::memcpy(dst + 2 * e, one + e, 8 * sizeof(float));
+                if (t % 2 == 0 && t + 1 == T) std::memset(dst + 2 * e + 8, 0, 8 * sizeof(float));
+            }
+        }
+}
+
 namespace avx2 {
 #define NKV_SIMD NKV_AVX2
 #include "quant_drivers.h"
 #undef NKV_SIMD
 }  // namespace avx2
 
-namespace vnni {
+namespace avx512 {
 #define NKV_SIMD NKV_AVX512
 #include "quant_drivers.h"
 #undef NKV_SIMD
-}  // namespace vnni
+}  // namespace avx512
 
 // ---------------------------------------------------------------- dispatch
 
@@ -238,6 +300,8 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
     for (int s = 1; s < n_segs; ++s) row0[s] = row0[s - 1] + segs[s - 1].rows;
     const auto bias_of = [&](int s) { return bias ? bias + row0[s] : nullptr; };
     if (avx2) {
+        // several tokens' exact FMAs two tokens at a time where the FMA units are 512 bits wide (Pairs)
+        const bool pairs = !int8 && T >= kPairsMinTokens && isa == Isa::kAvx512;
         // x prepared once per call for each type among the segments (reused across calls)
         thread_local std::vector<std::vector<float>> prepared;
         prepared.resize(std::max<size_t>(prepared.size(), static_cast<size_t>(n_segs)));
@@ -254,21 +318,31 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
                 // 64-byte aligned: the kernels' 32-byte loads of it never straddle two cache lines (that took
                 // up to 40% longer for several tokens, where every FMA loads x)
                 std::vector<float>& buf = prepared[static_cast<size_t>(s)];
-                buf.resize(static_cast<size_t>(T * (K / F::kElems * F::kPrep) + 16));
+                const int64_t rows = pairs ? (T + 1) / 2 * 2 : T;  // an odd count's last pair block is whole
+                buf.resize(static_cast<size_t>(rows * (K / F::kElems * F::kPrep) + 16));
                 float* aligned = buf.data() + (-reinterpret_cast<uintptr_t>(buf.data()) / sizeof(float) & 15);
-                prepare_x<F>(x, T, K, aligned);
+                if (pairs)
+                    prepare_x_pairs<F>(x, T, K, aligned);
+                else
+                    prepare_x<F>(x, T, K, aligned);
                 xp[s] = aligned;
             });
         }
         parallel_segments(segs, n_segs, nt, [&](int s, int64_t r0, int64_t r1, int) {
             const Segment& g = segs[s];
+            float* out = y + row0[s];
+            if (pairs) {
+                formats512::visit(g.qt, [&](auto f) {
+                    avx512::matmul_range<Pairs<decltype(f)>>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
+                });
+                return;
+            }
             visit(g.qt, [&](auto f) {
                 using F = decltype(f);
-                float* out = y + row0[s];
                 if (!int8)
                     avx2::matmul_range<F>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
                 else if (isa == Isa::kAvx512)
-                    vnni::matmul_range<Int8Vnni<F>>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
+                    avx512::matmul_range<Int8Vnni<F>>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
                 else
                     avx2::matmul_range<Int8<F>>(xp[s], T, K, g.w, g.rows, bias_of(s), out, N, r0, r1);
             });

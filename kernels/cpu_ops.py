@@ -7,8 +7,9 @@ more than the arithmetic; each function here is one call of a few µs, most of i
 paths only: float32 CPU tensors in the layouts stated, else a ValueError naming the offending argument, and no
 fallback. `out=` takes a preallocated result (float32, contiguous, the result's shape; it must not overlap the
 inputs) and saves the allocation. Any T works, but only attention uses more than one thread: the others are meant
-for few tokens. The SIMD code is picked at run time (`_C.isa()`: AVX2/FMA, and AVX-512 for prefill attention);
-`simd_level("avx2")` or `("scalar")` caps it for every C++ kernel inside a block (a testing and benchmarking hook).
+for few tokens. The SIMD code is picked at run time (`_C.isa()`: AVX2/FMA, and AVX-512 for prefill attention and
+the quantised matmuls of several tokens); `simd_level("avx2")` or `("scalar")` caps it for every C++ kernel inside a
+block (a testing and benchmarking hook).
 """
 from __future__ import annotations
 
