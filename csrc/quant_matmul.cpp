@@ -130,8 +130,7 @@ template <class F>
 struct Pairs {
     static constexpr QType kType = F::kType;
     static constexpr int64_t kElems = F::kElems, kBytes = F::kBytes, kPrep = 2 * F::kPrep;
-    static constexpr int kTokensPerX = 2;
-    using Acc = __m512;
+    static constexpr int kTokensPerX = 2;  // and __m512 accumulators, one per two tokens (AccOf)
     static_assert(F::kPrep % 8 == 0, "PairX interleaves x in runs of 8 floats");
     template <int TT>
     NKV_AVX512 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m512* acc) {
@@ -139,16 +138,17 @@ struct Pairs {
     }
 };
 
-// A driver format's accumulator (F::Acc: __m512 for Pairs, else __m256) and tokens per accumulator and per prepared
-// x row (2 for Pairs, else 1).
+// A driver format's accumulator type and tokens per accumulator and per prepared x row: __m256 and 1, or for Pairs
+// (the formats with kTokensPerX) __m512 and 2. (Detected by an int member: a vector type as a template argument
+// loses its alignment attribute, which GCC warns of.)
 template <class F, class = void>
 struct AccOf {
     using type = __m256;
     static constexpr int kTokens = 1;
 };
 template <class F>
-struct AccOf<F, std::void_t<typename F::Acc>> {
-    using type = typename F::Acc;
+struct AccOf<F, std::void_t<decltype(F::kTokensPerX)>> {
+    using type = __m512;
     static constexpr int kTokens = F::kTokensPerX;
 };
 
