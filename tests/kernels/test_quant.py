@@ -201,7 +201,7 @@ def test_batch_rows_match_single_tokens_in_a_stack(isa, t):
 def test_token_pairs_give_the_avx2_bits(qtype):
     """Where the CPU has AVX-512, 8 tokens or more run the exact dots two at a time in 512-bit FMAs (token pairs);
     each lane does the AVX2 dot's arithmetic, so every type, odd and even counts and several passes (70 tokens: two
-    calls of 35, passes of 8 and a last of 3) give the AVX2 bits."""
+    calls of 35, in passes of 8, 6, 8, 6 and an odd last 7) give the AVX2 bits."""
     if _C.isa() != "avx512":
         pytest.skip(f"this CPU takes the {_C.isa()} path (no AVX-512)")
     for n, blocks in SHAPES:
