@@ -35,15 +35,17 @@ class Runner:
 class NodekvRunner(Runner):
     """nodekv on the GGUF's quantised blocks (the engine picks each step's kernels), with fp32 activations, int8
     ones in the quantised projections (precision "int8"), or as a bf16 model (dtype "bfloat16": dense bf16 weights,
-    multiplied in bf16 where the CPU has bf16 matrix units); isa caps the SIMD level of every C++ kernel."""
+    multiplied in bf16 where the CPU has bf16 matrix units); kv_dtype "float16": a KV cache of halves; isa caps the
+    SIMD level of every C++ kernel."""
 
     def __init__(self, path: Path, threads: int, precision: str = "exact", dtype: str = "float32",
-                 isa: str = "avx512"):
+                 isa: str = "avx512", kv_dtype: str | None = None):
         import nodekv
         from nodekv import _C
 
         _C.limit_isa(isa)  # this process runs one engine
-        self.engine = nodekv.load_engine(model=path, threads=threads, precision=precision, dtype=dtype)
+        self.engine = nodekv.load_engine(model=path, threads=threads, precision=precision, dtype=dtype,
+                                         kv_dtype=kv_dtype)
         self.cache = None
 
     def flops(self) -> int:
@@ -106,14 +108,15 @@ class LlamaCppRunner(Runner):
         return int(logits.argmax())
 
 
-NODEKV_VARIANTS = {"nodekv": ("exact", "float32"), "nodekv-avx2": ("exact", "float32", "avx2"),
-                   "nodekv-int8": ("int8", "float32"), "nodekv-bf16-prompts": ("bf16", "float32"),
-                   "nodekv-bf16": ("exact", "bfloat16")}  # engine name: (precision, dtype[, SIMD level cap])
+NODEKV_VARIANTS = {"nodekv": {}, "nodekv-avx2": {"isa": "avx2"}, "nodekv-int8": {"precision": "int8"},
+                   "nodekv-bf16-prompts": {"precision": "bf16"}, "nodekv-bf16": {"dtype": "bfloat16"},
+                   "nodekv-kv16": {"kv_dtype": "float16"},
+                   "nodekv-bf16-prompts-kv16": {"precision": "bf16", "kv_dtype": "float16"}}  # NodekvRunner's options
 
 
 def load(engine: str, path: Path, threads: int, n_ctx: int):
     if engine in NODEKV_VARIANTS:
-        return NodekvRunner(path, threads, *NODEKV_VARIANTS[engine])
+        return NodekvRunner(path, threads, **NODEKV_VARIANTS[engine])
     if engine in ("hf", "hf-eager"):
         return HFRunner(path, threads, "eager" if engine == "hf-eager" else "sdpa")
     return LlamaCppRunner(path, threads, n_ctx)

@@ -10,7 +10,8 @@ torch.mm peak measured in the same run, and the targets. About 5 minutes on a qu
 Engines: nodekv, nodekv-avx2 (nodekv with its C++ kernels capped at AVX2: the same bits, and on a CPU with AVX-512
 what it buys), nodekv-int8 (precision="int8": int8 activations in the quantised projections), nodekv-bf16-prompts
 (precision="bf16": prompts multiplied on the CPU's bf16 matrix units, decode exact; refused on CPUs without them),
-nodekv-bf16 (dtype="bfloat16": a bf16 model, multiplied in bf16 on CPUs with bf16 matrix units), hf (HF
+nodekv-bf16 (dtype="bfloat16": a bf16 model, multiplied in bf16 on CPUs with bf16 matrix units), nodekv-kv16
+(kv_dtype="float16": a KV cache of halves, as llama.cpp's default), nodekv-bf16-prompts-kv16 (both), hf (HF
 transformers, sdpa attention), hf-eager (HF's eager attention), llama-cpp. `--rounds`
 P:C,... prefills P tokens from an empty cache and decodes after C; peak RSS is also read after each round (rounds
 run in the order given, so in increasing length it is the peak up to that length).
@@ -38,7 +39,8 @@ TEXT = example("lost_in_translation.txt")
 DEFAULT_MODEL = "qwen2.5-0.5b"
 ENGINES = {"nodekv": "nodekv", "nodekv-avx2": "nodekv avx2",
            "nodekv-int8": "nodekv int8", "nodekv-bf16-prompts": "nodekv bf16 prompts",
-           "nodekv-bf16": "nodekv bf16", "hf": "HF transformers sdpa", "hf-eager": "HF transformers eager",
+           "nodekv-bf16": "nodekv bf16", "nodekv-kv16": "nodekv kv16",
+           "nodekv-bf16-prompts-kv16": "nodekv bf16 prompts kv16", "hf": "HF transformers sdpa", "hf-eager": "HF transformers eager",
            "llama-cpp": "llama.cpp"}
 DEFAULT_ENGINES = ("nodekv", "nodekv-int8", "hf", "llama-cpp")
 # (tokens prefilled from an empty cache and timed, prompt length when the timed decode starts)
@@ -167,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     from nodekv.engine.models import resolve_model
 
     torch.set_num_threads(args.threads)
-    if "nodekv-bf16-prompts" in args.engines and not native_bf16_matmul():
-        p.error("nodekv-bf16-prompts needs a CPU with bf16 matrix units (AMX or AVX512-BF16); this one has none")
+    if (bf16 := [e for e in args.engines if e.startswith("nodekv-bf16-prompts")]) and not native_bf16_matmul():
+        p.error(f"{bf16[0]} needs a CPU with bf16 matrix units (AMX or AVX512-BF16); this one has none")
     path = resolve_model(args.model)
     if path.suffix != ".gguf":
         p.error(f"{path} is not a .gguf file: the engines must read the same GGUF")

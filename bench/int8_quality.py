@@ -8,7 +8,8 @@ the int8 kernels (longer steps stay exact), so every position's logits come from
 (llama-cpp-python, when installed) reads the same GGUF with its own q8 activations and stands beside it as the
 peer's version of the same trade. A bf16 model of the same GGUF (dtype "bfloat16", whose prompts run on bf16 matrix
 units where the CPU has them) is measured the same way, in one forward, and so, on CPUs with those units, is the exact
-model with precision "bf16" (its prompts' projections multiplied in bf16, everything else exact).
+model with precision "bf16" (its prompts' projections multiplied in bf16, everything else exact), and the exact
+model over a KV cache of halves (kv_dtype "float16", llama.cpp's default cache type).
 
     python -m nodekv.bench.int8_quality [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tokens 2048] [--threads 2]
 """
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
         t = time.perf_counter()
         rows.append(("nodekv bf16 (a bf16 model)", half.forward_logits(ids), time.perf_counter() - t))
         del half
+        kv16 = load_engine(model, threads=args.threads, kv_dtype="float16")
+        t = time.perf_counter()
+        rows.append(("nodekv kv16 (a KV cache of halves)", kv16.forward_logits(ids), time.perf_counter() - t))
+        del kv16
         if peer:
             t = time.perf_counter()
             rows.append(("llama.cpp (its q8 activations)", llama_cpp_logits(path, ids, args.threads),

@@ -3,7 +3,8 @@
 // Keys are split in fixed chunks of 128 whose partial results are merged by log-sum-exp; within a
 // chunk the softmax runs online over blocks of <= 64 keys that stay in L1 while every query row of
 // a KV head reads them. A block within one page (every block when page_size is a multiple of 64)
-// is read in place, one that spans pages through a table of row pointers. The chunks of all KV
+// is read in place, one that spans pages through a table of row pointers; with half pages every
+// block is first converted into a per-thread fp32 copy (2 x 16 KiB, still in L1). The chunks of all KV
 // heads are shared among up to n_threads threads when the work is large enough; the split does not
 // depend on the thread count, so neither do the results. Scratch: hd + 2 floats per query row and
 // chunk (150 KB for one SmolLM2 token at 8192 keys), plus with node mass one float per query row
@@ -241,10 +242,12 @@ struct UnitMass {
 
 // Online softmax over keys [s0, s1) of KV head g for its R = n * G query rows. Leaves the
 // unnormalised output in o [R, hd], the running max in m [R] and the sum in l [R]; a row that
-// sees none of these keys gets m = -inf, l = 0, o = 0. kp, vp: room for a block's row pointers.
+// sees none of these keys gets m = -inf, l = 0, o = 0. kp, vp: room for a block's row pointers;
+// kf, vf: for half pages, room for a block's keys and values converted to floats.
 template <class Ops, bool kMass>
 void attend_chunk(const PagedArgs& a, int64_t G, float scale, int64_t g, int64_t s0, int64_t s1, float* o,
-                  float* m, float* l, float* sc, const float** kp, const float** vp, UnitMass* um) {
+                  float* m, float* l, float* sc, const float** kp, const float** vp, float* kf, float* vf,
+                  UnitMass* um) {
     const int64_t R = a.n * G, hd = a.hd, bs = block_positions(hd), start = a.end - a.n;
     std::fill(o, o + R * hd, 0.0f);
     std::fill(m, m + R, kNegInf);
@@ -254,15 +257,22 @@ void attend_chunk(const PagedArgs& a, int64_t G, float scale, int64_t g, int64_t
     int64_t jb = kMass ? um->j0 : 0;  // the node holding b0
     for (int64_t b0 = s0; b0 < s1; b0 += bs) {
         const int64_t n = std::min(bs, s1 - b0);
-        const bool one_page = b0 % a.page_size + n <= a.page_size;
-        const float* const* kt = kp;
-        const float* const* vt = vp;
-        if (one_page) {
-            Ops::scores(qg, a.n, G, a.q_stride_t, a.q_stride_h, a.k_row(b0, g), n, hd, scale, sc, bs);
+        // the block's rows: in place within one page, converted from halves, or through a pointer table
+        const float *kb = nullptr, *vb = nullptr;
+        if (a.kv_half) {
+            a.rows_to_floats(b0, n, g, kf, vf);
+            kb = kf, vb = vf;
+        } else if (b0 % a.page_size + n <= a.page_size) {
+            kb = a.k_row(b0, g), vb = a.v_row(b0, g);
         } else {
             a.rows(b0, n, g, kp, vp);
-            Ops::scores(qg, a.n, G, a.q_stride_t, a.q_stride_h, kt, n, hd, scale, sc, bs);
         }
+        const float* const* kt = kp;
+        const float* const* vt = vp;
+        if (kb)
+            Ops::scores(qg, a.n, G, a.q_stride_t, a.q_stride_h, kb, n, hd, scale, sc, bs);
+        else
+            Ops::scores(qg, a.n, G, a.q_stride_t, a.q_stride_h, kt, n, hd, scale, sc, bs);
         if (kMass)
             while (um->bounds[jb + 1] <= b0) ++jb;
         for (int64_t t = 0; t < a.n; ++t) {
@@ -291,8 +301,8 @@ void attend_chunk(const PagedArgs& a, int64_t G, float scale, int64_t g, int64_t
                 }
             }
         }
-        if (one_page)
-            Ops::pv(sc, bs, R, a.v_row(b0, g), n, hd, o);
+        if (vb)
+            Ops::pv(sc, bs, R, vb, n, hd, o);
         else
             Ops::pv(sc, bs, R, vt, n, hd, o);
     }
@@ -336,9 +346,11 @@ void decode_typed(const PagedArgs& a) {
     auto run_unit = [&](int64_t u) {
         thread_local std::vector<float> sc;
         thread_local std::vector<const float*> rows;
+        thread_local std::vector<float> kv;
         const int64_t bs = block_positions(hd);
         sc.resize(static_cast<size_t>(R * bs));
         rows.resize(static_cast<size_t>(2 * bs));
+        if (a.kv_half) kv.resize(static_cast<size_t>(2 * bs * hd));
         // KV heads inner: a page holds the rows of all KV heads side by side, so consecutive units
         // read adjacent memory
         const int64_t c = u / a.kv_heads, g = u % a.kv_heads;
@@ -348,11 +360,14 @@ void decode_typed(const PagedArgs& a) {
             um = {a.node_bounds, node_lo[c], node_off[c + 1] - node_off[c], mass_acc + (g * n_off + node_off[c]) * R};
         const int64_t s0 = c * kChunk, s1 = std::min(end, s0 + kChunk);
         float *m = res + R * hd, *l = m + R;
+        float* kf = a.kv_half ? kv.data() : nullptr;
+        float* vf = a.kv_half ? kv.data() + bs * hd : nullptr;
         if (a.mass)
-            attend_chunk<Ops, true>(a, G, scale, g, s0, s1, res, m, l, sc.data(), rows.data(), rows.data() + bs, &um);
+            attend_chunk<Ops, true>(a, G, scale, g, s0, s1, res, m, l, sc.data(), rows.data(), rows.data() + bs, kf,
+                                    vf, &um);
         else
-            attend_chunk<Ops, false>(a, G, scale, g, s0, s1, res, m, l, sc.data(), rows.data(), rows.data() + bs,
-                                     nullptr);
+            attend_chunk<Ops, false>(a, G, scale, g, s0, s1, res, m, l, sc.data(), rows.data(), rows.data() + bs, kf,
+                                     vf, nullptr);
     };
     int nt = a.n_threads > 0 ? a.n_threads : omp_get_max_threads();
     if (2 * a.H * a.n * end * hd < kParallelMacs) nt = 1;

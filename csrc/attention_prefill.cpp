@@ -1,7 +1,8 @@
 // Paged attention for many queries (prefill), fp32, flash-style tiling; see paged_attention.h.
 //
 // K^T is packed once per call in blocks of kBK keys ([kv_heads, n_kb, hd, kBK], gathered from the
-// pages), and V too unless every key block lies within one page (page_size % kBK == 0). Work is
+// pages), and V too unless every key block lies within one page (page_size % kBK == 0) of floats
+// (half pages are converted as they are packed). Work is
 // split into tasks of one block of query tokens each, holding all their query heads: per KV head,
 // the rows of the G = H / kv_heads query heads that share it (row r = t * G + j) walk the key
 // blocks from position 0 up to the block's last token (blocks fully above the diagonal are
@@ -421,19 +422,27 @@ struct Packed {
     int64_t n_kb;
 };
 
-// Block kb of KV head g into the packed buffers (vp: nullptr unless V is packed).
+// Block kb of KV head g into the packed buffers (vp: nullptr unless V is packed, as it always is
+// from half pages).
 void pack_block(const PagedArgs& a, int64_t g, int64_t kb, int64_t n_kb, float* kt, float* vp) {
     const int64_t hd = a.hd, b0 = kb * kBK, n = std::min(kBK, a.end - b0);
     const float* krow[kBK];
     const float* vrow[kBK];
-    a.rows(b0, n, g, krow, vrow);
+    float* vdst = vp ? vp + (g * n_kb + kb) * kBK * hd : nullptr;
+    if (a.kv_half) {  // V straight into its packed block, K via a per-thread fp32 copy
+        thread_local std::vector<float> kf;
+        kf.resize(static_cast<size_t>(kBK * hd));
+        a.rows_to_floats(b0, n, g, kf.data(), vdst);
+        for (int64_t k = 0; k < n; ++k) krow[k] = kf.data() + k * hd;
+    } else {
+        a.rows(b0, n, g, krow, vrow);
+        if (vdst)
+            for (int64_t k = 0; k < n; ++k) std::memcpy(vdst + k * hd, vrow[k], sizeof(float) * hd);
+    }
     float* dst = kt + (g * n_kb + kb) * hd * kBK;
     for (int64_t k = 0; k < n; ++k)
         for (int64_t d = 0; d < hd; ++d) dst[d * kBK + k] = krow[k][d];
     for (int64_t d = 0; d < hd; ++d) std::fill(dst + d * kBK + n, dst + (d + 1) * kBK, 0.0f);
-    if (vp)
-        for (int64_t k = 0; k < n; ++k)
-            std::memcpy(vp + ((g * n_kb + kb) * kBK + k) * hd, vrow[k], sizeof(float) * hd);
 }
 
 // Node mass of one task and KV head. All rows walk the same key blocks in the same order (a row
@@ -574,7 +583,7 @@ void prefill_typed(const PagedArgs& a) {
     const int64_t bq = std::clamp<int64_t>((a.n + 7) / 8, (12 + G - 1) / G, std::max<int64_t>(1, kRows / G));
     const int64_t n_tasks = (a.n + bq - 1) / bq;
     const int64_t n_kb = (a.end + kBK - 1) / kBK;
-    const bool pack_v = a.page_size % kBK != 0;  // else a key block lies within one page
+    const bool pack_v = a.kv_half || a.page_size % kBK != 0;  // else V is read in place: a key block lies in one page
     thread_local std::vector<float> kt_buf, v_buf;
     kt_buf.resize(static_cast<size_t>(a.kv_heads * n_kb * a.hd * kBK));
     if (pack_v) v_buf.resize(static_cast<size_t>(a.kv_heads * n_kb * kBK * a.hd));

@@ -17,8 +17,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -154,6 +156,72 @@ NKV_AVX2 inline float sum_avx2(const float* p, int64_t n) {
     for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + i));
     if (i < n) acc = _mm256_add_ps(acc, _mm256_maskload_ps(p + i, tail_mask(n - i)));
     return hsum(acc);
+}
+
+// IEEE binary16 <-> float32 (GGUF block scales, KV pages kept in half precision). The scalar pair is the
+// reference; the F16C loops below give the same bits 8 values at a time.
+
+// Exact for every input (subnormals, inf, nan included).
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    const uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        const float v = static_cast<float>(mant) * (1.0f / 16777216.0f);  // mant * 2^-24
+        return sign ? -v : v;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// Rounded to nearest even, as F16C's vcvtps2ph and torch's .half(): overflow to infinity, subnormals kept, a NaN
+// stays a (quiet) NaN.
+inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds past 65504
+    if (ax < 0x38800000u) {  // below 2^-14: a subnormal half. At 0.5 a float's ulp is 2^-24, the half's unit
+        const float sum = std::fabs(f) + 0.5f;  // here, so this sum rounds |f| to whole units, to nearest even
+        uint32_t s;
+        std::memcpy(&s, &sum, 4);
+        return static_cast<uint16_t>(sign | (s - 0x3f000000u));  // 2^-14 itself comes out as the smallest normal
+    }
+    // normal: rebias the exponent by 127 - 15 and round 23 mantissa bits to 10 (a carry moves into the exponent)
+    const uint32_t odd = (ax >> 13) & 1u;
+    return static_cast<uint16_t>(sign | ((ax - 0x38000000u + 0x0fffu + odd) >> 13));
+}
+
+NKV_AVX2 inline void halves_to_floats_f16c(const uint16_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+NKV_AVX2 inline void floats_to_halves_f16c(const float* src, uint16_t* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
+inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
+    if (isa_now() >= Isa::kAvx2) return halves_to_floats_f16c(src, dst, n);
+    for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+inline void floats_to_halves(const float* src, uint16_t* dst, int64_t n) {
+    if (isa_now() >= Isa::kAvx2) return floats_to_halves_f16c(src, dst, n);
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
 namespace par {

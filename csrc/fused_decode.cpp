@@ -86,13 +86,14 @@ enum Part { kQkv, kRope, kAttention, kWo, kW13, kW2, kOther, kLmHead };
 StepStatus Decoder::step(const StepArgs& a) {
     const int64_t dim = d_.dim, H = d_.n_heads, KV = d_.n_kv_heads, hd = d_.head_dim, I = d_.inter;
     const int64_t B = a.B, L = n_layers(), qkv_width = (H + 2 * KV) * hd;
-    const int64_t layer_stride = a.n_pages * KV * a.page_size * hd;  // floats per layer in the pools
+    const int64_t layer_bytes = a.n_pages * KV * a.page_size * hd * (a.kv_half ? 2 : 4);  // per layer in the pools
     // Row r's attention in layer i, as PagedKVCache.attend runs it: store its k, v (from qkv, its row of the
     // projection) at position end - 1, then attend from its n (0 or 1) queries into out. Without qkv only
     // paged_attention's checks of the row's tables run.
     const auto attention = [&](const StepRow& r, int64_t i, const float* qkv, int64_t n, float* out) {
         const ops::PagedArgs pa{qkv, qkv_width, hd,
-                                a.k_pages + i * layer_stride, a.v_pages + i * layer_stride,
+                                static_cast<char*>(a.k_pages) + i * layer_bytes,
+                                static_cast<char*>(a.v_pages) + i * layer_bytes, a.kv_half,
                                 a.n_pages, a.page_size, r.block_table, r.n_table, r.end,
                                 qkv ? qkv + H * hd : nullptr, qkv ? qkv + (H + KV) * hd : nullptr,
                                 qkv_width, hd, qkv_width, hd,

@@ -79,8 +79,9 @@ struct StepArgs {
     int64_t B;
     const float* cos;         // [B, head_dim]: row b's at position rows[b].end - 1
     const float* sin_signed;  // [B, head_dim]
-    float* k_pages;           // all layers: [layers, n_pages, kv_heads, page_size, hd], contiguous
-    float* v_pages;
+    void* k_pages;            // all layers: [layers, n_pages, kv_heads, page_size, hd], contiguous
+    void* v_pages;
+    bool kv_half;             // the pages hold IEEE halves, else floats (paged_attention.h)
     int64_t n_pages, page_size;
     bool want_out;            // false: the last layer only stores its K/V (and attends for rows collecting)
     float* h_out;             // [B, dim]: the final normed hidden states (written when want_out)

@@ -133,9 +133,9 @@ PYBIND11_MODULE(_C, m) {
            std::uintptr_t k_new, int64_t k_new_stride_t, int64_t k_new_stride_h, std::uintptr_t v_new,
            int64_t v_new_stride_t, int64_t v_new_stride_h, int64_t T, int64_t n, int64_t H, int64_t kv_heads,
            int64_t hd, std::uintptr_t node_bounds, int64_t n_nodes, std::uintptr_t mass, std::uintptr_t out,
-           int n_threads) {
-            const o::PagedArgs a{ptr<const float>(q), q_stride_t, q_stride_h, ptr<float>(k_pages), ptr<float>(v_pages),
-                                 n_pages, page_size, ptr<const int32_t>(block_table), n_table, end,
+           int n_threads, bool kv_half) {
+            const o::PagedArgs a{ptr<const float>(q), q_stride_t, q_stride_h, ptr<void>(k_pages), ptr<void>(v_pages),
+                                 kv_half, n_pages, page_size, ptr<const int32_t>(block_table), n_table, end,
                                  ptr<const float>(k_new), ptr<const float>(v_new), k_new_stride_t, k_new_stride_h,
                                  v_new_stride_t, v_new_stride_h, T, n, H, kv_heads, hd,
                                  ptr<const int32_t>(node_bounds), n_nodes, ptr<float>(mass), ptr<float>(out),
@@ -148,11 +148,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("k_new"), py::arg("k_new_stride_t"), py::arg("k_new_stride_h"), py::arg("v_new"),
         py::arg("v_new_stride_t"), py::arg("v_new_stride_h"), py::arg("T"), py::arg("n"), py::arg("H"),
         py::arg("kv_heads"), py::arg("hd"), py::arg("node_bounds"), py::arg("n_nodes"), py::arg("mass"),
-        py::arg("out"), py::arg("n_threads"),
+        py::arg("out"), py::arg("n_threads"), py::arg("kv_half") = false,
         "Causal GQA attention of the last n of end positions over one layer's [n_pages, kv_heads, page_size, hd] "
-        "K/V pages through block_table (int32), storing k_new/v_new [T, kv_heads, hd] at end-T.. first (0 = none); "
-        "mass [n, n_nodes] += attention per key node (0 = none); out [n, H*hd]. Returns 0, or 1 for a block table "
-        "entry out of range, 2 for bad node bounds (nothing written then).");
+        "K/V pages (fp32, or IEEE halves with kv_half) through block_table (int32), storing k_new/v_new [T, "
+        "kv_heads, hd] at end-T.. first (0 = none); mass [n, n_nodes] += attention per key node (0 = none); out [n, "
+        "H*hd]. Returns 0, or 1 for a block table entry out of range, 2 for bad node bounds (nothing written then).");
 
     namespace d = nodekv::decode;
     py::class_<d::Decoder>(m, "Decoder",
@@ -191,8 +191,8 @@ PYBIND11_MODULE(_C, m) {
         .def(
             "step",
             [](d::Decoder& self, const std::vector<int64_t>& rows, std::uintptr_t cos, std::uintptr_t sin_signed,
-               std::uintptr_t k_pages, std::uintptr_t v_pages, int64_t n_pages, int64_t page_size, bool want_out,
-               std::uintptr_t h_out, std::uintptr_t logits, int n_threads) {
+               std::uintptr_t k_pages, std::uintptr_t v_pages, bool kv_half, int64_t n_pages, int64_t page_size,
+               bool want_out, std::uintptr_t h_out, std::uintptr_t logits, int n_threads) {
                 constexpr size_t kFields = 7;
                 if (rows.empty() || rows.size() % kFields)
                     throw std::invalid_argument("Decoder.step: rows takes 7 integers per row");
@@ -204,8 +204,8 @@ PYBIND11_MODULE(_C, m) {
                                   ptr<float>(static_cast<std::uintptr_t>(r[6]))});
                 }
                 const d::StepArgs a{rs.data(), static_cast<int64_t>(rs.size()), ptr<const float>(cos),
-                                    ptr<const float>(sin_signed), ptr<float>(k_pages), ptr<float>(v_pages), n_pages,
-                                    page_size, want_out, ptr<float>(h_out), ptr<float>(logits), n_threads};
+                                    ptr<const float>(sin_signed), ptr<void>(k_pages), ptr<void>(v_pages), kv_half,
+                                    n_pages, page_size, want_out, ptr<float>(h_out), ptr<float>(logits), n_threads};
                 d::StepStatus status;
                 {
                     py::gil_scoped_release nogil;
@@ -215,10 +215,10 @@ PYBIND11_MODULE(_C, m) {
             },
             "One token for each of B sequences (row b at position end_b - 1) through every layer. rows: per row "
             "(token, block_table, n_table, end, node_bounds, n_nodes, mass), flattened (addresses; mass [n_nodes] += "
-            "node attention mass, 0 = none); cos, sin_signed [B, head_dim]; the K/V pools of all layers, shared; "
-            "h_out [B, dim] the final normed states, logits [B, vocab] (0 = none). Returns (code, row): code 0, or "
-            "for the first row found wrong 1 for a bad block table entry, 2 for bad node bounds, 3 for a token "
-            "outside the vocabulary (nothing written then).")
+            "node attention mass, 0 = none); cos, sin_signed [B, head_dim]; the K/V pools of all layers, shared "
+            "(fp32, or IEEE halves with kv_half); h_out [B, dim] the final normed states, logits [B, vocab] (0 = "
+            "none). Returns (code, row): code 0, or for the first row found wrong 1 for a bad block table entry, 2 for "
+            "bad node bounds, 3 for a token outside the vocabulary (nothing written then).")
         .def(
             "times",
             [](const d::Decoder& self) {

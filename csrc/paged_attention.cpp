@@ -1,8 +1,6 @@
 // paged_attention: the checks that need the tables' contents, the K/V store, and the kernel choice.
 #include "paged_attention.h"
 
-#include <cstring>
-
 namespace nodekv::ops {
 
 int paged_attention(const PagedArgs& a) {
@@ -17,13 +15,9 @@ int paged_attention(const PagedArgs& a) {
     }
     if (a.k_new)
         for (int64_t t = 0; t < a.T; ++t)
-            for (int64_t g = 0; g < a.kv_heads; ++g) {
-                const int64_t dst = a.row_offset(a.end - a.T + t, g);
-                std::memcpy(a.k_pages + dst, a.k_new + t * a.k_new_stride_t + g * a.k_new_stride_h,
-                            sizeof(float) * a.hd);
-                std::memcpy(a.v_pages + dst, a.v_new + t * a.v_new_stride_t + g * a.v_new_stride_h,
-                            sizeof(float) * a.hd);
-            }
+            for (int64_t g = 0; g < a.kv_heads; ++g)
+                a.store(a.end - a.T + t, g, a.k_new + t * a.k_new_stride_t + g * a.k_new_stride_h,
+                        a.v_new + t * a.v_new_stride_t + g * a.v_new_stride_h);
     if (a.n <= 0) return kPagedOk;
     if (a.n <= kDecodeMaxQueries)
         decode_attention(a);

@@ -1,4 +1,7 @@
 // Causal GQA attention over a paged KV cache, fp32, with an optional per-key-node attention mass.
+// The pages hold floats, or IEEE halves (kv_half: half the memory and the bytes each step reads; a key
+// block is converted to fp32 as it is read, and new keys and values are rounded to nearest even as they
+// are stored), the arithmetic is fp32 either way.
 //
 // Layout (shared with kernels/reference.py, which defines the semantics): one layer's keys are
 // k[page, g, row, :] of a [n_pages, kv_heads, page_size, hd] block; key position s of KV head g
@@ -23,6 +26,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_common.h"
+
 namespace nodekv::ops {
 
 // Queries up to which the decode kernel runs; the tiled kernel takes more.
@@ -31,8 +36,9 @@ constexpr int64_t kDecodeMaxQueries = 16;
 struct PagedArgs {
     const float* q;  // q[i, h, :] at q + i * q_stride_t + h * q_stride_h, i < n, h < H
     int64_t q_stride_t, q_stride_h;
-    float* k_pages;  // this layer's [n_pages, kv_heads, page_size, hd] block
-    float* v_pages;
+    void* k_pages;  // this layer's [n_pages, kv_heads, page_size, hd] block of floats, or of halves
+    void* v_pages;
+    bool kv_half;  // the pages hold IEEE halves (uint16_t)
     int64_t n_pages, page_size;
     const int32_t* block_table;  // n_table entries, n_table * page_size >= end
     int64_t n_table;
@@ -48,21 +54,47 @@ struct PagedArgs {
     float* out;   // [n, H * hd] contiguous
     int n_threads;  // <= 0: omp_get_max_threads()
 
-    // Address of key (value) position s of KV head g.
-    const float* k_row(int64_t s, int64_t g) const { return k_pages + row_offset(s, g); }
-    const float* v_row(int64_t s, int64_t g) const { return v_pages + row_offset(s, g); }
+    // Address of key (value) position s of KV head g; float pages only, as for rows().
+    const float* k_row(int64_t s, int64_t g) const { return static_cast<const float*>(k_pages) + row_offset(s, g); }
+    const float* v_row(int64_t s, int64_t g) const { return static_cast<const float*>(v_pages) + row_offset(s, g); }
     int64_t row_offset(int64_t s, int64_t g) const {
         return ((block_table[s / page_size] * kv_heads + g) * page_size + s % page_size) * hd;
     }
     // kp[i], vp[i] = the key and value rows of position s0 + i of KV head g, i < count (one division
-    // per page).
+    // per page); float pages only.
     void rows(int64_t s0, int64_t count, int64_t g, const float** kp, const float** vp) const {
         for (int64_t i = 0; i < count;) {
             const int64_t s = s0 + i, run = std::min(count - i, page_size - s % page_size), off = row_offset(s, g);
             for (int64_t k = 0; k < run; ++k, ++i) {
-                kp[i] = k_pages + off + k * hd;
-                vp[i] = v_pages + off + k * hd;
+                kp[i] = static_cast<const float*>(k_pages) + off + k * hd;
+                vp[i] = static_cast<const float*>(v_pages) + off + k * hd;
             }
+        }
+    }
+    // k[i * hd, (i + 1) * hd), v likewise = the key and value of position s0 + i of KV head g as floats, i <
+    // count: converted from halves (or copied from floats), one page's run at a time.
+    void rows_to_floats(int64_t s0, int64_t count, int64_t g, float* k, float* v) const {
+        for (int64_t i = 0; i < count;) {
+            const int64_t s = s0 + i, run = std::min(count - i, page_size - s % page_size), off = row_offset(s, g);
+            if (kv_half) {
+                halves_to_floats(static_cast<const uint16_t*>(k_pages) + off, k + i * hd, run * hd);
+                halves_to_floats(static_cast<const uint16_t*>(v_pages) + off, v + i * hd, run * hd);
+            } else {
+                std::copy_n(static_cast<const float*>(k_pages) + off, run * hd, k + i * hd);
+                std::copy_n(static_cast<const float*>(v_pages) + off, run * hd, v + i * hd);
+            }
+            i += run;
+        }
+    }
+    // Stores hd floats k, v at position s of KV head g (rounded to halves with kv_half).
+    void store(int64_t s, int64_t g, const float* k, const float* v) const {
+        const int64_t off = row_offset(s, g);
+        if (kv_half) {
+            floats_to_halves(k, static_cast<uint16_t*>(k_pages) + off, hd);
+            floats_to_halves(v, static_cast<uint16_t*>(v_pages) + off, hd);
+        } else {
+            std::copy_n(k, hd, static_cast<float*>(k_pages) + off);
+            std::copy_n(v, hd, static_cast<float*>(v_pages) + off);
         }
     }
 };

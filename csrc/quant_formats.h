@@ -65,26 +65,7 @@ inline uint32_t load_u32(const uint8_t* p) {
     return v;
 }
 
-// IEEE half -> float, exact for every input (subnormals, inf, nan included).
-inline float half_to_float(uint16_t h) {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1fu;
-    const uint32_t mant = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0) {
-        const float v = static_cast<float>(mant) * (1.0f / 16777216.0f);  // mant * 2^-24
-        return sign ? -v : v;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline float load_half(const uint8_t* p) { return half_to_float(load_u16(p)); }
+inline float load_half(const uint8_t* p) { return nodekv::half_to_float(load_u16(p)); }
 
 // The 6-bit scales and mins of a Q4_K/Q5_K super-block (12 bytes): sub-block j's in byte j of each result.
 //   bytes 0..3: scale j (bits 0..5), scale j + 4 (bits 6..7 -> 4..5)   bytes 8..11: scale j + 4 (bits 0..3)

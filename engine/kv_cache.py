@@ -21,6 +21,9 @@ class PagedKVCache:
     def __init__(self, pool: PagePool, ops: ModuleType):
         """ops: the backend module whose `paged_attention` runs attention (reference, cpu_ops or triton_ops)."""
         self.pool, self.ops = pool, ops
+        # the queries `ops` attends with: the pool's dtype, fp32 over half pages (which only a float32 model on the
+        # CPU has: `load_engine(kv_dtype=...)`; the C++ kernels convert the halves as they read them)
+        self._query_dtype = torch.float32 if pool.dtype == torch.float16 else pool.dtype
         self.max_len = pool.config.max_seq_len
         self.pages: list[int] = []
         self.length = 0
@@ -80,10 +83,10 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k, v ([T, kv_heads, hd]) after the cached tokens; causal attention over everything cached for
         q ([n, heads, hd]), the queries of the last n <= T new positions. Returns [n, heads * hd] in q's dtype.
-        Queries in another dtype than the pool's (bf16 ones over fp32 pages: precision "bf16"'s prompts) attend
-        through the torch reference, in their dtype (SDPA on the gathered keys), while k and v are stored as the
-        pool keeps them."""
-        ops = self.ops if q.dtype == self.pool.k.dtype else reference
+        Queries in another dtype than the pool's (bf16 ones over fp32 or half pages: precision "bf16"'s prompts)
+        attend through the torch reference, in their dtype (SDPA on the gathered keys), while k and v are stored as
+        the pool keeps them; fp32 queries over half pages run the cache's ops."""
+        ops = self.ops if q.dtype == self._query_dtype else reference
         return ops.paged_attention(q, self.pool.k, self.pool.v, layer, self._table, self.length + k.shape[0],
                                    k, v, self._bounds, self._mass)
 

@@ -122,10 +122,13 @@ class IndexStore:
     @classmethod
     def for_method(cls, root: Path, engine: Engine, method: Method) -> "IndexStore":
         """The store of `method`'s indexes; only the options its index depends on (`method.index_key()`) enter
-        the key, and the engine's precision where it is not the exact one (which the keys of older stores lack)."""
+        the key, and the engine's precision where it is not the exact one and its KV dtype where it is not the
+        model's (which the keys of older stores lack)."""
         ident = [str(engine.path), str(engine.model.dtype), method.name, method.index_key()]
         if engine.model.precision != "exact":
             ident.append(engine.model.precision)
+        if engine.pool.dtype != engine.model.dtype:
+            ident.append(f"kv {engine.pool.dtype}")
         ident = json.dumps(ident, sort_keys=True)
         return cls(root, f"{method.name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}", engine)
 

@@ -67,8 +67,8 @@ def _dense(name: str, t, want: tuple, fn: str) -> None:
     _contig(name, t, fn)
 
 
-def _rank(name: str, t, ndim: int, dims: str, fn: str) -> None:
-    _f32(name, t, fn)
+def _rank(name: str, t, ndim: int, dims: str, fn: str, check=None) -> None:
+    (check or _f32)(name, t, fn)
     if t.dim() != ndim:
         raise ValueError(f"{fn}: {name} must be {ndim}-D {dims}, got shape {list(t.shape)}")
 
@@ -76,6 +76,21 @@ def _rank(name: str, t, ndim: int, dims: str, fn: str) -> None:
 def _last_contig(name: str, t: torch.Tensor, fn: str) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{fn}: {name}'s last dim must be contiguous, got strides {t.stride()}")
+
+
+_PAGE_DTYPES = (_F32, torch.float16)  # fp32 pages, or IEEE halves (half the memory; converted to fp32 as read)
+
+
+def _page_dtype(name: str, t, fn: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in _PAGE_DTYPES or not t.is_cpu:
+        got = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{fn}: {name} must be a float32 or float16 CPU tensor, got {got}")
+
+
+def _pages_ok(k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
+    return (k_pages.dtype in _PAGE_DTYPES and k_pages.is_cpu and k_pages.is_contiguous()
+            and v_pages.dtype is k_pages.dtype and v_pages.is_cpu and v_pages.shape == k_pages.shape
+            and v_pages.is_contiguous())
 
 
 def _out_ok(out: torch.Tensor | None, shape: tuple) -> bool:
@@ -227,7 +242,9 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
 
     q holds the queries of the last n positions before `end` (a strided view is fine; the last dim must be
     contiguous); query i sees keys [0, end - n + i], query head h uses KV head h // (H // kv_heads), scale
-    1/sqrt(hd). k_pages, v_pages: [layers, n_pages, kv_heads, page_size, hd] contiguous; block_table: int32
+    1/sqrt(hd). k_pages, v_pages: [layers, n_pages, kv_heads, page_size, hd] contiguous, float32 or both float16 (the
+    keys and values are then converted to fp32 as they are read, and k_new / v_new rounded to nearest even as they
+    are stored; the arithmetic is fp32 either way); block_table: int32
     [>= ceil(end / page_size)], key position s in page block_table[s // page_size] at row s % page_size. k_new, v_new
     ([T, kv_heads, hd], n <= T <= end, last dim contiguous), when given, are first stored at positions end - T ..
     end - 1. mass (float32 [n, N] contiguous), when given with node_bounds (int32 [N + 1], 0 = b[0] < ... < b[N] =
@@ -245,10 +262,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         qst, qsh, qsd = q.stride()
         n_layers, n_pages, kv, page, hd_k = k_pages.shape
         n_table = block_table.shape[0]
-        ok = (q.dtype is _F32 and q.is_cpu and qsd == 1
-              and k_pages.dtype is _F32 and k_pages.is_cpu and k_pages.is_contiguous()
-              and v_pages.dtype is _F32 and v_pages.is_cpu and v_pages.shape == k_pages.shape
-              and v_pages.is_contiguous() and hd_k == hd and kv > 0 and page > 0 and hd > 0 and h % kv == 0
+        ok = (q.dtype is _F32 and q.is_cpu and qsd == 1 and _pages_ok(k_pages, v_pages) and hd_k == hd and kv > 0 and page > 0 and hd > 0 and h % kv == 0
               and 0 <= layer < n_layers
               and block_table.dtype is _I32 and block_table.is_cpu and block_table.dim() == 1
               and block_table.is_contiguous() and n <= end <= n_table * page and _out_ok(out, (n, h * hd)))
@@ -269,12 +283,12 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if not ok:
         _explain_paged(q, k_pages, v_pages, layer, block_table, end, k_new, v_new, node_bounds, mass, out)
     y = torch.empty(n, h * hd, dtype=_F32) if out is None else out
-    layer_offset = layer * n_pages * kv * page * hd * 4  # bytes
+    layer_offset = layer * n_pages * kv * page * hd * k_pages.element_size()  # bytes
     try:  # free in the fast path; pybind checks every argument before the kernel runs
         status = _C.paged_attention(q.data_ptr(), qst, qsh, k_pages.data_ptr() + layer_offset,
                                     v_pages.data_ptr() + layer_offset, n_pages, page, block_table.data_ptr(),
                                     n_table, end, kp, kst, ksh, vp, vst, vsh, t, n, h, kv, hd, bp, n_nodes, mp,
-                                    y.data_ptr(), torch.get_num_threads())
+                                    y.data_ptr(), torch.get_num_threads(), k_pages.dtype is not _F32)
     except TypeError:  # a layer or end that compares as a number but is not an integer (5.0)
         _integers(fn, layer=layer, end=end)
         raise
@@ -297,12 +311,16 @@ def _explain_paged(q, k_pages, v_pages, layer, block_table, end, k_new, v_new, n
     _rank("q", q, 3, "[n, H, head_dim]", fn)
     _last_contig("q", q, fn)
     n, h, hd = q.shape
-    _rank("k_pages", k_pages, 5, "[layers, n_pages, kv_heads, page_size, head_dim]", fn)
+    _rank("k_pages", k_pages, 5, "[layers, n_pages, kv_heads, page_size, head_dim]", fn, _page_dtype)
     if k_new is not None:  # an expanded pool gets the line every backend's KV write gives, not "must be contiguous"
-        _f32("v_pages", v_pages, fn)
+        _page_dtype("v_pages", v_pages, fn)
         check_pages_writable(k_pages, v_pages, fn)
     _contig("k_pages", k_pages, fn)
-    _dense("v_pages", v_pages, k_pages.shape, fn)
+    _page_dtype("v_pages", v_pages, fn)
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"{fn}: v_pages must have k_pages' dtype {k_pages.dtype}, got {v_pages.dtype}")
+    _shape("v_pages", v_pages, k_pages.shape, fn)
+    _contig("v_pages", v_pages, fn)
     check_page_shape(k_pages, fn)
     n_layers, _, kv, page, hd_k = k_pages.shape
     if hd_k != hd:
@@ -442,7 +460,7 @@ class Decoder:
         one batch, as `Llama.forward_batch` stacks them; B = 1 is a one-token step): every layer stores each row's
         K/V there (its pages and block table as in `paged_attention`; the pools are shared, all layers' pages:
         [layers, n_pages, kv_heads, page_size, hd]) and attends over its [0, ends[b]); cos, sin_signed: those
-        positions' RoPE rows [B, hd], contiguous. collectors[b]: sequence b's (node_bounds [N + 1] int32, mass
+        positions' RoPE rows [B, hd], contiguous; the pools float32 or both float16, as there. collectors[b]: sequence b's (node_bounds [N + 1] int32, mass
         [1, N]), mass added to as `paged_attention` adds, summed over every layer; (None, None) or collectors=None:
         no mass. want_out=False: the last layer only stores its K/V (and attends for rows collecting mass), and
         nothing is returned. Otherwise returns the final normed states [B, dim] and fills logits ([B, vocab]
@@ -456,10 +474,8 @@ class Decoder:
             collectors = collectors or [(None, None)] * B
             n_layers, n_pages, kv, page, hd_k = k_pages.shape
             ok = (B >= 1 and len(block_tables) == len(ends) == len(collectors) == B
-                  and k_pages.dtype is _F32 and k_pages.is_cpu and k_pages.is_contiguous() and hd_k == hd
-                  and n_layers == self.n_layers and kv == self.n_kv_heads
-                  and v_pages.dtype is _F32 and v_pages.is_cpu and v_pages.shape == k_pages.shape
-                  and v_pages.is_contiguous()
+                  and _pages_ok(k_pages, v_pages) and hd_k == hd and n_layers == self.n_layers
+                  and kv == self.n_kv_heads
                   and cos.dtype is _F32 and cos.is_cpu and cos.shape == (B, hd) and cos.is_contiguous()
                   and sin_signed.dtype is _F32 and sin_signed.is_cpu and sin_signed.shape == (B, hd)
                   and sin_signed.is_contiguous()
@@ -476,7 +492,7 @@ class Decoder:
         hidden = torch.empty(B, self.dim, dtype=_F32) if want_out else None
         try:  # free in the fast path; pybind checks every argument before the kernel runs
             status, bad = self._c.step(rows, cos.data_ptr(), sin_signed.data_ptr(), k_pages.data_ptr(),
-                                       v_pages.data_ptr(), n_pages, page, want_out,
+                                       v_pages.data_ptr(), k_pages.dtype is not _F32, n_pages, page, want_out,
                                        0 if hidden is None else hidden.data_ptr(),
                                        0 if logits is None else logits.data_ptr(), torch.get_num_threads())
         except TypeError:  # a token or end that is a number but not an integer (5.0)

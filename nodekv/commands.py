@@ -186,7 +186,7 @@ def ask(args: argparse.Namespace) -> int:
         _check_built_index(doc, method_class, args.model, kv=getattr(unloaded.config, "kv_reuse", "off") != "off")
     t0 = time.perf_counter()
     eng = load_engine(args.model, dtype=args.dtype, threads=args.threads, precision=args.precision,
-                      device=args.device)
+                      device=args.device, kv_dtype=args.kv_dtype)
     t1 = time.perf_counter()
     method = method_class(eng, prompt=prompt, **options)
     before = eng.flops.total

@@ -28,6 +28,15 @@ def new_cache(model, tokens: int = 512, page_size: int = 8):
     return PagedKVCache(PagePool(model.config, model.dtype, -(-tokens // page_size), page_size), model.ops)
 
 
+def cached_kv(session):
+    """A session's cached keys and values, every layer, as [2, layers, kv_heads, length, hd]."""
+    from nodekv.kernels.reference import gather_kv
+
+    pool, table = session.cache.pool, torch.tensor(session.cache.pages, dtype=torch.int32)
+    return torch.stack([torch.stack([gather_kv(pages, i, table, session.cache.length)
+                                     for i in range(pool.k.shape[0])]) for pages in (pool.k, pool.v)])
+
+
 class DigitTokenizer:
     """A stand-in tokenizer for the 101-token tiny models: token i is the text f"<{i}>"."""
 

@@ -5,23 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_engine, tiny_hf_model
+from conftest import cached_kv, tiny_engine, tiny_hf_model
 from nodekv.engine.errors import ContextOverflowError
 from nodekv.engine.flops import forward_flops
-from nodekv.kernels.reference import gather_kv
 
 
 @pytest.fixture
 def tiny(save_hf):
     hf = tiny_hf_model(max_positions=64)
     return hf, tiny_engine(save_hf(hf))
-
-
-def cached_kv(s):
-    """The session's cached keys and values, every layer, as [2, layers, kv_heads, length, hd]."""
-    pool, table = s.cache.pool, torch.tensor(s.cache.pages, dtype=torch.int32)
-    return torch.stack([torch.stack([gather_kv(pages, i, table, s.cache.length) for i in range(pool.k.shape[0])])
-                        for pages in (pool.k, pool.v)])
 
 
 PROMPT = [5, 17, 3, 99, 42, 8, 8, 61]

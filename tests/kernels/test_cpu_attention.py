@@ -249,3 +249,52 @@ def test_bad_arguments():
             torch.tensor(bounds, dtype=torch.int32), mass)
     torch.testing.assert_close(kp, k_before, rtol=0, atol=0, equal_nan=True)
     assert not mass.any()
+
+
+def half_pages(c: PagedCase) -> tuple[PagedCase, PagedCase]:
+    """(c with float16 pages, the same problem in float32 holding what the halves hold: k_new / v_new rounded to
+    nearest even as the kernel stores them), for the float64 oracle."""
+    c16 = dataclasses.replace(c, k_pages=c.k_pages.half(), v_pages=c.v_pages.half())
+    rounded = dataclasses.replace(c, k_pages=c16.k_pages.float(), v_pages=c16.v_pages.float(),
+                                  k_new=c.k_new.half().float(), v_new=c.v_new.half().float())
+    return c16, rounded
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}-T{}-end{}-H{}-kv{}-hd{}-P{}-N{}".format(*s))
+def test_half_pages_match_float64_on_the_halves(isa, shape):
+    """Half pages: attention and mass within 4x torch's fp32 error of float64 attention over the values the halves
+    hold, and the new keys stored as torch rounds them."""
+    c16, rounded = half_pages(case(*shape, seed=sum(shape)))
+    out, mass = run(c16)
+    check(rounded, out, mass)
+    pos = torch.arange(c16.end - c16.k_new.shape[0], c16.end)
+    pages, rows = c16.block_table[pos // c16.k_pages.shape[3]].long(), pos % c16.k_pages.shape[3]
+    assert torch.equal(c16.k_pages[c16.layer, pages, :, rows], c16.k_new.half())
+    assert torch.equal(c16.v_pages[c16.layer, pages, :, rows], c16.v_new.half())
+
+
+def test_half_rounding_gives_torchs_bits(isa):
+    """Every float32 -> float16 case the store meets, against torch's conversion: ties to even at every scale,
+    subnormals and their ties, the overflow threshold (65520 rounds to inf, the float below it to 65504), signed
+    zeros and infinities; NaN stays NaN."""
+    g = torch.Generator().manual_seed(0)
+    exps = torch.arange(-30, 17, dtype=torch.float32)
+    ties = (1 + (2 * torch.arange(64) + 1) / 2048.0)[:, None] * 2.0 ** exps[None, :]  # halfway between two halves
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e6, float("inf"), float("-inf"),
+                            2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25, 2.0 ** -26, 2.0 ** -14, 2.0 ** -14 - 2.0 ** -25,
+                            6.1e-5, 1e-8, 1e-45])
+    values = torch.cat([ties.flatten(), -ties.flatten(), special, torch.randn(4000, generator=g) * 300,
+                        torch.randn(1000, generator=g) * 1e-6])
+    hd = 64
+    values = torch.cat([values, torch.zeros(-len(values) % hd)]).view(-1, 1, hd)
+    nan_row = torch.full((1, 1, hd), float("nan"))
+    k_new = torch.cat([values, nan_row])
+    T = k_new.shape[0]
+    k_pages = torch.zeros(1, T, 1, 1, hd, dtype=torch.float16)
+    v_pages = torch.zeros_like(k_pages)
+    table = torch.arange(T, dtype=torch.int32)
+    co.paged_attention(torch.zeros(0, 1, hd), k_pages, v_pages, 0, table, T, k_new, k_new.neg())
+    stored = k_pages[0, :, 0, 0]
+    assert torch.equal(stored[:-1].view(torch.int16), values[:, 0].half().view(torch.int16))
+    assert torch.equal(v_pages[0, :-1, 0, 0].view(torch.int16), values[:, 0].neg().half().view(torch.int16))
+    assert stored[-1].isnan().all()

@@ -1,0 +1,72 @@
+"""Decode speed against context length with the KV cache in float32 and in halves (`load_engine(kv_dtype=...)`),
+side by side in one process: both engines share the machine's state of the moment, rounds alternate between them,
+and the fastest round counts. Also the pool's bytes per token, and whether their greedy tokens agree.
+
+A decode step reads every cached key and value once, so at long contexts it is bound by memory as much as by the
+weights; halves halve those bytes (and add a conversion). The prompt is random token ids, prefilled once per engine
+and context (with precision "bf16" where the CPU has bf16 matrix units: the same decode, a faster prefill), then
+`--decode` greedy tokens are timed on a fork of it, `--rounds` times.
+
+    python -m nodekv.bench.kv_dtype [--model qwen2.5-1.5b] [--contexts 512,2048,8192] [--decode 16] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from nodekv.bench import count, counts, model
+
+KV_DTYPES = ("float32", "float16")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="nodekv bench kv_dtype", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=model, default="qwen2.5-1.5b", help="a registered name or a .gguf path")
+    p.add_argument("--contexts", type=counts, default=[512, 2048, 8192], help="cached tokens before decoding")
+    p.add_argument("--decode", type=count, default=16, help="greedy tokens timed per round")
+    p.add_argument("--rounds", type=count, default=3, help="rounds per engine and context (fastest counts)")
+    p.add_argument("--threads", type=count, default=2)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from nodekv import load_engine
+    from nodekv.engine.cpu import native_bf16_matmul
+    from nodekv.engine.loader import model_config
+    from nodekv.engine.models import resolve_model
+
+    contexts = sorted(args.contexts)
+    window = model_config(resolve_model(args.model)).max_seq_len
+    if contexts[-1] + args.decode > window:
+        p.error(f"a context of {contexts[-1]} and {args.decode} decoded tokens exceed the model's {window}")
+    precision = "bf16" if native_bf16_matmul() else "exact"
+    engines = {kv: load_engine(args.model, threads=args.threads, precision=precision, kv_dtype=kv,
+                               kv_tokens=contexts[-1] + args.decode + 64) for kv in KV_DTYPES}
+    print(f"## {args.model}: decode after each context, {args.threads} threads, fastest of {args.rounds} rounds of "
+          f"{args.decode} tokens; prompts with precision {precision!r}\n")
+    print("| context | float32 KV ms/token | float16 KV ms/token | float16 / float32 speed | same tokens |")
+    print("|---:|---:|---:|---:|---|")
+    gen = torch.Generator().manual_seed(0)
+    vocab = engines["float32"].config.vocab_size
+    ids = torch.randint(1000, min(vocab, 30000), (contexts[-1],), generator=gen).tolist()
+    sessions = {kv: e.session() for kv, e in engines.items()}
+    for ctx in contexts:
+        for kv, s in sessions.items():
+            s.append(ids[len(s):ctx])
+        best = {kv: float("inf") for kv in KV_DTYPES}
+        tokens = {}
+        for _ in range(args.rounds):
+            for kv, s in sessions.items():  # alternating: both see the same swings of a noisy machine
+                with s.fork() as f:
+                    t = time.perf_counter()
+                    tokens[kv] = f.generate(args.decode, temperature=0.0).ids
+                    best[kv] = min(best[kv], (time.perf_counter() - t) / args.decode)
+        same = "yes" if tokens["float32"] == tokens["float16"] else "no"
+        print(f"| {ctx} | {1e3 * best['float32']:.1f} | {1e3 * best['float16']:.1f} | "
+              f"{best['float32'] / best['float16']:.2f}x | {same} |", flush=True)
+    per_token = {kv: e.pool.bytes_per_page // e.pool.page_size for kv, e in engines.items()}
+    print(f"\nKV bytes per token: float32 {per_token['float32']:,}, float16 {per_token['float16']:,}.")
+
+
+if __name__ == "__main__":
+    main()
