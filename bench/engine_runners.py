@@ -98,7 +98,11 @@ class LlamaCppRunner(Runner):
                                    n_batch=512, verbose=False)
 
     def reset(self) -> None:
-        self.llm.reset()  # the next eval() drops the cached positions past n_tokens = 0
+        self.truncate(0)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached positions: the next eval() drops the KV of those past n_tokens."""
+        self.llm.n_tokens = n
 
     def extend(self, ids: list[int]) -> int:
         import numpy as np

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, logits, seconds in rows:
             kl, p99, top1 = compare(ref, logits)
             met = "" if logits is ref else ("met" if kl <= KL_TARGET and top1 >= TOP1_TARGET else "**not met**")
-            print(f"| {model} | {name} | {kl:.5f} | {p99:.4f} | {top1:.2%} | {seconds:.0f} | {met} |", flush=True)
+            print(f"| {model} | {name} | {kl:.2g} | {p99:.2g} | {top1:.2%} | {seconds:.0f} | {met} |", flush=True)
         del rows, ref
     print(f"\nText: {source}." + ("" if peer else " llama-cpp-python is not installed: no llama.cpp rows."))
 

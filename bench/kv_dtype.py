@@ -1,6 +1,8 @@
 """Decode speed against context length with the KV cache in float32 and in halves (`load_engine(kv_dtype=...)`),
-side by side in one process: both engines share the machine's state of the moment, rounds alternate between them,
-and the fastest round counts. Also the pool's bytes per token, and whether their greedy tokens agree.
+and llama.cpp's (its default f16 cache) where llama-cpp-python is installed, side by side in one process: the
+engines share the machine's state of the moment, rounds alternate between them, and the fastest round counts. Also
+the pool's bytes per token, whether the greedy tokens agree, and the attention part of nodekv's fused decode step
+(its fastest round: the part the cache's dtype changes, timed inside the step, apart from the matmuls' noise).
 
 A decode step reads every cached key and value once, so at long contexts it is bound by memory as much as by the
 weights; halves halve those bytes (and add a conversion). The prompt is random token ids, prefilled once per engine
@@ -12,6 +14,7 @@ and context (with precision "bf16" where the CPU has bf16 matrix units: the same
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
 from nodekv.bench import count, counts, model
@@ -35,37 +38,69 @@ def main(argv: list[str] | None = None) -> None:
     from nodekv.engine.loader import model_config
     from nodekv.engine.models import resolve_model
 
-    contexts = sorted(args.contexts)
+    contexts = sorted(set(args.contexts))
     window = model_config(resolve_model(args.model)).max_seq_len
     if contexts[-1] + args.decode > window:
         p.error(f"a context of {contexts[-1]} and {args.decode} decoded tokens exceed the model's {window}")
     precision = "bf16" if native_bf16_matmul() else "exact"
+    kv_tokens = contexts[-1] + args.decode + 64
     engines = {kv: load_engine(args.model, threads=args.threads, precision=precision, kv_dtype=kv,
-                               kv_tokens=contexts[-1] + args.decode + 64) for kv in KV_DTYPES}
+                               kv_tokens=kv_tokens) for kv in KV_DTYPES}
+    peer = None
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from nodekv.bench.engine_runners import LlamaCppRunner
+
+        peer = LlamaCppRunner(engines["float32"].path, args.threads, kv_tokens)
     print(f"## {args.model}: decode after each context, {args.threads} threads, fastest of {args.rounds} rounds of "
-          f"{args.decode} tokens; prompts with precision {precision!r}\n")
-    print("| context | float32 KV ms/token | float16 KV ms/token | float16 / float32 speed | same tokens |")
-    print("|---:|---:|---:|---:|---|")
+          f"{args.decode} tokens; nodekv's prompts with precision {precision!r}\n")
+    print("| context | float32 KV ms/token | float16 KV ms/token | float16 / float32 speed | its attention: float32 / "
+          "float16 ms | llama.cpp ms/token | float16 / llama.cpp speed | same tokens |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     gen = torch.Generator().manual_seed(0)
     vocab = engines["float32"].config.vocab_size
     ids = torch.randint(1000, min(vocab, 30000), (contexts[-1],), generator=gen).tolist()
     sessions = {kv: e.session() for kv, e in engines.items()}
+    cached = 0
     for ctx in contexts:
         for kv, s in sessions.items():
-            s.append(ids[len(s):ctx])
-        best = {kv: float("inf") for kv in KV_DTYPES}
-        tokens = {}
-        for _ in range(args.rounds):
-            for kv, s in sessions.items():  # alternating: both see the same swings of a noisy machine
-                with s.fork() as f:
-                    t = time.perf_counter()
-                    tokens[kv] = f.generate(args.decode, temperature=0.0).ids
-                    best[kv] = min(best[kv], (time.perf_counter() - t) / args.decode)
-        same = "yes" if tokens["float32"] == tokens["float16"] else "no"
+            s.append(ids[cached:ctx])
+        if peer:  # rolled back to the last context after its rounds
+            first = peer.extend(ids[cached:ctx])
+        cached = ctx
+        def nodekv_round(kv: str) -> list[int]:
+            decoder = engines[kv].model._decoder  # the fused step (built by the first decode), timed by parts
+            if decoder:
+                decoder.reset_times()
+            with sessions[kv].fork() as f:
+                ids = f.generate(args.decode, temperature=0.0).ids
+            decoder = engines[kv].model._decoder
+            attention[kv] = min(attention[kv], decoder.times()["attention"] / args.decode)
+            return ids
+
+        def peer_round() -> list[int]:
+            out = peer.decode(first, args.decode)  # one forward per token, as a generate's
+            peer.truncate(ctx)
+            return out
+
+        runs = {kv: (lambda kv=kv: nodekv_round(kv)) for kv in KV_DTYPES} | ({"llama.cpp": peer_round} if peer else {})
+        best, tokens, names = {name: float("inf") for name in runs}, {}, list(runs)
+        attention = {kv: float("inf") for kv in KV_DTYPES}
+        for r in range(args.rounds):
+            # alternating, so that all see the same swings of a noisy machine, and each round in another order (no
+            # engine always runs right after the same one)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                t = time.perf_counter()
+                tokens[name] = runs[name]()
+                best[name] = min(best[name], (time.perf_counter() - t) / args.decode)
+        same = ", ".join(name for name in ("float16", "llama.cpp") if tokens.get(name) == tokens["float32"]) or "-"
+        peer_cols = (f"{1e3 * best['llama.cpp']:.1f} | {best['llama.cpp'] / best['float16']:.2f}x" if peer
+                     else "not installed | -")
         print(f"| {ctx} | {1e3 * best['float32']:.1f} | {1e3 * best['float16']:.1f} | "
-              f"{best['float32'] / best['float16']:.2f}x | {same} |", flush=True)
+              f"{best['float32'] / best['float16']:.2f}x | {1e3 * attention['float32']:.1f} / "
+              f"{1e3 * attention['float16']:.1f} | {peer_cols} | {same} |", flush=True)
     per_token = {kv: e.pool.bytes_per_page // e.pool.page_size for kv, e in engines.items()}
-    print(f"\nKV bytes per token: float32 {per_token['float32']:,}, float16 {per_token['float16']:,}.")
+    print(f"\nKV bytes per token: float32 {per_token['float32']:,}, float16 {per_token['float16']:,}. \"same "
+          f"tokens\": the greedy tokens equal to the float32 cache's.")
 
 
 if __name__ == "__main__":
