@@ -262,8 +262,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         qst, qsh, qsd = q.stride()
         n_layers, n_pages, kv, page, hd_k = k_pages.shape
         n_table = block_table.shape[0]
-        ok = (q.dtype is _F32 and q.is_cpu and qsd == 1 and _pages_ok(k_pages, v_pages) and hd_k == hd and kv > 0 and page > 0 and hd > 0 and h % kv == 0
-              and 0 <= layer < n_layers
+        ok = (q.dtype is _F32 and q.is_cpu and qsd == 1 and _pages_ok(k_pages, v_pages) and hd_k == hd
+              and kv > 0 and page > 0 and hd > 0 and h % kv == 0 and 0 <= layer < n_layers
               and block_table.dtype is _I32 and block_table.is_cpu and block_table.dim() == 1
               and block_table.is_contiguous() and n <= end <= n_table * page and _out_ok(out, (n, h * hd)))
         if k_new is None:
@@ -312,11 +312,10 @@ def _explain_paged(q, k_pages, v_pages, layer, block_table, end, k_new, v_new, n
     _last_contig("q", q, fn)
     n, h, hd = q.shape
     _rank("k_pages", k_pages, 5, "[layers, n_pages, kv_heads, page_size, head_dim]", fn, _page_dtype)
+    _page_dtype("v_pages", v_pages, fn)
     if k_new is not None:  # an expanded pool gets the line every backend's KV write gives, not "must be contiguous"
-        _page_dtype("v_pages", v_pages, fn)
         check_pages_writable(k_pages, v_pages, fn)
     _contig("k_pages", k_pages, fn)
-    _page_dtype("v_pages", v_pages, fn)
     if v_pages.dtype != k_pages.dtype:
         raise ValueError(f"{fn}: v_pages must have k_pages' dtype {k_pages.dtype}, got {v_pages.dtype}")
     _shape("v_pages", v_pages, k_pages.shape, fn)
@@ -456,14 +455,14 @@ class Decoder:
              v_pages: torch.Tensor, block_tables: Sequence[torch.Tensor], ends: Sequence[int],
              collectors: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
              want_out: bool = True, logits: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run tokens[b] at position ends[b] - 1 of sequence b, for the B = len(tokens) sequences at once (rows of
-        one batch, as `Llama.forward_batch` stacks them; B = 1 is a one-token step): every layer stores each row's
-        K/V there (its pages and block table as in `paged_attention`; the pools are shared, all layers' pages:
-        [layers, n_pages, kv_heads, page_size, hd]) and attends over its [0, ends[b]); cos, sin_signed: those
-        positions' RoPE rows [B, hd], contiguous; the pools float32 or both float16, as there. collectors[b]: sequence b's (node_bounds [N + 1] int32, mass
-        [1, N]), mass added to as `paged_attention` adds, summed over every layer; (None, None) or collectors=None:
-        no mass. want_out=False: the last layer only stores its K/V (and attends for rows collecting mass), and
-        nothing is returned. Otherwise returns the final normed states [B, dim] and fills logits ([B, vocab]
+        """Run tokens[b] at position ends[b] - 1 of sequence b, for the B = len(tokens) sequences at once (rows of one
+        batch, as `Llama.forward_batch` stacks them; B = 1 is a one-token step): every layer stores each row's K/V there
+        (its pages and block table as in `paged_attention`; the pools are shared, all layers' pages: [layers, n_pages,
+        kv_heads, page_size, hd]) and attends over its [0, ends[b]); cos, sin_signed: those positions' RoPE rows [B,
+        hd], contiguous; the pools float32 or both float16, as there. collectors[b]: sequence b's (node_bounds [N + 1]
+        int32, mass [1, N]), mass added to as `paged_attention` adds, summed over every layer; (None, None) or
+        collectors=None: no mass. want_out=False: the last layer only stores its K/V (and attends for rows collecting
+        mass), and nothing is returned. Otherwise returns the final normed states [B, dim] and fills logits ([B, vocab]
         float32 contiguous; only with a quantised lm_head) when given. Each row gets exactly the numbers of its
         one-token step. Nothing is written if a token or a table is wrong."""
         fn = "Decoder.step"

@@ -298,3 +298,11 @@ def test_half_rounding_gives_torchs_bits(isa):
     assert torch.equal(stored[:-1].view(torch.int16), values[:, 0].half().view(torch.int16))
     assert torch.equal(v_pages[0, :-1, 0, 0].view(torch.int16), values[:, 0].neg().half().view(torch.int16))
     assert stored[-1].isnan().all()
+
+
+@pytest.mark.parametrize("v_dtype,words", [(torch.float32, "v_pages must have k_pages' dtype torch.float16"),
+                                           (torch.bfloat16, "v_pages must be a float32 or float16 CPU tensor")])
+def test_half_pages_need_half_values(v_dtype, words):
+    c16, _ = half_pages(case(3, 3, 20, 4, 2, 16, 4, 2))
+    with pytest.raises(ValueError, match=words):
+        co.paged_attention(c16.q, c16.k_pages, c16.v_pages.to(v_dtype), c16.layer, c16.block_table, c16.end)
