@@ -60,37 +60,41 @@ def main(argv: list[str] | None = None) -> None:
     vocab = engines["float32"].config.vocab_size
     ids = torch.randint(1000, min(vocab, 30000), (contexts[-1],), generator=gen).tolist()
     sessions = {kv: e.session() for kv, e in engines.items()}
-    cached = 0
+
+    def nodekv_round(kv: str) -> tuple[list[int], float]:
+        """A greedy continuation on a fork of the session, and its fused steps' attention seconds per token."""
+        decoder = engines[kv].model._decoder  # the fused step (built by the first decode), timed by parts
+        if decoder:
+            decoder.reset_times()
+        with sessions[kv].fork() as f:
+            out = f.generate(args.decode, temperature=0.0).ids
+        return out, engines[kv].model._decoder.times()["attention"] / args.decode
+
+    def peer_round(first: int, ctx: int) -> list[int]:
+        """llama.cpp's continuation of `first` (one forward per token, as a generate's), rolled back to ctx."""
+        out = peer.decode(first, args.decode)
+        peer.truncate(ctx)
+        return out
+
+    names = [*KV_DTYPES, "llama.cpp"] if peer else list(KV_DTYPES)
+    cached = first = 0
     for ctx in contexts:
-        for kv, s in sessions.items():
+        for s in sessions.values():
             s.append(ids[cached:ctx])
         if peer:  # rolled back to the last context after its rounds
             first = peer.extend(ids[cached:ctx])
         cached = ctx
-        def nodekv_round(kv: str) -> list[int]:
-            decoder = engines[kv].model._decoder  # the fused step (built by the first decode), timed by parts
-            if decoder:
-                decoder.reset_times()
-            with sessions[kv].fork() as f:
-                ids = f.generate(args.decode, temperature=0.0).ids
-            decoder = engines[kv].model._decoder
-            attention[kv] = min(attention[kv], decoder.times()["attention"] / args.decode)
-            return ids
-
-        def peer_round() -> list[int]:
-            out = peer.decode(first, args.decode)  # one forward per token, as a generate's
-            peer.truncate(ctx)
-            return out
-
-        runs = {kv: (lambda kv=kv: nodekv_round(kv)) for kv in KV_DTYPES} | ({"llama.cpp": peer_round} if peer else {})
-        best, tokens, names = {name: float("inf") for name in runs}, {}, list(runs)
-        attention = {kv: float("inf") for kv in KV_DTYPES}
+        best, attention, tokens = {n: float("inf") for n in names}, {kv: float("inf") for kv in KV_DTYPES}, {}
         for r in range(args.rounds):
             # alternating, so that all see the same swings of a noisy machine, and each round in another order (no
             # engine always runs right after the same one)
             for name in names[r % len(names):] + names[:r % len(names)]:
                 t = time.perf_counter()
-                tokens[name] = runs[name]()
+                if name == "llama.cpp":
+                    tokens[name] = peer_round(first, ctx)
+                else:
+                    tokens[name], part = nodekv_round(name)
+                    attention[name] = min(attention[name], part)
                 best[name] = min(best[name], (time.perf_counter() - t) / args.decode)
         same = ", ".join(name for name in ("float16", "llama.cpp") if tokens.get(name) == tokens["float32"]) or "-"
         peer_cols = (f"{1e3 * best['llama.cpp']:.1f} | {best['llama.cpp'] / best['float16']:.2f}x" if peer

@@ -64,8 +64,10 @@ class DigitTokenizer:
         return int(piece[1:-1])
 
 
-def tiny_engine(path, backend: str = "auto", dtype=torch.float32, pages: int = 64, page_size: int = 8):
-    """A nodekv Engine on a saved tiny checkpoint with the digit tokenizer and a small page pool of its own."""
+def tiny_engine(path, backend: str = "auto", dtype=torch.float32, pages: int = 64, page_size: int = 8,
+                kv_dtype=None):
+    """A nodekv Engine on a saved tiny checkpoint with the digit tokenizer and a small page pool of its own, holding
+    kv_dtype (default: the model's dtype)."""
     from nodekv.engine.engine import Engine
     from nodekv.engine.loader import load_checkpoint
     from nodekv.engine.model import Llama
@@ -73,8 +75,8 @@ def tiny_engine(path, backend: str = "auto", dtype=torch.float32, pages: int = 6
 
     ckpt = load_checkpoint(path)
     model = Llama(ckpt.config, ckpt.tensors, dtype, backend)
-    return Engine(model, DigitTokenizer(), PagePool(ckpt.config, model.dtype, pages, page_size), ckpt.path,
-                  ckpt.fingerprint)
+    return Engine(model, DigitTokenizer(), PagePool(ckpt.config, kv_dtype or model.dtype, pages, page_size),
+                  ckpt.path, ckpt.fingerprint)
 
 
 def tiny_hf_model(kind: str = "llama", *, tied: bool = False, rope_scaling: bool = False, n_kv_heads: int = 2,

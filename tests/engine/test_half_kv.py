@@ -15,11 +15,9 @@ from nodekv.kernels import cpu_ops
 PROMPT = [5, 17, 3, 99, 42, 8, 8, 61, 12, 0, 33, 71, 2, 2, 90, 14, 27]
 
 
-def _half_kv_engine(path, backend="auto", pages=64, page_size=8):
+def _half_kv_engine(path, backend="auto"):
     """tiny_engine with a pool of halves (what load_engine(kv_dtype="float16") builds)."""
-    eng = tiny_engine(path, backend, pages=pages, page_size=page_size)
-    eng.pool = PagePool(eng.config, torch.float16, pages, page_size)
-    return eng
+    return tiny_engine(path, backend, kv_dtype=torch.float16)
 
 
 def _hf_logits(hf, ids: list[int], round_kv: bool) -> torch.Tensor:
@@ -58,7 +56,8 @@ def test_logits_match_hf_with_rounded_kv(half_pair):
     hf, eng = half_pair
     ids = PROMPT + [7, 44, 1, 95, 3, 3, 60, 18]
     s = eng.session()
-    steps = [s.append(PROMPT) and s._last_logits()]
+    s.append(PROMPT)
+    steps = [s._last_logits()]
     for t in ids[len(PROMPT):]:
         s.append([t])
         steps.append(s._last_logits())
