@@ -279,16 +279,7 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     the kernels read them (new keys and values rounded to nearest even as they are stored), the arithmetic fp32. An
     opt-in, as llama.cpp's default f16 cache is: the logits move off the fp32 cache's (a mean KL of ~2e-6 nats on the
     Qwen2.5 models, `nodekv bench int8_quality`)."""
-    if precision in ("int8", "bf16") and device == "auto":
-        device = "cpu"  # both fast paths are CPU ones: "auto" means the device the precision runs on
-    target = resolve_device(device)
-    dtype = resolve_dtype(dtype, target)
-    backend_ops(backend, DTYPES[dtype], target)  # an unknown backend, or one that cannot run here, is refused now
-    check_precision(precision, DTYPES[dtype], target)
-    kv = resolve_kv_dtype(kv_dtype, DTYPES[dtype], backend, target)
-    for name, value in (("threads", threads), ("kv_tokens", kv_tokens), ("page_size", page_size)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    target, dtype, kv = check_load(dtype, backend, threads, kv_tokens, page_size, precision, device, kv_dtype)
     if threads is not None:
         torch.set_num_threads(threads)
     from .tokenizer import Tokenizer
@@ -310,6 +301,24 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     pages = default_pool_pages(ckpt.config, kv, page_size, kv_tokens, target)
     pool = PagePool(ckpt.config, kv, pages, page_size, target)
     return Engine(llama, tokenizer, pool, ckpt.path, weights)
+
+
+def check_load(dtype: str | None = None, backend: str = "auto", threads: int | None = None,
+               kv_tokens: int | None = None, page_size: int = 64, precision: str = "exact", device: str = "auto",
+               kv_dtype: str | None = None) -> tuple[torch.device, str, torch.dtype]:
+    """Refuse (ValueError, one line) what `load_engine` with these arguments refuses before it reads any file, for
+    a caller to check before its own work; returns the device, the dtype's name and the KV pages' dtype it loads."""
+    if precision in ("int8", "bf16") and device == "auto":
+        device = "cpu"  # both fast paths are CPU ones: "auto" means the device the precision runs on
+    target = resolve_device(device)
+    dtype = resolve_dtype(dtype, target)
+    backend_ops(backend, DTYPES[dtype], target)  # an unknown backend, or one that cannot run here, is refused now
+    check_precision(precision, DTYPES[dtype], target)
+    kv = resolve_kv_dtype(kv_dtype, DTYPES[dtype], backend, target)
+    for name, value in (("threads", threads), ("kv_tokens", kv_tokens), ("page_size", page_size)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return target, dtype, kv
 
 
 def resolve_dtype(dtype: str | None, target: torch.device) -> str:

@@ -27,7 +27,8 @@ class RayPlan:
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every worker loads: the model file, its dtype, the method with its options, the prompt of `dataset`
-    ("" for the generic one), the index store's root directory and the engine's precision."""
+    ("" for the generic one), the index store's root directory, the engine's precision and what its KV cache holds
+    (None: the model's dtype)."""
 
     model: str
     dtype: str
@@ -36,6 +37,7 @@ class WorkerSpec:
     store_root: str
     dataset: str = ""
     precision: str = "exact"
+    kv_dtype: str | None = None
 
 
 class _Worker:
@@ -47,7 +49,8 @@ class _Worker:
         from ..methods.prompts import prompt_for
         from ..methods.registry import get
 
-        self.engine = load_engine(spec.model, dtype=spec.dtype, threads=threads, precision=spec.precision)
+        self.engine = load_engine(spec.model, dtype=spec.dtype, threads=threads, precision=spec.precision,
+                                  kv_dtype=spec.kv_dtype)
         self.method = get(spec.method)(self.engine, prompt=prompt_for(spec.dataset), **spec.options)
         self.store = IndexStore.for_method(Path(spec.store_root), self.engine, self.method)
         self.indexes: dict = {}

@@ -12,8 +12,8 @@ document trains the model that answers it (`fit_s` in its lines); with --ray the
 workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
 file is the same as an uninterrupted run's; records whose lines are errors are tried again, their error lines dropped
-once the run ends. A run file is resumed only under the model, precision, dtype, options and method config that wrote
-it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration written
+once the run ends. A run file is resumed only under the model, precision, dtype, KV cache dtype, options and method
+config that wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration written
 since or a longer cross-fitted run is refused, not mixed in, and before the model loads (`check_run`).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..engine.engine import DTYPES, Engine
+from ..engine.engine import DTYPES, KV_DTYPES, Engine
 from ..engine.models import resolve_model
 from ..methods.base import Method
 from ..methods.baselines import TopK
@@ -122,12 +122,17 @@ def dtype_name(engine: Engine) -> str:
     return next(name for name, d in DTYPES.items() if d == engine.model.dtype)
 
 
-RESUMED_AS_WRITTEN = ("model", "precision", "dtype", "options", "config")  # what a resumed run file must keep
+def kv_dtype_name(engine: Engine) -> str:
+    """The `load_engine` kv_dtype name of what the engine's KV pages hold ("float32", "bfloat16", "float16")."""
+    return next(name for name, d in KV_DTYPES.items() if d == engine.pool.dtype)
+
+
+RESUMED_AS_WRITTEN = ("model", "precision", "dtype", "kv_dtype", "options", "config")  # what a resumed run file must keep
 
 
 def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bool = False) -> None:
     """Refuse (ValueError, before any work) to append to a run file that was written under another model file,
-    precision, dtype, option set or method config: a calibration file written since (PECAN's t_p) or a method default
+    precision, dtype, KV cache dtype, option set or method config: a calibration file written since (PECAN's t_p) or a method default
     changed since would otherwise mix two settings in one file under one label. A method that learns across
     documents (`across_documents`) also keeps the run's record count: its folds are dealt over the run's documents,
     so a run extended from 10 records to 30 would mix answers fitted on 8 other documents with answers fitted on 24.
@@ -137,6 +142,8 @@ def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bo
     if not resuming or not meta_path.is_file():
         return
     old, new = json.loads(meta_path.read_text()), json.loads(json.dumps(meta))  # tuples as lists, as written
+    if "dtype" in old:  # written before the KV cache's dtype was kept: the cache held the model's dtype
+        old.setdefault("kv_dtype", old["dtype"])
     if "model" in old:
         old["model"], new["model"] = Path(old["model"]).name, Path(new["model"]).name
     keys = RESUMED_AS_WRITTEN + (("records",) if across_documents else ())
@@ -157,9 +164,9 @@ def _differences(old: dict, new: dict) -> dict[str, str]:
     return {k: f"{k}={old.get(k, '(unset)')} now {new.get(k, '(unset)')}" for k in keys}
 
 
-def _run_meta(cfg: RunConfig, model: str, precision: str, dtype: str, loaded: LoadResult) -> dict:
-    """What a run of cfg over `loaded` on the model file `model` at `precision` and `dtype` is written and resumed
-    under (its .meta.json, less a Top-X run's match): the options with where each comes from (a calibration's t_p
+def _run_meta(cfg: RunConfig, model: str, precision: str, dtype: str, kv_dtype: str, loaded: LoadResult) -> dict:
+    """What a run of cfg over `loaded` on the model file `model` at `precision`, `dtype` and `kv_dtype` is written
+    and resumed under (its .meta.json, less a Top-X run's match): the options with where each comes from (a calibration's t_p
     when one holds for this model, `with_calibration`), the method config, the generation settings and the records."""
     method_class = get(cfg.method)
     defaults = with_calibration(method_class, method_class.dataset_defaults(cfg.dataset), cfg.dataset,
@@ -167,15 +174,17 @@ def _run_meta(cfg: RunConfig, model: str, precision: str, dtype: str, loaded: Lo
     options = {**{k: v for k, (v, _) in defaults.items()}, **cfg.options}
     prompt = prompt_for(cfg.dataset)
     return {"method": cfg.label, "dataset": cfg.dataset, "model": model, "precision": precision, "dtype": dtype,
-            "options": options,
+            "kv_dtype": kv_dtype, "options": options,
             "config": asdict(method_class.configure(**options)),
             "option_sources": {k: "--option" if k in cfg.options else source for k, (_, source) in defaults.items()},
             "generation": {k: getattr(prompt, k) for k in ("max_new_tokens", "stop", "repetition_penalty")},
             "records": len(loaded.records), "skipped": [{"id": i, "reason": why} for i, why in loaded.problems]}
 
 
-def check_run(cfg: RunConfig, model: str | None, precision: str, dtype: str = "float32") -> None:
-    """Refuse (ValueError) before `model` (as `load_engine` takes it) loads what `run` would refuse after: a run file
+def check_run(cfg: RunConfig, model: str | None, precision: str, dtype: str = "float32",
+              kv_dtype: str | None = None) -> None:
+    """Refuse (ValueError) before `model` (as `load_engine` takes it, with `kv_dtype` as it does: None for the
+    model's dtype) loads what `run` would refuse after: a run file
     that does not read as JSON lines, that another eval is writing, or that was written under other settings
     (`check_resumable`); a Top-X reference run without answers. A Top-X run (--match) picks its k on the model, so
     its settings are checked only then."""
@@ -186,7 +195,7 @@ def check_run(cfg: RunConfig, model: str | None, precision: str, dtype: str = "f
     if cfg.match is not None:
         _answered(Path(cfg.match))
     else:
-        meta = _run_meta(cfg, str(resolve_model(model)), precision, dtype,
+        meta = _run_meta(cfg, str(resolve_model(model)), precision, dtype, kv_dtype or dtype,
                          load_dataset(cfg.dataset, cfg.data_dir, cfg.limit))
         check_resumable(cfg.path, meta, bool(lines), get(cfg.method).learns_across_documents)
 
@@ -200,7 +209,8 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     matched = {}
     if cfg.match is not None:
         cfg.options["k"], matched = match_k(engine, cfg, Path(cfg.match))
-    meta = {**_run_meta(cfg, str(engine.path), engine.model.precision, dtype_name(engine), loaded), **matched}
+    meta = {**_run_meta(cfg, str(engine.path), engine.model.precision, dtype_name(engine), kv_dtype_name(engine),
+                        loaded), **matched}
     options, method_class = meta["options"], get(cfg.method)
     for k, source in meta["option_sources"].items():
         print(f"{cfg.label} {cfg.dataset}: {k}={options[k]} ({source})", file=sys.stderr)
@@ -231,7 +241,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
 
         spec = None if ray is None else WorkerSpec(
             str(engine.path), dtype_name(engine), cfg.method,
-            options, str(store.root), cfg.dataset, engine.model.precision)
+            options, str(store.root), cfg.dataset, engine.model.precision, kv_dtype_name(engine))
         if method_class.learns_across_documents:
             # every fit needs all the indexes, each one independent work: with Ray they are built on the workers
             # (one that fails there fails again in _cross_fit, which writes its error lines)

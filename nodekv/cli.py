@@ -21,6 +21,9 @@ PRECISION_HELP = ("exact: fp32 activations; int8: the fast path, int8 activation
                   "GGUF model; bf16: a GGUF model's prompts multiplied on the CPU's bf16 matrix units (AMX), every "
                   "other step exact (docs/engine.md)")
 DEVICE_HELP = "cpu, cuda (or cuda:N), or auto: CUDA when torch sees a GPU (default); bfloat16 there, float32 on the CPU"
+KV_DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
+KV_DTYPE_HELP = ("what the KV cache holds (default: the model's dtype); float16 under a float32 model on the CPU: half "
+                 "the cache's memory, decode faster at long contexts, logits no longer equal to the fp32 cache's")
 MODEL_HELP = f"a registered name (`nodekv models`), HF directory or .gguf file (default: {DEFAULT_MODEL})"
 
 
@@ -139,10 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--device", default="auto", help=DEVICE_HELP)
     ask.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: by --device")
     ask.add_argument("--precision", default="exact", choices=PRECISIONS, help=PRECISION_HELP)
-    ask.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                     help="what the KV cache holds (default: the model's dtype); float16 under a float32 model on "
-                          "the CPU: half the cache's memory, decode faster at long contexts, logits no longer "
-                          "equal to the fp32 cache's")
+    ask.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES, help=KV_DTYPE_HELP)
     ask.add_argument("--prompt", default="", choices=sorted(PROMPTS), metavar="DATASET",
                      help="answer in this dataset's prompt, e.g. narrativeqa for a story (default: the generic "
                           "document-QA one)")
@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--precision", default="exact", choices=PRECISIONS, help=PRECISION_HELP)
     ev.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: by --device")
     ev.add_argument("--device", default="auto", help=DEVICE_HELP + "; --ray's workers run on the CPU")
+    ev.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES, help=KV_DTYPE_HELP)
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")
     ev.add_argument("--reference", default=None, help="report: method the TFLOPs ratio is taken against")

@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from nodekv.engine.engine import resolve_device, resolve_dtype
+from nodekv.engine.engine import check_load
 from nodekv.engine.models import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
 from nodekv.methods.prompts import prompt_for
 from nodekv.paths import check_input, check_output_file, check_output_folder, read_text
@@ -165,7 +165,7 @@ def ask(args: argparse.Namespace) -> int:
     from nodekv.methods.reader import check_room
 
     check_question(args.question)
-    resolve_device(args.device)
+    check_load(args.dtype, threads=args.threads, precision=args.precision, device=args.device, kv_dtype=args.kv_dtype)
     doc = check_input(args.document, "document")
     name = args.method if args.method is not None else _saved_by(doc) or "full"
     method_class, options = get(name), dict(args.option)
@@ -258,16 +258,17 @@ def evaluate(args: argparse.Namespace) -> int:
         cfg = run_config(args)
         plan = _ray_plan(args)
         get(cfg.method).configure(**cfg.options)  # bad options, data and paths fail before the model loads
-        dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+        _, dtype, _ = check_load(args.dtype, threads=args.threads, precision=args.precision, device=args.device,
+                                 kv_dtype=args.kv_dtype)
         check_dataset(cfg.dataset, cfg.data_dir)
         check_output_folder(cfg.out)
         if cfg.match is not None:
             check_top_x(cfg.method)
         if plan is not None and args.device not in ("auto", "cpu"):
             raise ValueError(f"--ray runs its workers on the CPU; drop --device {args.device} or --ray")
-        check_run(cfg, args.model, args.precision, dtype)
+        check_run(cfg, args.model, args.precision, dtype, args.kv_dtype)
         engine = load_engine(args.model, dtype=dtype, threads=args.threads, precision=args.precision,
-                             device=args.device)
+                             device=args.device, kv_dtype=args.kv_dtype)
         path = run(engine, cfg, ray=plan)
     except (DataNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -127,6 +127,7 @@ def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
     path, meta_path = tmp_path / "run-hotpotqa.jsonl", tmp_path / "run-hotpotqa.meta.json"
     written, meta = path.read_text(), json.loads(meta_path.read_text())
     assert meta["config"]["k"] == 2 and meta["config"]["kv_reuse"] == "off" and meta["dtype"] == "float32"
+    assert meta["kv_dtype"] == "float32"
 
     capsys.readouterr()
     assert _eval(data, tmp_path, "--label", "run", "--k", "3") == 2  # other options under the same label
@@ -135,6 +136,8 @@ def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
     assert path.read_text() == written and json.loads(meta_path.read_text()) == meta
     assert _eval(data, tmp_path, "--label", "run", "--dtype", "bfloat16") == 2  # a bf16 model's answers differ
     assert "  dtype float32 now bfloat16\n" in capsys.readouterr().err
+    assert _eval(data, tmp_path, "--label", "run", "--kv-dtype", "float16") == 2  # nor does a cache of halves
+    assert "  kv_dtype float32 now float16\n" in capsys.readouterr().err
 
     meta["config"]["chunk_tokens"] = 200  # as if the default had been 200 when the file was written
     meta_path.write_text(json.dumps(meta))
@@ -147,6 +150,31 @@ def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
     meta_path.write_text(json.dumps(meta))
     assert _eval(data, tmp_path, "--label", "run") == 0
     assert len(path.read_text().splitlines()) == 3
+
+
+def test_a_run_with_a_cache_of_halves_says_so_and_resumes_only_under_halves(tmp_path):
+    """`eval --kv-dtype float16` answers from a KV cache of halves (its meta reads the engine's page pool) and
+    resumes only under halves."""
+    data = tmp_path / "data"
+    _write_data(data)
+    assert _eval(data, tmp_path, "--label", "half", "--limit", "1", "--kv-dtype", "float16") == 0
+    meta = json.loads((tmp_path / "half-hotpotqa.meta.json").read_text())
+    assert (meta["dtype"], meta["kv_dtype"]) == ("float32", "float16")
+    assert _eval(data, tmp_path, "--label", "half", "--limit", "2") == 2
+    assert _eval(data, tmp_path, "--label", "half", "--limit", "2", "--kv-dtype", "float16") == 0
+    assert len((tmp_path / "half-hotpotqa.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_meta_from_before_the_cache_dtype_was_kept_held_the_models_dtype(tmp_path):
+    """A run file's meta written before `kv_dtype` was kept resumes under the model's dtype only: its KV cache held
+    that dtype."""
+    from nodekv.evaluation.runner import check_resumable
+
+    path = tmp_path / "run-hotpotqa.jsonl"
+    path.with_suffix(".meta.json").write_text(json.dumps({"model": "m.gguf", "dtype": "float32"}))
+    check_resumable(path, {"model": "m.gguf", "dtype": "float32", "kv_dtype": "float32"}, resuming=True)
+    with pytest.raises(ValueError, match="\n  kv_dtype float32 now float16$"):
+        check_resumable(path, {"model": "m.gguf", "dtype": "float32", "kv_dtype": "float16"}, resuming=True)
 
 
 def test_a_resume_refusal_names_each_changed_setting_once(tmp_path):
