@@ -197,9 +197,10 @@ def ask(args: argparse.Namespace) -> int:
     t3 = time.perf_counter()
     cut = ", cut in the middle to fit" if answer.truncated else ""
     print(f"Q: {args.question}\nA: {answer.text}\n")
-    dtype = str(eng.model.dtype).removeprefix("torch.")
+    dtype, kv = (str(d).removeprefix("torch.") for d in (eng.model.dtype, eng.pool.dtype))
+    kv = f", KV cache {kv}" if kv != dtype else ""
     print(f"method     {name} on {eng.path.name} ({eng.config.n_layers} layers, d={eng.config.dim}, {dtype} on "
-          f"{eng.device})")
+          f"{eng.device}{kv})")
     print(f"nodes      {len(answer.nodes)} used; prompt {answer.prompt_tokens:,} tokens{cut}, "
           f"generated {answer.generated_tokens}")
     print(f"FLOPs      {answer.flops:,} ({answer.flops / 1e12:.4f} TFLOPs, query only); "

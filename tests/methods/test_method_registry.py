@@ -226,6 +226,9 @@ def test_closed_book_runs_through_eval_and_ask(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "A: " in out and "method     closed-book" in out and "generated" in out
     assert "layers, d=576, float32 on cpu)" in out  # the dtype chosen by the device, not the flag's None
+    assert main(["ask", "--method", "closed-book", str(doc), "Who kept the lighthouse?", "--max-new-tokens", "8",
+                 "--model", "smollm2-135m", "--kv-dtype", "float16"]) == 0
+    assert "float32 on cpu, KV cache float16)" in capsys.readouterr().out
 
 
 def test_cli_graph_exports_a_saved_index_and_refuses_what_it_cannot(saver, engine, tmp_path, capsys):
