@@ -112,15 +112,23 @@ struct Int8 {
 };
 
 // Int8<F> with the format's VNNI dot where it has one (the same bits, tested): the drivers in namespace avx512 run it.
+// (The detection names a call, not &F::dot_i8_vnni: a pointer to a function with a target attribute as a template
+// argument drops the attribute, and GCC warns.)
 template <class F, class = void>
-struct Int8Vnni : Int8<F> {};
+struct Int8Vnni : Int8<F> {
+    static constexpr bool kVnni = false;
+};
 template <class F>
-struct Int8Vnni<F, std::void_t<decltype(&F::template dot_i8_vnni<1>)>> : Int8<F> {
+struct Int8Vnni<F, std::void_t<decltype(F::template dot_i8_vnni<1>(nullptr, nullptr, 0, nullptr))>> : Int8<F> {
+    static constexpr bool kVnni = true;
     template <int TT>
     NKV_AVX512 static void dot(const uint8_t* blk, const float* xp, int64_t ldx, __m256* acc) {
         F::template dot_i8_vnni<TT>(blk, reinterpret_cast<const typename F::XQ*>(xp), ldx / Int8<F>::kPrep, acc);
     }
 };
+static_assert(Int8Vnni<formats::Q8_0>::kVnni && Int8Vnni<formats::Q5_0>::kVnni && Int8Vnni<formats::Q4_0>::kVnni &&
+                  Int8Vnni<formats::Q4_K>::kVnni && !Int8Vnni<formats::Q6_K>::kVnni,
+              "the VNNI dots are found where the formats define them");
 
 // A format's exact path over token pairs (formats512::PairX) as a format for the drivers: its prepared x is a pair
 // block per block (kPrep twice the format's), and its dot runs the 512-bit FMAs of two tokens at once, each lane's
