@@ -126,11 +126,18 @@ def child(args) -> None:
     print(json.dumps(result))
 
 
+def sizes(rounds) -> tuple[list[int], list[int]]:
+    """The rounds' distinct prefill sizes and decode contexts, in order: the table's columns, each once (rounds
+    that share a prefill time it alike)."""
+    return list(dict.fromkeys(p for p, _ in rounds)), list(dict.fromkeys(c for _, c in rounds))
+
+
 def speeds(result: dict, decode_tokens: int, rounds) -> list[float | None]:
     """The table's numeric columns: prefill and decode tokens/s (None: a round not run), then RSS after load and
     peak, GiB."""
-    prefill = [p / result["prefill_s"][p] if p in result["prefill_s"] else None for p, _ in rounds]
-    decode = [decode_tokens / result["decode_s"][c] if c in result["decode_s"] else None for _, c in rounds]
+    prefills, contexts = sizes(rounds)
+    prefill = [p / result["prefill_s"][p] if p in result["prefill_s"] else None for p in prefills]
+    decode = [decode_tokens / result["decode_s"][c] if c in result["decode_s"] else None for c in contexts]
     return prefill + decode + [result["rss_after_load_gib"], result["peak_rss_gib"]]
 
 
@@ -188,8 +195,8 @@ def main(argv: list[str] | None = None) -> None:
           f"Prompt: {TEXT.name} tokenised once, the same ids for every engine; greedy decode of {args.decode} tokens, "
           f"never stopping at EOS; fastest of {args.repeats} round(s); one process per engine.\n", flush=True)
 
-    columns = [f"prefill {_k(p)} tok/s" for p, _ in args.rounds]
-    columns += [f"decode after {_k(c)} tok/s" for _, c in args.rounds]
+    prefills, contexts = sizes(args.rounds)
+    columns = [f"prefill {_k(p)} tok/s" for p in prefills] + [f"decode after {_k(c)} tok/s" for c in contexts]
     columns += ["RSS after load GiB", "peak RSS GiB"]
     print("| engine | " + " | ".join(columns) + " |\n|---|" + "---:|" * len(columns), flush=True)
     results, failed = {}, []
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         results[engine] = result
         name = ENGINES[engine] + (f" ({result['version']})" if "version" in result else "")
-        cells = ["not run" if v is None else f"{v:,.1f}" if i < 2 * len(args.rounds) else f"{v:.2f}"
+        cells = ["not run" if v is None else f"{v:,.1f}" if i < len(prefills) + len(contexts) else f"{v:.2f}"
                  for i, v in enumerate(speeds(result, args.decode, args.rounds))]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     ours = results.get("nodekv")
@@ -233,18 +240,19 @@ def main(argv: list[str] | None = None) -> None:
 def report_nodekv(results: dict[str, dict], fp32_peak: float, args) -> None:
     """nodekv's prefill GFLOP/s against the fp32 peak, the targets, and how far the engines' greedy tokens agree."""
     ours, llama = results["nodekv"], results.get("llama-cpp")
-    rates = {p: ours["prefill_flops"][p] / ours["prefill_s"][p] / 1e9 for p, _ in args.rounds}
+    prefills, contexts = sizes(args.rounds)
+    rates = {p: ours["prefill_flops"][p] / ours["prefill_s"][p] / 1e9 for p in prefills}
     print("nodekv prefill, exact FLOP account: " + ", ".join(
         f"{_k(p)} tokens {r:.1f} GFLOP/s ({r / fp32_peak:.0%} of the fp32 peak)" for p, r in rates.items()) + ".")
     print("\nTargets:")
     for mine in ("nodekv", "nodekv-int8"):
-        for _, c in args.rounds if mine in results else ():
+        for c in contexts if mine in results else ():
             ratio = llama["decode_s"][c] / results[mine]["decode_s"][c] if llama else None
             verdict = "not checked (llama.cpp not run)" if ratio is None else \
                 f"{ratio:.2f}x, " + ("met" if ratio >= DECODE_TARGET else "**not met**")
             print(f"- {ENGINES[mine]} decode after {_k(c)} >= {DECODE_TARGET}x llama.cpp: {verdict}")
     fast = results.get("nodekv-int8")
-    for p, _ in args.rounds if fast else ():
+    for p in prefills if fast else ():
         ratio = ours["prefill_s"][p] / fast["prefill_s"][p]
         print(f"- nodekv int8 prefill {_k(p)} >= {INT8_PREFILL_TARGET}x nodekv: {ratio:.2f}x, "
               + ("met" if ratio >= INT8_PREFILL_TARGET else "**not met**"))

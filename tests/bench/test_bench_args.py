@@ -146,3 +146,15 @@ def test_bad_values_are_one_error_line_before_any_work(name, argv, message, monk
         monkeypatch.setattr(module, "hf_model", lambda *a, **k: pytest.fail("a model was built"))
     assert _main(module, monkeypatch, *argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_engine_speed_columns_name_each_prefill_and_context_once():
+    """Rounds that share a prefill size time it alike: the table has one column for it, and each cell is read from
+    the round its column names."""
+    from nodekv.bench.engine_speed import sizes, speeds
+
+    rounds = ((512, 512), (512, 2048), (2048, 8192))
+    result = {"prefill_s": {512: 2.0, 2048: 16.0}, "decode_s": {512: 1.0, 2048: 2.0, 8192: 4.0},
+              "rss_after_load_gib": 1.5, "peak_rss_gib": 2.5}
+    assert sizes(rounds) == ([512, 2048], [512, 2048, 8192])
+    assert speeds(result, 8, rounds) == [256.0, 128.0, 8.0, 4.0, 2.0, 1.5, 2.5]
