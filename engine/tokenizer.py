@@ -458,6 +458,26 @@ class Tokenizer:
 
         return isinstance(self._tok.decoder, ByteLevel)
 
+    @cached_property
+    def byte_fallback(self) -> bool:
+        """Whether the decoder is SentencePiece-style BPE's, whose <0xXX> byte tokens decode run by run: a run of
+        them that makes valid UTF-8 as a whole is its text, any other one U+FFFD per byte (the tokenizers library's
+        ByteFallback, as in transformers' fast Llama tokenizer; sentencepiece would keep a run's valid characters)."""
+        decoder = self._tok.decoder
+        state = json.loads(decoder.__getstate__()) if decoder is not None else {}  # as tokenizer.json holds it
+        return any(d.get("type") == "ByteFallback" for d in state.get("decoders", [state]))
+
+    def fallback_byte(self, token_id: int) -> int | None:
+        """The byte a <0xXX> token stands for under a byte_fallback decoder (which reads any token so spelled as
+        one); None for another token."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None or len(piece) != 6 or not (piece.startswith("<0x") and piece.endswith(">")):
+            return None
+        try:
+            return int(piece[3:5], 16)
+        except ValueError:
+            return None
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (byte-level spelling for BPE vocabularies)."""
         return self._tok.id_to_token(_token_ids([token_id])[0])
@@ -554,10 +574,11 @@ class DecodeStream:
     """Incremental detokenization for generation: `push(id)` returns the text the new token completes.
 
     Text is only released once it no longer ends in an incomplete UTF-8 sequence (a byte-level token can hold
-    half a character), so concatenating the pushes gives ``decode(ids)``. Each push decodes only a short window
-    of recent ids, so a long generation costs O(length), not O(length^2). `context` (e.g. the last prompt ids) is
-    decoded for spacing only and never returned, except a character it leaves incomplete (a generation cut in the
-    middle of one, then continued): that comes out whole with the push that completes it.
+    half a character), and under a SentencePiece byte-fallback decoder once a run of byte tokens ends or can no
+    longer be valid UTF-8 (it decodes whole), so concatenating the pushes gives ``decode(ids)``. Each push decodes
+    only a short window of recent ids, so a long generation costs O(length), not O(length^2). `context` (e.g. the
+    last prompt ids) is decoded for spacing only and never returned, except a character it leaves incomplete (a
+    generation cut in the middle of one, then continued): that comes out whole with the push that completes it.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, context: Sequence[int] = ()) -> None:
@@ -570,11 +591,20 @@ class DecodeStream:
         # a byte-level decoder: later bytes change only the one U+FFFD of a final incomplete character, the text
         # before it is final (a stand-in tokenizer that only decodes says nothing: held text waits)
         self._byte_level = getattr(tokenizer, "byte_level", False)
+        # a byte-fallback (SentencePiece) decoder reads each run of <0xXX> tokens whole: the run at the end of the
+        # ids so far, and whether it already holds a byte no later one can make valid UTF-8
+        self._byte_fallback = getattr(tokenizer, "byte_fallback", False)
+        self._run = bytearray()
+        self._run_dead = False
+        for token_id in self.ids if self._byte_fallback else ():
+            self._extend_run(token_id)
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the newly completed text ('' while a character is still incomplete). An id
         `Tokenizer.decode` refuses is refused here before it joins the stream."""
         self.ids += _token_ids([token_id])
+        if self._byte_fallback:
+            return self._push_byte_fallback(self.ids[-1])
         new = self._unread()
         if new and not new.endswith("\ufffd"):
             return self._release(new, len(self.ids))
@@ -586,6 +616,33 @@ class DecodeStream:
             if done and len(done) < len(new) and new.startswith(done):
                 return self._release(done, len(self.ids) - 1)
         return ""
+
+    def _extend_run(self, token_id: int) -> None:
+        """Track the run of byte tokens that the ids end in, now that they end in `token_id`."""
+        byte = self.tokenizer.fallback_byte(token_id)
+        if byte is None:
+            self._run, self._run_dead = bytearray(), False
+        elif not self._run_dead:
+            self._run.append(byte)
+            try:
+                self._run.decode("utf-8")
+            except UnicodeDecodeError as e:  # a character cut at the end may still be completed; any other fault not
+                self._run_dead = e.reason != "unexpected end of data"
+
+    def _push_byte_fallback(self, token_id: int) -> str:
+        """push() under a byte-fallback decoder: a run of byte tokens decodes whole, so a later byte can turn the
+        run's valid text into U+FFFDs; its text is held until the run ends or holds a byte that no later one can
+        mend. From then on each byte of the run is one U+FFFD, released without decoding (a long run stays linear);
+        the window the ids are decoded in keeps starting before the run."""
+        dead = self._run_dead
+        self._extend_run(token_id)
+        if dead and self._run_dead:
+            self._read = len(self.ids)
+            self.text += "\ufffd"
+            return "\ufffd"
+        if self._run and not self._run_dead:
+            return ""
+        return self._release(self._unread(), len(self.ids))
 
     def _release(self, new: str, read: int) -> str:
         """Return `new`, the text the ids up to `read` add, as released."""

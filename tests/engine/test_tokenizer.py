@@ -645,3 +645,31 @@ def test_read_gguf_metadata_matches_gguf_reader(tmp_path):
     for key in ["general.architecture", *kv]:
         expect = theirs[key].contents()
         assert mine[key] == (expect.tolist() if hasattr(expect, "tolist") else expect), key
+
+
+def test_sentencepiece_decode_stream_of_byte_runs(spm):
+    """Byte tokens (<0xXX>) and pieces pushed one by one add up to decode() of all the ids, though a byte-fallback
+    decoder reads a run of byte tokens whole (a later byte can turn the run's valid text into U+FFFDs); a run that
+    can no longer be valid comes out as it goes, and after a context cut inside a character the character comes out
+    whole."""
+    import random
+
+    _, t = spm
+    assert t.byte_fallback and not t.byte_level
+    byte_ids = {b: t._tok.token_to_id(f"<0x{b:02X}>") for b in range(256)}  # no text encodes to them
+    assert t.fallback_byte(byte_ids[0x9F]) == 0x9F and t.fallback_byte(t.encode("Hello")[0]) is None
+    words = t.encode("Hello world, and")
+    rng = random.Random(0)
+    for _ in range(400):
+        ids = [rng.choice([*words, *(byte_ids[b] for b in (0x41, 0x80, 0xBF, 0xC3, 0xA9, 0xE4, 0xB8, 0xAD, 0xF0))])
+               for _ in range(rng.randrange(1, 30))]
+        stream = DecodeStream(t)
+        assert "".join(stream.push(i) for i in ids) + stream.flush() == t.decode(ids), ids
+        cut = rng.randrange(len(ids))
+        shown = t.decode(ids[:cut])
+        stream = t.decode_stream(context=ids[:cut])
+        out = "".join(stream.push(i) for i in ids[cut:]) + stream.flush()
+        assert shown[:len(os.path.commonprefix([shown, t.decode(ids)]))] + out == t.decode(ids), (ids, cut)
+    lone = DecodeStream(t)  # a run that can never be valid: released byte by byte, not decoded again at each push
+    pieces = [lone.push(byte_ids[0x80]) for _ in range(2000)]
+    assert all(p == "\ufffd" for p in pieces) and lone.flush() == "" and lone.text == t.decode([byte_ids[0x80]] * 2000)
