@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from nodekv import _C
+from nodekv.bench import count
 from nodekv.kernels.cpu_ops import simd_level
 from nodekv.kernels.quant import BLOCK_BYTES, BLOCK_ELEMS, QuantLinearWeight, QuantStack, QuantWeight, quant_linear
 
@@ -170,7 +171,7 @@ def sweep(weights: list[QuantLinearWeight], counts: list[int], reps: int, dense:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=count, default=torch.get_num_threads())
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tokens", default="1",
                     help="rows of x per matmul (1 = decode); a comma list (1,2,4,8,16) sweeps the counts")

@@ -23,6 +23,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from nodekv.bench import count
+
 
 def _fractions(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
@@ -34,8 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="qwen2.5-1.5b")
     p.add_argument("--dataset", default="hotpotqa")
     p.add_argument("--data-dir", default=None)
-    p.add_argument("--records", type=int, default=5, help="the first N good records")
-    p.add_argument("--k", type=int, default=5, help="chunks retrieved (methods with a k option)")
+    p.add_argument("--records", type=count, default=5, help="the first N good records")
+    p.add_argument("--k", type=count, default=5, help="chunks retrieved (methods with a k option)")
     p.add_argument("--repair", type=_fractions, default=[0.05, 0.15, 0.3], help="blend's repaired fractions")
     p.add_argument("--repair-by", type=lambda t: t.split(","), default=["deviation", "boundary"],
                    help="blend's rules for which tokens to repair")
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--indexes", type=Path, default=None,
                    help="an index store directory (an evaluation's runs/indexes): indexes found there are loaded, "
                         "others built and saved there")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=count, default=2)
     args = p.parse_args(argv)
     if min(args.records, args.threads) < 1:
         p.error("--records and --threads must be at least 1")

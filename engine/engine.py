@@ -315,10 +315,21 @@ def check_load(dtype: str | None = None, backend: str = "auto", threads: int | N
     backend_ops(backend, DTYPES[dtype], target)  # an unknown backend, or one that cannot run here, is refused now
     check_precision(precision, DTYPES[dtype], target)
     kv = resolve_kv_dtype(kv_dtype, DTYPES[dtype], backend, target)
-    for name, value in (("threads", threads), ("kv_tokens", kv_tokens), ("page_size", page_size)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+    check_threads(threads)
+    for name, value in (("kv_tokens", kv_tokens), ("page_size", page_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return target, dtype, kv
+
+
+def check_threads(threads: int | None, name: str = "threads") -> None:
+    """ValueError unless `threads` is None or an int from 1 to 4x the CPUs this process may run on: more only
+    switches between threads, and torch hangs or crashes with thousands."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 1 <= threads <= 4 * cpus):
+        raise ValueError(f"{name} must be an int from 1 to {4 * cpus} (4x the {cpus} CPUs this process may use), "
+                         f"got {threads!r}")
 
 
 def resolve_dtype(dtype: str | None, target: torch.device) -> str:

@@ -13,6 +13,7 @@ import sys
 
 from nodekv import commands
 from nodekv.engine.config import PRESETS
+from nodekv.engine.engine import check_threads
 from nodekv.engine.model import PRECISIONS
 from nodekv.engine.models import DEFAULT_MODEL, MODELS
 from nodekv.methods.prompts import PROMPTS
@@ -221,12 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-COUNTS = ("limit", "threads", "max_new_tokens", "dev", "tokens", "n_ctx")  # arguments that must be >= 1
+COUNTS = ("limit", "max_new_tokens", "dev", "tokens", "n_ctx")  # arguments that must be >= 1
 
 
 def check_counts(args: argparse.Namespace) -> None:
-    """A ValueError naming the first count argument given below 1 (`--limit 0` would run nothing, `--threads 0`
-    fail inside torch): refused before any work."""
+    """A ValueError naming the first count argument given below 1 (`--limit 0` would run nothing), or --threads out
+    of `check_threads`' range (torch fails on 0 and crashes on thousands): refused before any work."""
+    check_threads(getattr(args, "threads", None), "--threads")
     for name in COUNTS:
         value = getattr(args, name, None)
         if value is not None and value < 1:
