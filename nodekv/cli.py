@@ -252,3 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # nodekv's input errors are ValueErrors with a message naming the problem
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file that could not be read or written (a full disk, a folder gone meanwhile)
+        print(f"error: {e}", file=sys.stderr)
+        return 1

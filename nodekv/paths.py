@@ -10,6 +10,7 @@ import json
 import os
 import re
 import secrets
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,7 +67,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     _remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name[:200]}.{os.getpid()}-{secrets.token_hex(4)}.tmp")  # within NAME_MAX
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # 0o666 less the umask, as open() makes
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # 0o666 less the umask, as open()
+    except OSError as e:  # named by the path asked for, not the hidden temporary
+        _check_folder(path.parent)
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -148,8 +153,12 @@ def _check_folder(folder: Path, lead: str = "the output folder ") -> None:
         raise ValueError(f"{lead}{folder} does not exist")
     if not folder.is_dir():
         raise ValueError(f"{lead}{folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{lead}{folder} is not writable")
+    try:  # a file made and removed: permission bits do not bind root, and a read-only or virtual file system
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".nodekv-", suffix=".tmp")  # refuses only here
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{lead}{folder} is not writable ({e.strerror})") from None
 
 
 def check_output_file(path: str | os.PathLike) -> Path:

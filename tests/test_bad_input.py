@@ -103,6 +103,7 @@ CASES = [  # argv, the one line on stderr
     ([*EVAL, "--limit", "three"], "error: argument --limit: invalid int value: 'three' (see nodekv eval --help)"),
     (["ask", "--threads", "0", "doc.txt", "q"], "error: --threads must be an int from 1 to "),
     (["index", "doc.txt", "--threads", "100000"], "error: --threads must be an int from 1 to "),  # torch crashed
+    (["index", "doc.txt", "--method", "bm25", "-o", "/proc/x.bm25"], "error: the output folder /proc is not writable"),
     (["ask", "--max-new-tokens", "0", "doc.txt", "q"], "error: --max-new-tokens must be >= 1, got 0"),
     (["flops", "--model", "smollm2-135m", "--tokens", "0"], "error: --tokens must be >= 1, got 0"),
     (["ask", "--prompt", "nope", "doc.txt", "q"], "error: argument --prompt: invalid choice: 'nope'"),
@@ -455,3 +456,24 @@ def test_atomic_writes_keep_ordinary_permissions_and_replace_whole(tmp_path):
         tmp.write_bytes(b"partial")
         assert path.read_text() == '{"a": 1}'  # the old file stays until the block ends
     assert path.read_bytes() == b"partial" and _hidden(tmp_path) == []
+
+
+def test_an_atomic_write_that_cannot_start_names_the_path_asked_for(tmp_path):
+    """Not the hidden temporary: a missing folder is a ValueError naming it, another failure an OSError naming the
+    file (/proc takes no new files, whoever asks: root ignores permission bits)."""
+    with pytest.raises(ValueError, match=f"^the output folder {tmp_path / 'nowhere'} does not exist$"):
+        write_atomic(tmp_path / "nowhere" / "x.bm25", "index")
+    with pytest.raises(ValueError, match=r"^the output folder /proc is not writable \(.+\)$"):
+        write_atomic("/proc/x.bm25", "index")
+
+
+def test_a_file_the_cli_cannot_write_is_one_line(monkeypatch, capsys):
+    """An OSError (a full disk, a folder removed meanwhile) ends a command with one line and status 1."""
+    from nodekv import commands
+
+    def full_disk(args):
+        raise OSError(28, "cannot write x.bm25: No space left on device")
+
+    monkeypatch.setattr(commands, "flops", full_disk)
+    assert main(["flops", "--model", "smollm2-135m", "--tokens", "8"]) == 1
+    assert capsys.readouterr().err == "error: [Errno 28] cannot write x.bm25: No space left on device\n"
