@@ -205,11 +205,18 @@ def dev_records(dataset: str, data_dir: str | None, dev: tuple[int, int]) -> lis
     return records[first:]
 
 
+def _configure(options: dict):
+    """The PECAN config a calibration holds for; t_p, what it chooses, is refused (it would be swept over anyway)."""
+    if "t_p" in options:
+        raise ValueError("t_p is what a calibration chooses: drop --option t_p (the others say what it holds for)")
+    return Pecan.configure(**options)
+
+
 def check_calibration(dataset: str, dev: tuple[int, int], out: str | Path, data_dir: str | None, options: dict,
                       model: str | None) -> None:
     """Refuse (ValueError) before `model` (as `load_engine` takes it) loads what `calibrate` would refuse after: bad
     PECAN options, a dev range without records, sweeps logged under another model or config."""
-    config = Pecan.configure(**options)
+    config = _configure(options)
     dev_records(dataset, data_dir, dev)
     _logged(calibration_path(out, dataset, config.prompt_style).with_suffix(SWEEPS_SUFFIX),
             _sweep_settings(resolve_model(model), config))
@@ -227,6 +234,7 @@ def calibrate(engine: Engine, dataset: str, dev: tuple[int, int], objective: str
     check_objective(objective, target_nodes)
     records = dev_records(dataset, data_dir, dev)
     options = dict(options or {})
+    _configure(options)
     method = Pecan(engine, prompt=prompt_for(dataset), **options)
     path = calibration_path(out, dataset, method.config.prompt_style)
     log = path.with_suffix(SWEEPS_SUFFIX)

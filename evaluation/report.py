@@ -20,13 +20,21 @@ TOP_K_RUN = re.compile(r"(bm25|dense)-top(\d+|x-.+)")
 SWEEPS_SUFFIX = ".sweeps.jsonl"  # `nodekv calibrate`'s log of its dev records' sweeps, beside the runs: not a run
 
 
+def read_meta(path: Path) -> dict:
+    """A run's .meta.json, or a ValueError naming the file if it does not hold a JSON object."""
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not a run's meta file (a JSON object)")
+    return meta
+
+
 def _meta(path: Path) -> tuple[str, str, dict]:
     """A run file's (method, dataset, meta): from its meta file, else from its name (METHOD-DATASET.jsonl)."""
     meta_path = path.with_suffix(".meta.json")
-    try:
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    except ValueError as e:
-        raise ValueError(f"{meta_path} is not JSON ({e})") from None
+    meta = read_meta(meta_path) if meta_path.exists() else {}
     method, dataset = meta.get("method"), meta.get("dataset")
     if method is None:
         method, _, dataset = path.stem.rpartition("-")
@@ -384,6 +392,9 @@ def report(runs: list[Path], out_dir: Path, reference: str | None = None, agains
     if not files:
         raise FileNotFoundError(f"no run files (*.jsonl) in {', '.join(map(str, runs))}")
     summaries = [summarize(f) for f in files]
+    methods = sorted({s["method"] for s in summaries})
+    if reference is not None and reference not in methods:  # else its ratio column would be blank, unexplained
+        raise ValueError(f"no run of {reference} to take the TFLOPs ratio against (runs: {', '.join(methods)})")
     text = ("## Quality and query cost\n\n" + table(summaries, reference) +
             "\n\n## What reached the reader, and why answers were wrong\n\n"
             "A wrong answer (primary metric below 0.5) is a retrieval miss when a supporting passage did not reach the "

@@ -13,8 +13,9 @@ workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
 file is the same as an uninterrupted run's; records whose lines are errors are tried again, their error lines dropped
 once the run ends. A run file is resumed only under the model, precision, dtype, KV cache dtype, options and method
-config that wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a calibration written
-since or a longer cross-fitted run is refused, not mixed in, and before the model loads (`check_run`).
+config that wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a
+calibration written since or a longer cross-fitted run is refused, not mixed in, and before the model loads
+(`check_run`).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from .eval_line import evaluate_record
 from .index_store import BuiltIndex, IndexStore, document_hash
 from .pecan_calibration import with_calibration
 from .ray_tasks import RayPlan, WorkerSpec, evaluate_on_ray, index_on_ray
-from .report import current_lines
+from .report import current_lines, read_meta
 
 
 @dataclass
@@ -91,7 +92,7 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
     from ..engine.flops import forward_flops
 
     check_top_x(cfg.method)
-    ref = _answered(reference)
+    ref = _answered(reference, cfg.dataset, str(engine.path))
     target = sum(r["query_flops"] for r in ref) / len(ref)
     gen = round(sum(len(engine.tokenizer.encode(r["prediction"])) + 1 for r in ref) / len(ref))
     records = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit).records[:sample]
@@ -109,11 +110,19 @@ def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sa
     return k, {"matched_to": str(reference), "target_query_flops": target, "predicted_query_flops": predicted[k]}
 
 
-def _answered(reference: Path) -> list[dict]:
-    """The answered lines of a Top-X reference run file, or a ValueError naming what it lacks."""
+def _answered(reference: Path, dataset: str, model: str) -> list[dict]:
+    """The answered lines of a Top-X reference run file of `dataset` on the model file `model` (as its meta names
+    them), or a ValueError naming what it lacks: the FLOPs of another dataset's or model's run match nothing here."""
     ref = [r for r in read_json_lines(check_input(reference, "reference run")) if "error" not in r]
     if not ref:
         raise ValueError(f"reference run {reference} has no answered records to match")
+    meta_path = reference.with_suffix(".meta.json")
+    meta = read_meta(meta_path) if meta_path.is_file() else {}
+    for key, ours in (("dataset", dataset), ("model", Path(model).name)):
+        theirs = meta.get(key) and (Path(meta[key]).name if key == "model" else meta[key])
+        if theirs and theirs != ours:
+            raise ValueError(f"reference run {reference} is a run on {key} {theirs}, not {ours}: match a run of "
+                             "the same dataset and model")
     return ref
 
 
@@ -127,21 +136,25 @@ def kv_dtype_name(engine: Engine) -> str:
     return next(name for name, d in KV_DTYPES.items() if d == engine.pool.dtype)
 
 
-RESUMED_AS_WRITTEN = ("model", "precision", "dtype", "kv_dtype", "options", "config")  # what a resumed run file must keep
+RESUMED_AS_WRITTEN = ("model", "precision", "dtype", "kv_dtype", "options", "config")  # a resumed run file keeps them
 
 
 def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bool = False) -> None:
     """Refuse (ValueError, before any work) to append to a run file that was written under another model file,
-    precision, dtype, KV cache dtype, option set or method config: a calibration file written since (PECAN's t_p) or a method default
-    changed since would otherwise mix two settings in one file under one label. A method that learns across
+    precision, dtype, KV cache dtype, option set or method config: a calibration file written since (PECAN's t_p) or
+    a method default changed since would otherwise mix two settings in one file under one label; and to append to
+    one whose meta file is gone, which says nothing of its settings. A method that learns across
     documents (`across_documents`) also keeps the run's record count: its folds are dealt over the run's documents,
     so a run extended from 10 records to 30 would mix answers fitted on 8 other documents with answers fitted on 24.
     Keys an older meta file lacks are not checked; the model is compared by file name, so a run moves between
     machines."""
     meta_path = path.with_suffix(".meta.json")
-    if not resuming or not meta_path.is_file():
+    if not resuming:
         return
-    old, new = json.loads(meta_path.read_text()), json.loads(json.dumps(meta))  # tuples as lists, as written
+    if not meta_path.is_file():
+        raise ValueError(f"{path} holds answers but {meta_path.name}, the settings that wrote them, is missing: "
+                         "restore it, or give this run another --label")
+    old, new = read_meta(meta_path), json.loads(json.dumps(meta))  # tuples as lists, as written
     if "dtype" in old:  # written before the KV cache's dtype was kept: the cache held the model's dtype
         old.setdefault("kv_dtype", old["dtype"])
     if "model" in old:
@@ -166,8 +179,9 @@ def _differences(old: dict, new: dict) -> dict[str, str]:
 
 def _run_meta(cfg: RunConfig, model: str, precision: str, dtype: str, kv_dtype: str, loaded: LoadResult) -> dict:
     """What a run of cfg over `loaded` on the model file `model` at `precision`, `dtype` and `kv_dtype` is written
-    and resumed under (its .meta.json, less a Top-X run's match): the options with where each comes from (a calibration's t_p
-    when one holds for this model, `with_calibration`), the method config, the generation settings and the records."""
+    and resumed under (its .meta.json, less a Top-X run's match): the options with where each comes from (a
+    calibration's t_p when one holds for this model, `with_calibration`), the method config, the generation settings
+    and the records."""
     method_class = get(cfg.method)
     defaults = with_calibration(method_class, method_class.dataset_defaults(cfg.dataset), cfg.dataset,
                                 cfg.path.parent, cfg.options, model, [r.id for r in loaded.records])
@@ -193,7 +207,7 @@ def check_run(cfg: RunConfig, model: str | None, precision: str, dtype: str = "f
         with cfg.path.open("a") as run_file:  # the lock is let go at once: `run` takes it for the run
             _lock(run_file, cfg.path)
     if cfg.match is not None:
-        _answered(Path(cfg.match))
+        _answered(Path(cfg.match), cfg.dataset, str(resolve_model(model)))
     else:
         meta = _run_meta(cfg, str(resolve_model(model)), precision, dtype, kv_dtype or dtype,
                          load_dataset(cfg.dataset, cfg.data_dir, cfg.limit))

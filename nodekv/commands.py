@@ -12,7 +12,7 @@ from pathlib import Path
 from nodekv.engine.engine import check_load
 from nodekv.engine.models import CACHE_ENV, DEFAULT_MODEL, MODELS, model_cache_dir, model_status, resolve_model
 from nodekv.methods.prompts import prompt_for
-from nodekv.paths import check_input, check_output_file, check_output_folder, read_text
+from nodekv.paths import check_input, check_output_file, check_output_folder, read_json_lines, read_text
 
 
 def _saved_by(path: str | Path | None) -> str | None:
@@ -253,6 +253,7 @@ def evaluate(args: argparse.Namespace) -> int:
     from nodekv import load_engine
     from nodekv.methods import get
     from nodekv.evaluation.datasets import DataNotFoundError, check_dataset
+    from nodekv.evaluation.report import current_lines
     from nodekv.evaluation.runner import check_run, check_top_x, run
 
     try:
@@ -274,8 +275,10 @@ def evaluate(args: argparse.Namespace) -> int:
     except (DataNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {path}")
-    return 0
+    failed = sum("error" in line for line in current_lines(read_json_lines(path)))
+    print(f"wrote {path}" + (f"; {failed} record(s) failed (their lines say why), a rerun tries them again"
+                             if failed else ""))
+    return 1 if failed else 0
 
 
 def run_config(args: argparse.Namespace):

@@ -74,6 +74,8 @@ def test_a_stopped_calibration_resumes_from_its_logged_sweeps_and_refuses_anothe
     with pytest.raises(ValueError, match="another model"):
         cal.calibrate(other, out=tmp_path / "stopped", **run)
     with pytest.raises(ValueError, match="another config"):
+        cal.calibrate(engine, out=tmp_path / "stopped", options={"t_n": 2}, **run)
+    with pytest.raises(ValueError, match="t_p is what a calibration chooses"):
         cal.calibrate(engine, out=tmp_path / "stopped", options={"t_p": 0.3}, **run)
     assert swept == []
 

@@ -51,9 +51,10 @@ def test_run_resume_and_report(tmp_path, capsys):
     meta = json.loads((tmp_path / "a" / "bm25-top2-hotpotqa.meta.json").read_text())
     assert meta["skipped"][0]["id"] == "bad"
 
-    # a run killed after its first record, mid-way through writing the second line
+    # a run killed after its first record, mid-way through writing the second line (its meta written first)
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "bm25-top2-hotpotqa.jsonl").write_text(full[0] + "\n" + full[1][: len(full[1]) // 2])
+    (tmp_path / "b" / "bm25-top2-hotpotqa.meta.json").write_text(json.dumps(meta))
     assert _eval(data, tmp_path / "b") == 0
     resumed = [json.loads(x) for x in (tmp_path / "b" / "bm25-top2-hotpotqa.jsonl").read_text().splitlines()]
     strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "index_s", "prompt_s")}  # noqa: E731
@@ -177,6 +178,35 @@ def test_a_meta_from_before_the_cache_dtype_was_kept_held_the_models_dtype(tmp_p
         check_resumable(path, {"model": "m.gguf", "dtype": "float32", "kv_dtype": "float16"}, resuming=True)
 
 
+def test_a_run_file_without_its_meta_or_with_a_broken_one_is_not_resumed(tmp_path):
+    """Answers whose settings are unknown (the meta file gone) or unreadable are not appended to."""
+    from nodekv.evaluation.runner import check_resumable
+
+    path, new = tmp_path / "run-hotpotqa.jsonl", {"model": "m.gguf", "dtype": "float32", "kv_dtype": "float32"}
+    check_resumable(path, new, resuming=False)  # a new run writes its meta first
+    with pytest.raises(ValueError, match=f"^{path} holds answers but run-hotpotqa.meta.json, the settings that wrote "
+                                         "them, is missing: restore it, or give this run another --label$"):
+        check_resumable(path, new, resuming=True)
+    path.with_suffix(".meta.json").write_text('{"model": ')
+    with pytest.raises(ValueError, match=f"^{path.with_suffix('.meta.json')} is not JSON \\(Expecting value"):
+        check_resumable(path, new, resuming=True)
+
+
+def test_top_x_refuses_a_reference_run_of_another_dataset_or_model(tmp_path):
+    """Its FLOPs are another prompt's, or another model's: no k of this run matches them."""
+    from nodekv.evaluation.runner import _answered
+
+    ref = tmp_path / "pecan-hotpotqa.jsonl"
+    ref.write_text(json.dumps({"id": "q1", "query_flops": 10, "prediction": "x"}) + "\n")
+    assert len(_answered(ref, "musique", "/any/m.gguf")) == 1  # no meta: nothing to compare
+    ref.with_suffix(".meta.json").write_text(json.dumps({"dataset": "hotpotqa", "model": "/a/m.gguf"}))
+    assert len(_answered(ref, "hotpotqa", "/b/m.gguf")) == 1  # the same file on another machine
+    with pytest.raises(ValueError, match="is a run on dataset hotpotqa, not musique: match a run of the same dataset"):
+        _answered(ref, "musique", "/a/m.gguf")
+    with pytest.raises(ValueError, match="is a run on model m.gguf, not other.gguf"):
+        _answered(ref, "hotpotqa", "/a/other.gguf")
+
+
 def test_a_resume_refusal_names_each_changed_setting_once(tmp_path):
     """An option is kept twice in a run's meta (as given, and in the method config): a change is named once, on a
     line of its own."""
@@ -215,11 +245,12 @@ def test_a_resumed_run_retries_its_error_lines_and_a_kill_keeps_the_retries(tmp_
     argv = ["eval", "--method", "test-saver", "--dataset", "hotpotqa", "--data-dir", str(tmp_path / "data"),
             "--out", str(tmp_path / "runs"), "--model", str(engine.path)]
     write_data("FAIL")
-    assert cli_main(argv) == 0
+    assert cli_main(argv) == 1  # a record failed: the status says so, as the last line
+    assert capsys.readouterr().out.endswith("; 1 record(s) failed (their lines say why), a rerun tries them again\n")
     first = lines()
     assert [(r["id"], "error" in r) for r in first] == [("q1", False), ("q2", True), ("q3", False)]
     assert report.summarize(run_file)["errors"] == 1
-    assert cli_main(argv) == 0  # tried again, failed again: still one line for it
+    assert cli_main(argv) == 1  # tried again, failed again: still one line for it
     assert [(r["id"], "error" in r) for r in lines()] == [("q1", False), ("q3", False), ("q2", True)]
     first = lines()
     capsys.readouterr()
