@@ -8,6 +8,7 @@ extra (`.[ray]`).
 """
 from __future__ import annotations
 
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,21 @@ class RayPlan:
     address: str | None
     workers: int
     threads: int
+
+
+def check_address(address: str | None) -> None:
+    """A ValueError unless the host:port of an existing cluster accepts a connection within 3 s, tried before any
+    work (ray.init would try for ~20 s after the model loaded); a local runtime (None), "auto" and ray:// client
+    addresses are left to ray.init."""
+    if address is None or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not (host and port.isdigit()):
+        raise ValueError(f"--ray {address}: an address is HOST:PORT, auto or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+    except OSError as e:
+        raise ValueError(f"--ray {address}: no Ray cluster answers there ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -74,8 +90,11 @@ def ray_workers(plan: RayPlan, spec: WorkerSpec) -> Iterator[list]:
         raise ValueError("--ray needs Ray: pip install 'nodekv[ray]' (or pip install ray)") from None
     started = not ray.is_initialized()
     if started:
-        ray.init(address=plan.address, include_dashboard=False, log_to_driver=False,
-                 **({} if plan.address else {"num_cpus": plan.workers * plan.threads}))
+        try:
+            ray.init(address=plan.address, include_dashboard=False, log_to_driver=False,
+                     **({} if plan.address else {"num_cpus": plan.workers * plan.threads}))
+        except ConnectionError as e:  # a cluster gone since check_address, or one behind "auto"
+            raise ValueError(f"--ray {plan.address or ''}: cannot join the Ray cluster ({e})") from None
     try:
         worker = ray.remote(num_cpus=plan.threads, max_restarts=-1, max_task_retries=-1)(_Worker)
         yield [worker.remote(spec, plan.threads) for _ in range(plan.workers)]

@@ -129,12 +129,13 @@ def index(args: argparse.Namespace) -> int:
 
 def _ray_plan(args: argparse.Namespace):
     """The RayPlan that --ray, --workers and --threads describe (None without --ray)."""
-    from nodekv.evaluation.ray_tasks import RayPlan
+    from nodekv.evaluation.ray_tasks import RayPlan, check_address
 
     if args.ray is None:
         return None
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    check_address(args.ray or None)
     return RayPlan(args.ray or None, args.workers, args.threads or 1)
 
 
