@@ -230,6 +230,11 @@ class Reader:
         half = room // 2
         return ids[:half] + ids[len(ids) - (room - half):], True
 
+    def check_question(self, question: str, options: Sequence[str] = ()) -> None:
+        """A ValueError when the prompt with `question` (and `options`) leaves no room for a context: for a caller to
+        check before it builds an index to answer it from."""
+        self.prompt_ids("", question, options)
+
     def shared_length(self, context: str | None, question: str, options: Sequence[str] = ()) -> int:
         """How many leading ids of this question's prompt every question about `context` shares: where prompts
         with other questions part from it (two sentinel questions say where the question begins; a middle cut moves

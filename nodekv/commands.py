@@ -190,6 +190,7 @@ def ask(args: argparse.Namespace) -> int:
                       device=args.device, kv_dtype=args.kv_dtype)
     t1 = time.perf_counter()
     method = method_class(eng, prompt=prompt, **options)
+    method.reader.check_question(args.question)  # before the index is built, not after
     before = eng.flops.total
     with eng.flops.scope("index"):
         index = method.load_index(doc) if saved else method.index(text)

@@ -191,6 +191,15 @@ def test_cli_index_and_ask_work_for_any_method_that_saves(saver, engine, tmp_pat
     assert "A: 3" in capsys.readouterr().out and saver.built == 2
 
 
+@pytest.mark.model
+def test_ask_refuses_a_question_with_no_room_for_a_context_before_building_the_index(saver, tmp_path, capsys):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("one two three")
+    question = "How many words? " * 3000  # ~12K tokens: SmolLM2's window is 8K
+    assert main(["ask", "--method", "test-saver", str(doc), question, "--model", "smollm2-135m"]) == 2
+    assert capsys.readouterr().err.startswith("error: the prompt takes ") and saver.built == 0
+
+
 def test_evaluate_reuses_saved_indexes_by_index_key(saver, engine, tmp_path):
     from nodekv.evaluation.runner import RunConfig, run
 
