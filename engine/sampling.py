@@ -3,6 +3,7 @@
 (greedy, or temperature + nucleus sampling, seeded) and the repetition penalty that may come before it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
@@ -56,9 +57,9 @@ class SamplingParams:
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
-    """A ValueError for a temperature below 0 or a top_p outside (0, 1]."""
-    if not temperature >= 0.0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    """A ValueError for a temperature that is not a finite number >= 0 or a top_p outside (0, 1]."""
+    if not (isinstance(temperature, (int, float)) and 0.0 <= temperature < math.inf):  # NaN fails the bounds too
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
@@ -68,7 +69,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     """One token id from float32 logits [vocab]; temperature 0 is greedy (argmax, lowest id on ties)."""
     if temperature == 0.0:  # numpy's argmax (first maximum, like torch's) costs ~9 us here against torch's ~100
         return int(logits.numpy().argmax()) if logits.is_cpu and logits.dtype == torch.float32 else int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # the largest logit goes to 0 before the division, so that no logit overflows to +inf (NaN probabilities) under
+    # a tiny temperature; in float64, where a positive temperature never rounds to 0 (float32's would below ~1e-45)
+    probs = torch.softmax(((logits.double() - logits.max()) / temperature).float(), dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p

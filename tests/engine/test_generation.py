@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_engine
 from nodekv.engine.flops import forward_flops
-from nodekv.engine.sampling import SamplingParams
+from nodekv.engine.sampling import SamplingParams, sample
 
 PROMPT = [5, 17, 3, 99, 42, 8, 8, 61]
 EOS = 100
@@ -194,11 +194,47 @@ def test_sampling_params_is_one_value_for_every_generate_call(tiny):
         out.append(int(logits.argmax()))
     assert gen.ids == out
     for bad, msg in [(dict(max_new_tokens=-1), "max_new_tokens"), (dict(top_p=0.0), "top_p"),
+                     (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+                     (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+                     (dict(temperature="0.5"), "temperature must be a finite number >= 0, got '0.5'"),
                      (dict(stop=("",)), "stop strings"), (dict(repetition_penalty=0.0), "repetition_penalty")]:
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**bad)
     with pytest.raises(TypeError, match="unknown sampling option"):
         eng.session().generate(3, temprature=0.5)
+
+
+def test_sampling_draws_from_a_float64_softmax_at_any_positive_temperature(monkeypatch):
+    """The probabilities handed to the draw are softmax(logits / temperature) computed in float64 here; below the
+    temperatures where that overflows, its limit: all the mass on greedy's token. Masked (-inf) logits get none."""
+    drawn = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda probs, *a, **k: drawn.append(probs) or multinomial(probs, *a, **k))
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 8
+    logits[[3, 17, 40]] = float("-inf")
+    greedy = sample(logits)
+    for temperature in (1e-45, 1e-3, 0.5, 1.0, 4.0, 1e30, 1e-320, 5e-324):
+        token = sample(logits, temperature, generator=torch.Generator().manual_seed(1))
+        want = torch.softmax(logits.double() / temperature, 0)
+        if not want.isfinite().all():  # logits / temperature overflowed: the limit
+            want = torch.nn.functional.one_hot(torch.tensor(greedy), 50).double()
+        assert (drawn[-1].double() - want).abs().max() < 1e-6, temperature
+        assert drawn[-1][[3, 17, 40]].sum() == 0
+        if temperature < 1e-3:
+            assert token == greedy
+
+
+def test_a_tiny_temperature_generates_greedys_tokens_under_every_constraint(tiny):
+    _, eng = tiny
+    s = eng.session()
+    s.append(PROMPT)
+    for steering in ({}, {"allowed_tokens": [4, 9, 61, EOS]}, {"choices": ["<1><2>", "<1><5><6>", "<8>"]}):
+        greedy = s.fork().generate(5, **steering)
+        for temperature in (1e-45, 5e-324):
+            assert s.fork().generate(5, temperature=temperature, seed=0, **steering).ids == greedy.ids
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got inf"):
+        s.generate(3, temperature=float("inf"), choices=["<1>"])
+    assert s.tokens == PROMPT and s._generation is None
 
 
 def test_finish_reasons(tiny):
