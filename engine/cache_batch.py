@@ -19,8 +19,7 @@ class CacheBatch:
     """The caches of a batched forward and the row layout: sequence i owns `counts[i]` consecutive rows."""
 
     def __init__(self, caches: Sequence[PagedKVCache], counts: Sequence[int]):
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("a batch cannot hold the same cache twice (fork the session instead)")
+        check_distinct(caches)
         self.caches, self.counts = list(caches), list(counts)
         self.kept = list(counts)  # rows per sequence that reach the final layer's attention (see `keep_rows`)
         self._decode_args: tuple | None = ()  # `decode_attention`'s arguments, None where it does not serve; () unknown
@@ -82,3 +81,9 @@ class CacheBatch:
             raise ValueError(f"a batch of {sum(self.counts)} rows cannot commit {n_tokens}")
         for cache, n in zip(self.caches, self.counts):
             cache.commit(n)
+
+
+def check_distinct(caches: Sequence[PagedKVCache]) -> None:
+    """A ValueError where a cache comes twice: one sequence cannot take two rows of a batch."""
+    if len({id(c) for c in caches}) != len(caches):
+        raise ValueError("a batch cannot hold the same cache twice (fork the session instead)")

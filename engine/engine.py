@@ -190,8 +190,9 @@ class Engine:
                 positions[0] < 0 or positions[-1] >= cache.length:
             raise ValueError(f"recompute needs one increasing position per token within the {cache.length} cached, "
                              f"got {len(positions)} positions for {tokens.shape[0]} tokens")
-        if layers is not None and not 1 <= layers <= self.config.n_layers:
-            raise ValueError(f"layers must be in 1..{self.config.n_layers}, got {layers}")
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
+                                   or not 1 <= layers <= self.config.n_layers):
+            raise ValueError(f"layers must be an int in 1..{self.config.n_layers} or None, got {layers!r}")
         state = None if layers is None else cache.state()  # a deviation leaves the cache as it was
         try:
             out = self.model.recompute(tokens, torch.tensor(positions), cache, layers)

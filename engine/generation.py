@@ -13,6 +13,7 @@ from typing import Callable, Collection, Hashable, Sequence
 
 import torch
 
+from .cache_batch import check_distinct
 from .runner import DecodingSession, ModelRunner
 from .sampling import RepetitionPenalty, SamplingParams, sample
 
@@ -255,6 +256,7 @@ def generate(engine: ModelRunner, sessions: Sequence[DecodingSession], params: S
     `Session.start_generation`. Each state is seeded as it would be alone, so the results equal generating in each
     session alone. On an error every session is as it was before the call."""
     check_one_engine(engine, sessions)
+    check_distinct([s.cache for s in sessions])  # before any session starts: the second start would find it busy
     seeds = [params.seed] * len(sessions) if seeds is None else list(seeds)
     if len(seeds) != len(sessions):
         raise ValueError(f"{len(seeds)} seeds for {len(sessions)} sessions: give one seed, or one per session")

@@ -106,6 +106,9 @@ class Session:
         first layer after it): ||k_context - k_cached|| / ||k_cached||. Costs the first layer + 1 layers' forward of
         those tokens; the cache is left as it was. The tokens to `repair` are those that deviate most."""
         self._check_idle()
+        n_layers = self.engine.config.n_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+            raise ValueError(f"layer must be an int in 0..{n_layers - 1}, got {layer!r}")
         positions = self._cached_positions(positions, "measure")
         if not positions:
             return torch.zeros(0)
@@ -176,10 +179,7 @@ class Session:
     def truncate(self, node_id: Hashable) -> None:
         """Keep the nodes up to and including `node_id`; drop the later ones and their KV pages."""
         self._check_idle()
-        if node_id not in self._index:
-            raise KeyError(f"cannot truncate to node {node_id!r}: it is not in this session "
-                           f"(nodes: {[s.node_id for s in self.nodes]})")
-        self._keep_nodes(self._index[node_id] + 1)
+        self._keep_nodes(self._node_index(node_id, "cannot truncate to") + 1)
 
     def fork(self) -> "Session":
         """A session with the same nodes on the same KV pages (copied on write): a prefix computed once for many."""
@@ -199,9 +199,9 @@ class Session:
         """float32 [tokens of the node, nodes up to and including it]: each token's attention mass per key node,
         averaged over heads and layers (rows sum to 1). Only for nodes appended or generated with collect=True, or
         repaired with `repair(positions, collect=True)`, which gives one row per repaired token of the node."""
+        self._node_index(node_id, "no attention mass for")
         if node_id not in self._mass:
-            known = "it is not in this session" if node_id not in self._index else "it was not collected"
-            raise KeyError(f"no attention mass for node {node_id!r}: {known}")
+            raise ValueError(f"no attention mass for node {node_id!r}: it was not collected")
         return self._mass[node_id]
 
     def node_mass(self, exclude_self: bool = False) -> NodeMass:
@@ -305,6 +305,14 @@ class Session:
                 raise ValueError(f"cannot {action} position {out[-1]}: the session holds positions "
                                  f"0..{len(self.tokens) - 1}")
         return out
+
+    def _node_index(self, node_id: Hashable, refusal: str) -> int:
+        """Where node `node_id` is in `nodes`, or a ValueError starting with `refusal`: it is not in this session."""
+        try:
+            return self._index[node_id]
+        except (KeyError, TypeError):  # TypeError: an unhashable id, which no node has
+            raise ValueError(f"{refusal} node {node_id!r}: it is not in this session "
+                             f"(nodes: {[s.node_id for s in self.nodes]})") from None
 
     def _node_at(self, position: int) -> int:
         """The index of the node holding cached `position`."""

@@ -313,7 +313,7 @@ def test_repaired_tokens_have_the_node_mass_of_hf_eager_attention(pair):
             s.append_stored(engine.store_node(node), node_id=name)
         s.repair(range(len(prefix), len(s)), collect=True)
         got = {name: s.token_mass(name).double() for name in ("a", "b")}
-        with pytest.raises(KeyError, match="was not collected"):
+        with pytest.raises(ValueError, match="no attention mass for node .p.: it was not collected"):
             s.token_mass("p")
     att = hf_attention(hf, prefix + a + b)
     bounds = [0, 11, 28, 37]
@@ -341,6 +341,12 @@ def test_a_partial_repair_rewrites_only_its_positions_and_bad_ones_are_refused(p
                 s.repair(bad)
         with pytest.raises(ValueError, match="cannot measure position 26"):
             s.key_deviation([26])
+        last = engine.config.n_layers - 1
+        for layer in (-1, last + 1, 1.5, True, None):
+            with pytest.raises(ValueError, match=rf"^layer must be an int in 0\.\.{last}, got {layer!r}$"):
+                s.key_deviation([6], layer=layer)
+        with pytest.raises(ValueError, match=r"^layers must be an int in 1\.\.\d+ or None, got 1\.5$"):
+            engine.recompute([s.tokens[6]], [6], s.cache, layers=1.5)
         assert s.key_deviation([]).shape == (0,)
         assert torch.equal(cached_kv(s, 0, len(s))[0], k0)
         s.repair([6, 7, 8])  # the node's first three tokens (the rule that repairs each node's start)

@@ -226,12 +226,17 @@ def test_bad_input_leaves_sessions_usable(hf_tiny):
     s.append([1, 2, 3], node_id="b")  # still usable
     ref = hf_logits(hf, list(range(10)) + [1, 2, 3])[-1]
     assert (s._last_logits() - ref).abs().max() <= 1e-4 * ref.abs().max()
-    with pytest.raises(KeyError, match="cannot truncate to node 'zz'"):
-        s.truncate("zz")
+    for bad, match in (("zz", r"cannot truncate to node 'zz': it is not in this session \(nodes: \['a', 'b'\]\)"),
+                       (["a"], r"cannot truncate to node \['a'\]: it is not in this session")):
+        with pytest.raises(ValueError, match=match):
+            s.truncate(bad)
+        assert len(s) == 13 and [n.node_id for n in s.nodes] == ["a", "b"]
     s.truncate("a")
     assert s.tokens == list(range(10)) and [n.node_id for n in s.nodes] == ["a"]
-    with pytest.raises(KeyError, match="was not collected"):
+    with pytest.raises(ValueError, match="no attention mass for node 'a': it was not collected"):
         s.token_mass("a")
+    with pytest.raises(ValueError, match="no attention mass for node 'b': it is not in this session"):
+        s.token_mass("b")
     other.release()
     with pytest.raises(SessionReleasedError, match="released"):
         other.release()
