@@ -80,15 +80,22 @@ class PagePool:
 def default_pool_pages(config: ModelConfig, dtype: torch.dtype, page_size: int, kv_tokens: int | None,
                        device: torch.device | str = "cpu") -> int:
     """Pages for kv_tokens positions (default: four full context windows, capped at a quarter of the device's
-    memory: physical memory on the CPU, a quarter of what is free on a GPU once the weights are there)."""
+    memory: physical memory on the CPU, a quarter of what is free on a GPU once the weights are there). A pool that
+    would need more than that memory (all of it, not a quarter) is refused here, before torch is asked for it."""
+    per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    device = torch.device(device)
+    memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _physical_memory()
     if kv_tokens is None:
-        per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
-        device = torch.device(device)
-        memory = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _physical_memory()
         kv_tokens = min(4 * config.max_seq_len, memory // 4 // per_token)
     if kv_tokens < 1:
         raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
-    return -(-kv_tokens // page_size)
+    pages = -(-kv_tokens // page_size)
+    need = pages * page_size * per_token  # whole pages: the last one's unused positions take memory too
+    if need > memory:
+        there = "free memory" if device.type == "cuda" else "memory"
+        raise ValueError(f"kv_tokens {kv_tokens:,} in pages of page_size {page_size:,} need {need:,} bytes of KV "
+                         f"pages, more than the {memory:,} bytes of {there} on {device}")
+    return pages
 
 
 def _physical_memory() -> int:

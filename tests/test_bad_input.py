@@ -302,6 +302,35 @@ def test_load_engine_refuses_bad_settings_before_reading_the_model(kwargs, messa
         engine.load_engine("no-such-model.gguf", **kwargs)
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kv_tokens": 10 ** 15}, r"kv_tokens 1,000,000,000,000,000 in pages of page_size 64 need "
+                              r"46,080,000,000,000,000,000 bytes of KV pages, more than the [\d,]+ bytes of memory on "
+                              r"cpu$"),
+    ({"page_size": 10 ** 9}, r"kv_tokens [\d,]+ in pages of page_size 1,000,000,000 need [\d,]+ bytes of KV pages, "
+                             r"more than the [\d,]+ bytes of memory on cpu$"),
+])
+def test_load_engine_refuses_a_page_pool_larger_than_memory_before_allocating_it(kwargs, message, monkeypatch):
+    from nodekv.engine import engine
+
+    monkeypatch.setattr(engine, "PagePool", lambda *a: pytest.fail("the page pool was allocated"))
+    with pytest.raises(ValueError, match=f"^{message}"):
+        engine.load_engine("smollm2-135m", device="cpu", **kwargs)
+
+
+def test_a_page_pool_on_a_gpu_fits_its_free_memory_in_whole_pages(monkeypatch):
+    import torch
+
+    from nodekv.engine.page_pool import default_pool_pages
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 30, 8 << 30))
+    config = preset("smollm2-135m")  # 23,040 bytes per bf16 position: 728 pages of 64 take 1,073,479,680 bytes
+    assert default_pool_pages(config, torch.bfloat16, 64, 728 * 64 - 1, "cuda") == 728
+    with pytest.raises(ValueError, match="^kv_tokens 46,593 in pages of page_size 64 need 1,074,954,240 bytes of KV "
+                                         "pages, more than the 1,073,741,824 bytes of free memory on cuda$"):
+        default_pool_pages(config, torch.bfloat16, 64, 728 * 64 + 1, "cuda")
+
+
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
 def test_a_cpu_precision_on_auto_takes_the_cpu_where_a_gpu_is_seen(monkeypatch, precision):
     from nodekv.engine import engine, model
