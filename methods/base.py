@@ -9,13 +9,13 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 from ..engine.engine import Engine
 from ..engine.tokenizer import check_unicode
 from .options import Option, config_class
 from .prompts import PromptSpec, prompt_for
-from .reader import Answer, Reader, check_room
+from .reader import LETTERS, Answer, Reader, check_room
 
 REGISTERED: dict[str, type[Method]] = {}
 """Every Method subclass declared with a name, by name; `nodekv.methods.get` and `names` read it after importing
@@ -46,16 +46,36 @@ def check_document(document: str, what: str = "the document") -> str:
     return check_unicode(document, what)
 
 
-def _checked(method, check, name: str, position: int, returns: type = object):
-    """`method` running `check` on its argument `name` (the `position`-th after self) before it runs, and refusing
-    a result that is not a `returns` (a plugin's answer given as a plain str would fail later, far from its
-    cause); applied once to each class's own `answer` (the question, an Answer) and `index` (the document)."""
+def check_options(options: Sequence[str]) -> tuple[str, ...]:
+    """`options` as a tuple, or a ValueError if they are not a multiple-choice question's options: distinct,
+    non-blank strings, at most one per answer letter (none: an open question). Every method's `answer` checks them
+    before any prefill (`Method.__init_subclass__`)."""
+    if isinstance(options, str):  # iterating it would take each of its characters for an option
+        raise ValueError(f"options must be a list of strings, got the one string {options!r}")
+    if not isinstance(options, (list, tuple)) or not all(isinstance(o, str) for o in options):
+        raise ValueError(f"options must be a list of strings, got {options!r}")
+    if not all(o.strip() for o in options):
+        raise ValueError(f"options must be non-empty strings, got {list(options)!r}")
+    repeated = sorted({o for o in options if options.count(o) > 1})
+    if repeated:  # two letters for one answer: which is right?
+        raise ValueError(f"options must be distinct, got {', '.join(map(repr, repeated))} more than once")
+    if len(options) > len(LETTERS):
+        raise ValueError(f"options must be at most {len(LETTERS)} (one per answer letter), got {len(options)}")
+    return tuple(check_unicode(o, f"option {letter}") for letter, o in zip(LETTERS, options))
+
+
+def _checked(method, checks: Sequence[tuple[Callable[[Any], Any], str, int, Any]], returns: type = object):
+    """`method` running each (check, name, position, default) of `checks` on its argument `name` (the `position`-th
+    after self; `default` when not given) before it runs, and refusing a result that is not a `returns` (a plugin's
+    answer given as a plain str would fail later, far from its cause); applied once to each class's own `answer`
+    (the question, the options, an Answer) and `index` (the document)."""
     if getattr(method, "checked", False):
         return method
 
     @functools.wraps(method)
     def checked(self, *args, **kwargs):
-        check(args[position] if len(args) > position else kwargs.get(name))
+        for check, name, position, default in checks:
+            check(args[position] if len(args) > position else kwargs.get(name, default))
         result = method(self, *args, **kwargs)
         if not isinstance(result, returns):
             raise ValueError(f"{self.title or type(self).__name__}'s {method.__name__} returned "
@@ -108,9 +128,10 @@ class Method(ABC):
             raise ValueError(f"{cls.__module__}.{cls.__qualname__} sets can_save but does not override "
                              f"{' and '.join(missing)}")
         if "answer" in cls.__dict__:  # one check for every method, theirs and plugins' alike
-            cls.answer = _checked(cls.__dict__["answer"], check_question, "question", 1, Answer)
+            cls.answer = _checked(cls.__dict__["answer"], [(check_question, "question", 1, None),
+                                                           (check_options, "options", 2, ())], Answer)
         if "index" in cls.__dict__:
-            cls.index = _checked(cls.__dict__["index"], check_document, "document", 0)
+            cls.index = _checked(cls.__dict__["index"], [(check_document, "document", 0, None)])
         cls.Config = config_class(cls, cls.options, cls.title or cls.__name__, _init_keywords(cls))
         cls.Config()  # a declared default that its own option refuses fails here, at import
         if name is not None:  # last: a class that failed a check is neither listed nor holds its name

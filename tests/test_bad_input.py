@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -237,6 +238,26 @@ def test_every_method_refuses_an_empty_question_before_any_prefill(name):
             method.answer(None, question)
     with pytest.raises(ValueError, match="^the question must be text, got NoneType"):
         method.answer(None, None)
+
+
+@pytest.mark.parametrize("name", names())
+@pytest.mark.parametrize("options, message", [
+    ("AB", "options must be a list of strings, got the one string 'AB'"),  # not the options 'A' and 'B'
+    ("", "options must be a list of strings, got the one string ''"),
+    (None, "options must be a list of strings, got None"),
+    (("A", 2), "options must be a list of strings, got ('A', 2)"),
+    (("", ""), "options must be non-empty strings, got ['', '']"),
+    (("yes", " "), "options must be non-empty strings, got ['yes', ' ']"),
+    (["x", "y", "x"], "options must be distinct, got 'x' more than once"),
+    ([f"o{i}" for i in range(27)], "options must be at most 26 (one per answer letter), got 27"),
+    (("a", "b\udcff"), "option B holds the lone surrogate U+DCFF"),
+])
+def test_every_method_refuses_bad_options_before_any_prefill(name, options, message):
+    method = get(name)(None)  # no engine: any model work would fail on it
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        method.answer(None, "Which?", options=options)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        method.answer(None, "Which?", options)
 
 
 def test_a_plugin_method_gets_the_same_check(registry):
