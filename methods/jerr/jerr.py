@@ -64,7 +64,8 @@ class Jerr(Method, name="jerr", title="JERR"):
         Option("atom_tokens", int, 256, "tokens of a chunk's information atoms at most", low=1),
         Option("element_tokens", int, 48, "tokens of a chunk's core elements at most", low=1),
         Option("edge_tokens", int, 8, "tokens of an edge attribute at most", low=1),
-        Option("simhash_threshold", int, 3, "near-duplicate entities differ in at most this many SimHash bits", low=0),
+        Option("simhash_threshold", int, 3, "near-duplicate entities differ in at most this many SimHash bits", low=0,
+               high=63),  # of the fingerprint's 64 (jerr_dedup.near_duplicate_groups)
         Option("search", str, "mcts", "mcts, or pagerank (the paper's ablation)", choices=("mcts", "pagerank")),
         Option("reward", str, "keywords", "MCTS walk reward: the share of keywords found along it, or the model's "
                "relevance probe of its texts", choices=("keywords", "model")),

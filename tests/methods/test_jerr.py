@@ -238,6 +238,12 @@ def test_an_edge_reply_naming_no_relation_leaves_no_edge_and_a_log_line():
     assert Jerr.dataset_defaults("quality") == {"chunk_tokens": (600, "jerr.txt §4.1")}
 
 
+def test_a_simhash_threshold_past_the_fingerprints_bits_is_refused_when_the_method_is_made():
+    assert _jerr(_engine(), simhash_threshold=63).config.simhash_threshold == 63
+    with pytest.raises(ValueError, match=r"^JERR option simhash_threshold must be in \[0, 63\], got 64$"):
+        _jerr(_engine(), simhash_threshold=64)
+
+
 @pytest.mark.model
 def test_index_and_ask_on_smollm2(tmp_path, capsys):
     from nodekv.cli import main as cli_main
