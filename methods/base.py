@@ -6,6 +6,7 @@ import functools
 import inspect
 import json
 import re
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import asdict
 from pathlib import Path
@@ -68,7 +69,7 @@ def _checked(method, checks: Sequence[tuple[Callable[[Any], Any], str, int, Any]
     """`method` running each (check, name, position, default) of `checks` on its argument `name` (the `position`-th
     after self; `default` when not given) before it runs, and refusing a result that is not a `returns` (a plugin's
     answer given as a plain str would fail later, far from its cause); applied once to each class's own `answer`
-    (the question, the options, an Answer) and `index` (the document)."""
+    (the question, the options, the index, an Answer) and `index` (the document)."""
     if getattr(method, "checked", False):
         return method
 
@@ -86,6 +87,26 @@ def _checked(method, checks: Sequence[tuple[Callable[[Any], Any], str, int, Any]
     return checked
 
 
+def _index_check(answer) -> Callable[[Any], None]:
+    """The check of the index `answer` is given: it must be of the type `answer` annotates its index with (its
+    first argument after self; None is NoneType) -- what the method's `index` and `load_index` return. A document
+    passed as the index, or another method's index, would fail deep inside the method with an AttributeError. No
+    check where the annotation is not a class (Any, a generic) or does not resolve."""
+    try:
+        first = list(inspect.signature(answer).parameters)[1]
+        wanted = typing.get_type_hints(answer).get(first)
+    except (IndexError, NameError, TypeError):  # no index argument; a name its module does not hold
+        wanted = None
+
+    def check(index: Any) -> None:
+        if isinstance(wanted, type) and not isinstance(index, wanted):
+            kind = "None" if wanted is type(None) else f"a {wanted.__name__}"
+            raise ValueError(f"the index must be {kind} (what the method's index or load_index returns), got "
+                             f"{type(index).__name__}")
+
+    return check
+
+
 def _init_keywords(cls: type) -> set[str]:
     """The keyword arguments `cls(...)` takes itself (self, engine, prompt, progress and a subclass's own, such as
     an embedder): an option of the same name would clash with one of them rather than reach `configure`."""
@@ -99,11 +120,13 @@ class Method(ABC):
 
     A subclass joins the registry by declaring its name, `class ClosedBook(Method, name="closed-book")`, and its
     options as `options = (Option(...), ...)`. `Method(engine, **options)` checks and types them into
-    `self.config`, a dataclass with one field per option (`Config`). `prompt` is the dataset's prompt (None: the
-    method's own), `progress` asks for progress bars while indexing. A method that can save its indexes sets
-    `can_save` and overrides `save_index` / `load_index`; the CLI names its index files DOCUMENT.<name>, and checks
-    those of a method that names its `index_file_format` (`index_file`) before a model loads. A method
-    that learns from other documents (GoR's GAT) sets `learns_across_documents` and overrides `fit`."""
+    `self.config`, a dataclass with one field per option (`Config`); `engine` None makes a method that does no model
+    work (its checks run). `prompt` is the dataset's prompt (None: the method's own), `progress` asks for progress
+    bars while indexing. `answer` annotates its index with the type `index` returns: another is refused. A method
+    that can save its indexes sets `can_save` and overrides `save_index` / `load_index`; the CLI names its index
+    files DOCUMENT.<name>, and checks those of a method that names its `index_file_format` (`index_file`) before a
+    model loads. A method that learns from other documents (GoR's GAT) sets `learns_across_documents` and overrides
+    `fit`."""
 
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""                   # how messages name the method (default: its name)
@@ -128,8 +151,9 @@ class Method(ABC):
             raise ValueError(f"{cls.__module__}.{cls.__qualname__} sets can_save but does not override "
                              f"{' and '.join(missing)}")
         if "answer" in cls.__dict__:  # one check for every method, theirs and plugins' alike
-            cls.answer = _checked(cls.__dict__["answer"], [(check_question, "question", 1, None),
-                                                           (check_options, "options", 2, ())], Answer)
+            answer = cls.__dict__["answer"]
+            cls.answer = _checked(answer, [(check_question, "question", 1, None), (check_options, "options", 2, ()),
+                                           (_index_check(answer), "index", 0, None)], Answer)
         if "index" in cls.__dict__:
             cls.index = _checked(cls.__dict__["index"], [(check_document, "document", 0, None)])
         cls.Config = config_class(cls, cls.options, cls.title or cls.__name__, _init_keywords(cls))
@@ -137,7 +161,14 @@ class Method(ABC):
         if name is not None:  # last: a class that failed a check is neither listed nor holds its name
             REGISTERED[name] = cls
 
-    def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, **options: Any):
+    def __init__(self, engine: Engine | None, prompt: PromptSpec | None = None, progress: bool = False,
+                 **options: Any):
+        if engine is not None and not isinstance(engine, Engine):  # a model's name, say: it has no tokenizer
+            raise ValueError(f"engine must be an Engine (nodekv.load_engine(model) loads one) or None, got "
+                             f"{type(engine).__name__} {engine!r:.60}")
+        if prompt is not None and not isinstance(prompt, PromptSpec):  # a dataset's name: prompt_for gives its prompt
+            raise ValueError(f"prompt must be a PromptSpec (nodekv.methods.prompts.prompt_for(dataset) gives one) or "
+                             f"None, got {type(prompt).__name__} {prompt!r:.60}")
         self.engine, self.prompt, self.progress = engine, prompt, progress
         self.config = self.configure(**options)
         if engine is not None:  # an answer budget the window cannot hold fails now, not after an index is built

@@ -79,6 +79,16 @@ def tiny_engine(path, backend: str = "auto", dtype=torch.float32, pages: int = 6
                   ckpt.path, ckpt.fingerprint)
 
 
+def bare_engine(**attributes):
+    """An Engine with no model that holds `attributes` alone (a tokenizer, a config, flops): a method takes it for
+    an engine (it refuses what is not one), and a test's scripted steps never reach a model."""
+    from nodekv.engine.engine import Engine
+
+    engine = Engine.__new__(Engine)
+    vars(engine).update(attributes)
+    return engine
+
+
 def tiny_hf_model(kind: str = "llama", *, tied: bool = False, rope_scaling: bool = False, n_kv_heads: int = 2,
                   seed: int = 0, max_positions: int = 256):
     """A random-weight HF model: 2 layers, d=64, 4 query heads (GQA 4:2 by default)."""

@@ -260,6 +260,35 @@ def test_every_method_refuses_bad_options_before_any_prefill(name, options, mess
         method.answer(None, "Which?", options)
 
 
+@pytest.mark.parametrize("name", names())
+def test_every_method_refuses_a_model_name_for_an_engine_and_a_dataset_name_for_a_prompt(name):
+    with pytest.raises(ValueError, match=r"^engine must be an Engine \(nodekv.load_engine\(model\) loads one\) or "
+                                         "None, got str 'smollm2-135m'$"):
+        get(name)("smollm2-135m")
+    with pytest.raises(ValueError, match=r"^prompt must be a PromptSpec \(nodekv.methods.prompts.prompt_for\(dataset\) "
+                                         "gives one\\) or None, got str 'hotpotqa'$"):
+        get(name)(None, prompt="hotpotqa")
+
+
+INDEX_TYPES = {"bm25": "a ChunkIndex", "closed-book": "None", "dense": "a ChunkIndex", "dice": "a DiceIndex",
+               "full": "a str", "gor": "a GorIndex", "jerr": "a JerrIndex", "pecan": "a PecanIndex"}
+
+
+@pytest.mark.parametrize("name", INDEX_TYPES)
+def test_every_method_refuses_an_index_its_index_does_not_return_before_any_prefill(name):
+    from nodekv.methods.baselines import ChunkIndex
+    from nodekv.methods.retrieval import BM25Index
+
+    method = get(name)(None)  # no engine: any model work would fail on it
+    bm25 = ChunkIndex(["a chunk"], BM25Index(["a chunk"]))  # another method's index
+    for index in ("the document itself", None, bm25, 0):
+        if ("None" if index is None else f"a {type(index).__name__}") == INDEX_TYPES[name]:
+            continue  # what this method's index returns
+        with pytest.raises(ValueError, match=rf"^the index must be {INDEX_TYPES[name]} \(what the method's index or "
+                                             rf"load_index returns\), got {type(index).__name__}$"):
+            method.answer(index, "Who?")
+
+
 def test_a_plugin_method_gets_the_same_check(registry):
     from nodekv.methods.base import Answer, Method
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from nodekv.evaluation.pecan_calibration import Point, choose, outcome, probe_auc, table, thresholds
+from conftest import bare_engine
 
 A = [Point(2, 0.30, 100, 0.0), Point(3, 0.60, 200, 0.5), Point(4, 0.70, 300, 1.0)]
 B = [Point(1, 0.55, 50, 1.0), Point(2, 0.20, 90, 0.0)]
@@ -56,7 +57,7 @@ def test_a_stopped_calibration_resumes_from_its_logged_sweeps_and_refuses_anothe
         return {"r0": A, "r1": B, "r2": A}[record.id]
 
     monkeypatch.setattr(cal, "sweep", scripted_sweep)
-    engine = SimpleNamespace(path="/models/model-a.gguf", config=SimpleNamespace(max_seq_len=4096))
+    engine = bare_engine(path="/models/model-a.gguf", config=SimpleNamespace(max_seq_len=4096))
     run = dict(dataset="hotpotqa", dev=(0, 3), objective="f1", progress=False)
     with pytest.raises(KeyboardInterrupt):
         cal.calibrate(engine, out=tmp_path / "stopped", **run)
@@ -70,7 +71,7 @@ def test_a_stopped_calibration_resumes_from_its_logged_sweeps_and_refuses_anothe
     fresh = cal.calibrate(engine, out=tmp_path / "fresh", **run)
     assert {**resumed, "path": ""} == {**fresh, "path": ""}
     swept.clear()
-    other = SimpleNamespace(path="/models/model-b.gguf", config=SimpleNamespace(max_seq_len=4096))
+    other = bare_engine(path="/models/model-b.gguf", config=SimpleNamespace(max_seq_len=4096))
     with pytest.raises(ValueError, match="another model"):
         cal.calibrate(other, out=tmp_path / "stopped", **run)
     with pytest.raises(ValueError, match="another config"):

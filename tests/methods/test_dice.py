@@ -13,6 +13,7 @@ from nodekv.methods.dice.dice import Dice, word_chunks
 from nodekv.methods.dice.dice_algorithms import (STOP_REASONS, Budget, Reasoning, Retrieved, constrained_decoding,
                                                 iterative_qa)
 from nodekv.methods.dice.dice_prompts import THOUGHTS, planning_turn
+from conftest import bare_engine
 
 BUDGET = Budget(max_iterations=5, step_tokens=16, answer_tokens=8, step_room=100)
 
@@ -212,7 +213,7 @@ class RelevanceLM(ScriptedLM):
 
 
 def test_retrieval_recalls_by_bi_encoder_reranks_by_the_llm_and_keeps_document_order():
-    engine = SimpleNamespace(flops=FlopAccount(), config=SimpleNamespace(max_seq_len=4096))
+    engine = bare_engine(flops=FlopAccount(), config=SimpleNamespace(max_seq_len=4096))
     chunks = " ".join(f"{k} {i}" for i, k in enumerate(KEYWORDS))
     lm = RelevanceLM({"alpha": -2.0, "beta": -0.5, "gamma": -0.1, "delta": -0.2, "epsilon": -0.05})
     dice = Dice(engine, embedder=KeywordEmbedder(), lm=lm, chunk_words=2, recall_k=4, top_k=2)
@@ -231,7 +232,7 @@ def test_retrieval_recalls_by_bi_encoder_reranks_by_the_llm_and_keeps_document_o
 
 @pytest.mark.parametrize("notes", [True, False])
 def test_the_reader_reads_the_retrieved_chunks_in_document_order_then_the_notes(notes):
-    engine = SimpleNamespace(flops=FlopAccount(), config=SimpleNamespace(max_seq_len=4096))
+    engine = bare_engine(flops=FlopAccount(), config=SimpleNamespace(max_seq_len=4096))
     dice = Dice(engine, embedder=KeywordEmbedder(), lm=ScriptedLM([]), chunk_words=2, notes=notes)
     index = dice.index(" ".join(f"{k} {i}" for i, k in enumerate(KEYWORDS)))
     run = Reasoning("x", "terminated", [1, 3], [{"draft": "d", "thought": "beta is 1"}, {"broken": "repeated"},
@@ -241,7 +242,7 @@ def test_the_reader_reads_the_retrieved_chunks_in_document_order_then_the_notes(
 
 
 def test_hybrid_recall_finds_an_exact_token_the_bi_encoder_cannot_see():
-    engine = SimpleNamespace(flops=FlopAccount(), config=SimpleNamespace(max_seq_len=4096))
+    engine = bare_engine(flops=FlopAccount(), config=SimpleNamespace(max_seq_len=4096))
     chunks = "alpha 0 alpha 1 VAR QWERT beta 3"  # the keyword embedder sees no QWERT
     dice = Dice(engine, embedder=KeywordEmbedder(), lm=ScriptedLM([]), chunk_words=2, top_k=2, rerank=False)
     assert dice.retrieve(dice.index(chunks), "alpha QWERT").chunks == [0, 1]
@@ -266,7 +267,7 @@ def test_word_chunks_hold_at_most_n_words_and_never_cross_a_blank_line():
 
 
 def test_bad_input_is_refused_with_a_message():
-    engine = SimpleNamespace(flops=FlopAccount(), config=SimpleNamespace(max_seq_len=4096))
+    engine = bare_engine(flops=FlopAccount(), config=SimpleNamespace(max_seq_len=4096))
     with pytest.raises(ValueError, match="DICE option algorithm must be one of 1, 2"):
         Dice(engine, algorithm=3)
     with pytest.raises(ValueError, match=r"top_k \(5\) must be at most recall_k \(2\) with rerank"):

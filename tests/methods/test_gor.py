@@ -19,6 +19,7 @@ from nodekv.methods.gor.gor_store import IndexFileError, tensors_path
 from nodekv.methods.gor.gor_train import (GAT, GraphData, TrainConfig, _batch_loss, info_nce, pairwise_rank_loss,
                                       train_gat)
 from nodekv.methods.reader import Answer
+from conftest import bare_engine
 
 LETTERS = "abcdefghij"
 
@@ -105,8 +106,8 @@ class TinyConfig:
 
 
 def _engine():
-    return SimpleNamespace(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"),
-                           model_id={"name": "tiny.gguf", "config": "0" * 64})
+    return bare_engine(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"),
+                       model_id={"name": "tiny.gguf", "config": "0" * 64})
 
 
 DOC = " ".join(f"{LETTERS[i % 10] * 3}{i}" for i in range(40))  # 40 words: aaa0 bbb1 ... jjj39

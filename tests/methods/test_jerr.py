@@ -8,7 +8,6 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +15,7 @@ from nodekv.engine.flops import FlopAccount
 from nodekv.methods.index_file import IndexFileError
 from nodekv.methods.jerr.jerr import Jerr, _ranked_pages
 from nodekv.methods.jerr.jerr_graph import Entity, EntityGraph
+from conftest import bare_engine
 
 DOC = ("Korvin was held by the Tr'en in a cell.\n\nThe Tr'en never understood democracy or any of it.\n\n"
        "Korvin found the door unlocked and a weapon nearby.")
@@ -81,8 +81,8 @@ class TinyConfig:
 
 
 def _engine():
-    return SimpleNamespace(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"), flops=FlopAccount(),
-                           model_id={"name": "tiny.gguf", "config": "0" * 64})
+    return bare_engine(tokenizer=WordTokenizer(), config=TinyConfig(), path=Path("tiny.gguf"), flops=FlopAccount(),
+                       model_id={"name": "tiny.gguf", "config": "0" * 64})
 
 
 def _jerr(eng, lm=None, **options):

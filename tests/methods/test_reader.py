@@ -14,12 +14,12 @@ from nodekv.methods.baselines import BM25TopK, FullContext
 from nodekv.methods.prompts import PromptSpec, prompt_for
 from nodekv.methods.reader import CONTENT_FREE, Answer, GrowingPrompt, Reader, Repair, calibrated_choice
 from char_engine import CharTokenizer, char_engine
-from conftest import tiny_hf_model, write_tiny_gguf
+from conftest import bare_engine, tiny_hf_model, write_tiny_gguf
 
 
 def _ids_engine(max_seq_len):
     """No model: enough for prompt_ids (one id per character of the user turn)."""
-    return SimpleNamespace(tokenizer=CharTokenizer(), config=SimpleNamespace(max_seq_len=max_seq_len))
+    return bare_engine(tokenizer=CharTokenizer(), config=SimpleNamespace(max_seq_len=max_seq_len))
 
 
 def _hf_greedy(hf, prompt: list[int], n: int, penalty: float) -> list[int]:
