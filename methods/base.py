@@ -230,6 +230,10 @@ class Method(ABC):
         references included. With `learns_across_documents` set, `nodekv eval` deals the run's documents into
         folds and calls it before a fold's questions with the other folds' documents, never the ones answered."""
 
+    def check_without_fit(self) -> None:
+        """A ValueError if this method, so configured, cannot answer before a `fit` on other documents: a caller that
+        never fits (`nodekv ask`, one document) calls it before any model work, rather than fail at the answer."""
+
     def save_index(self, index: Any, path: str | Path) -> None:
         raise ValueError(f"{self.title} cannot save its index")
 

@@ -176,6 +176,11 @@ class Gor(Method, name="gor", title="GoR"):
         graphs = [g for g in graphs if len(g.queries)]
         self._fitted = (train_gat(graphs, self.train_config()), len(seen) or len(graphs)) if graphs else None
 
+    def check_without_fit(self) -> None:
+        if self.config.train == "gat" and self.config.supervision == "summary":
+            raise ValueError("GoR supervision=summary trains on other documents' summaries: it needs a fit "
+                             "(nodekv eval runs one), not a single document")
+
     def node_vectors(self, index: GorIndex) -> tuple[torch.Tensor, str]:
         """The embeddings retrieval ranks by, and which model made them."""
         if self.config.train == "none":
@@ -183,10 +188,8 @@ class Gor(Method, name="gor", title="GoR"):
         if self._fitted is not None:
             gat, docs = self._fitted
             how = f"fitted on {docs} other document{'s' if docs != 1 else ''}"
-        elif self.config.supervision == "summary":
-            raise ValueError("GoR supervision=summary trains on other documents' summaries: it needs a fit "
-                             "(nodekv eval runs one), not a single document")
         else:
+            self.check_without_fit()
             gat, how = self._trained(index).gat, "this document's graph"
         if gat is None:  # no simulated query: nothing trained it
             return index.features, "none (no simulated queries)"

@@ -183,6 +183,14 @@ def test_which_model_answers_and_what_is_refused():
     assert Gor.dataset_defaults("qmsum_general") == {"alpha": (0.9, "Table 6"), "dropout": (0.2, "Table 6")}
 
 
+def test_supervision_summary_without_a_fit_is_refused_by_a_check_that_needs_no_model():
+    Gor(None).check_without_fit()
+    Gor(None, supervision="summary", train="none").check_without_fit()  # the MiniLM vectors need no training
+    with pytest.raises(ValueError, match="^GoR supervision=summary trains on other documents' summaries: it needs "
+                                         "a fit"):
+        Gor(None, supervision="summary").check_without_fit()
+
+
 @pytest.mark.parametrize("order", ["document", "score"])
 def test_the_prompt_shows_the_k_best_nodes_in_document_or_score_order(monkeypatch, order):
     from nodekv.methods.reader import Reader
