@@ -172,6 +172,7 @@ def ask(args: argparse.Namespace) -> int:
     method_class, options = get(name), dict(args.option)
     prompt = replace(prompt_for(args.prompt), max_new_tokens=args.max_new_tokens)
     unloaded = method_class(None, prompt=prompt, **options)  # a method made without an engine does no model work
+    unloaded.check_without_fit()  # ask fits nothing on other documents
     saved = method_class.can_save and _saved_by(doc) == name
     if saved:  # its index key names what shapes an index
         shaping = sorted(set(options) & set(unloaded.index_key()))

@@ -181,6 +181,8 @@ CASES = [  # argv, the one line on stderr
     (["ask", "doc.txt", "q", "--model", "smollm2-135m", "--option", "window=10"],
      "error: an answer of up to 64 tokens (max_new_tokens) leaves no room for a prompt in a window of 10 tokens"),
     (["ask", "--method", "", "doc.txt", "q"], "error: unknown method ''"),
+    (["ask", "doc.txt", "q", "--method", "gor", "--option", "supervision=summary"],
+     "error: GoR supervision=summary trains on other documents' summaries: it needs a fit"),
     (["index", "doc.txt", "--method", "gor", "--option", "chunk_overlap=300"],
      "error: GoR option chunk_overlap (300) must be below chunk_tokens (256)"),
     (["index", "doc.txt", "--method", "pecan", "-o", "x.html", "--export", "x.html"],
