@@ -40,8 +40,7 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 64):
             raise ValueError(f"seed must be an int in [0, 2**64) or None (torch's global generator), got {self.seed!r}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check_penalty(self.repetition_penalty)
 
     @classmethod
     def of(cls, params: "SamplingParams | int", **changes: Any) -> "SamplingParams":
@@ -62,6 +61,13 @@ def check_sampling(temperature: float, top_p: float) -> None:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def check_penalty(penalty: float) -> None:
+    """A ValueError for a repetition penalty that is not a finite number > 0 (inf or NaN would make repeated tokens'
+    logits 0, -inf or NaN)."""
+    if not (isinstance(penalty, (int, float)) and 0.0 < penalty < math.inf):
+        raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
@@ -87,8 +93,7 @@ class RepetitionPenalty:
     by it where it is negative; > 1 discourages repeats. A logits processor (ids generated so far, logits) -> logits."""
 
     def __init__(self, penalty: float, context: Sequence[int], vocab_size: int):
-        if not penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+        check_penalty(penalty)
         self.penalty = penalty
         self.context = torch.zeros(vocab_size, dtype=torch.bool)
         self.context[torch.as_tensor(list(context), dtype=torch.long)] = True

@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_engine
 from nodekv.engine.flops import forward_flops
-from nodekv.engine.sampling import SamplingParams, sample
+from nodekv.engine.sampling import RepetitionPenalty, SamplingParams, sample
 
 PROMPT = [5, 17, 3, 99, 42, 8, 8, 61]
 EOS = 100
@@ -161,8 +161,11 @@ def test_repetition_penalty_is_hfs(tiny, penalty):
     plain = eng.session()
     plain.append(PROMPT)
     assert plain.generate(10).ids[:len(gen.ids)] != gen.ids  # the penalty changed the greedy choice here
-    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
-        s.generate(2, repetition_penalty=0.0)
+    for bad in (0.0, float("inf"), float("nan"), "1.2"):
+        with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0, got "):
+            s.generate(2, repetition_penalty=bad)
+    with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0, got inf"):
+        RepetitionPenalty(float("inf"), PROMPT, 101)
 
 
 def test_sampling_params_is_one_value_for_every_generate_call(tiny):
