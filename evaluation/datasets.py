@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Union
 
 from ..paths import DATA_ENV, data_dir
 from .records import LoadResult, Record
-from .variable_tracking import is_variable_tracking, records, shape
+from .variable_tracking import PREFIX, is_variable_tracking, records, shape
 
 __all__ = ["DATASETS", "DataNotFoundError", "LoadResult", "Record", "check_dataset", "default_data_dir",
            "find_dataset_file", "load_dataset"]
@@ -86,7 +86,8 @@ def default_data_dir() -> Path:
 def find_dataset_file(name: str, data_dir: Union[str, Path, None] = None) -> Path:
     """The file ``<name>.jsonl`` (or the file `FILES` names) in any sub-folder of ``data_dir``."""
     if name not in DATASET_TASKS:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}, and the generated "
+                         f"{PREFIX}_<hops>hop_<thousand tokens>k[_<chains>chain]")
     root = Path(data_dir) if data_dir is not None else default_data_dir()
     if not root.is_dir():
         problem = "is not a directory" if root.exists() else "does not exist"

@@ -194,5 +194,6 @@ def test_missing_data_dir_names_the_path(tmp_path, monkeypatch):
         load_dataset("hotpotqa")
     with pytest.raises(DataNotFoundError, match="no musique.jsonl under"):
         find_dataset_file("musique", tmp_path)
-    with pytest.raises(ValueError, match="unknown dataset"):
+    with pytest.raises(ValueError, match="unknown dataset 'squad'; known: hotpotqa, .*, and the generated "
+                                         "variable_tracking_<hops>hop_<thousand tokens>k\\[_<chains>chain\\]$"):
         find_dataset_file("squad", tmp_path)
