@@ -546,8 +546,8 @@ def test_atomic_writes_keep_ordinary_permissions_and_replace_whole(tmp_path):
 
 
 def test_an_atomic_write_that_cannot_start_names_the_path_asked_for(tmp_path):
-    """Not the hidden temporary: a missing folder is a ValueError naming it, another failure an OSError naming the
-    file (/proc takes no new files, whoever asks: root ignores permission bits)."""
+    """Not the hidden temporary: a folder that is missing or takes no new file is a ValueError naming it (/proc takes
+    none, whoever asks: root ignores permission bits)."""
     with pytest.raises(ValueError, match=f"^the output folder {tmp_path / 'nowhere'} does not exist$"):
         write_atomic(tmp_path / "nowhere" / "x.bm25", "index")
     with pytest.raises(ValueError, match=r"^the output folder /proc is not writable \(.+\)$"):
