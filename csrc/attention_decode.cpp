@@ -9,7 +9,7 @@
 // depend on the thread count, so neither do the results. Scratch: hd + 2 floats per query row and
 // chunk (150 KB for one SmolLM2 token at 8192 keys), plus with node mass one float per query row
 // and (chunk, node overlapping it) pair. Scores are fp32 and max-subtracted, sums accumulate in
-// fp32.
+// fp32. Three SIMD levels: scalar, AVX2 (hd % 16 == 0) and AVX-512, which gives the AVX2 bits.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -28,6 +28,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // given by its first row (rows hd floats apart), one that spans pages by a table of row pointers.
 inline const float* row(const float* first, int64_t i, int64_t hd) { return first + i * hd; }
 inline const float* row(const float* const* table, int64_t i, int64_t) { return table[i]; }
+// The rows from row i on.
+inline const float* advance(const float* first, int64_t i, int64_t hd) { return first + i * hd; }
+inline const float* const* advance(const float* const* table, int64_t i, int64_t) { return table + i; }
 
 // ---------------------------------------------------------------- scalar path
 
@@ -215,6 +218,126 @@ struct Avx2Ops {  // hd % 16 == 0
             pv_rows<4>(p, ld, R, vp, n, hd, o);
         else
             pv_rows<2>(p, ld, R, vp, n, hd, o);
+    }
+};
+
+// ---------------------------------------------------------------- AVX-512 path
+//
+// The AVX2 path's arithmetic on 16 lanes, so the same bits. Scores: one zmm holds two query rows' eight partial sums
+// of one key (row r in lanes 0-7, row r + 1 in 8-15) against the key's 8 floats broadcast to both halves, and
+// hsum8_halves reduces each half in hsum8's order; the keys past the last multiple of 8 go through the AVX2 code,
+// which sums them in its own orders. PV: 16 output elements a vector, each summed over the keys in order.
+
+// _mm256_hadd_ps on each 256-bit half: [a0+a1, a2+a3, b0+b1, b2+b3] per 128-bit lane.
+NKV_AVX512 inline __m512 hadd_lanes(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// hsum8 of the low halves of a[0..7] in lanes 0-7, of the high halves in lanes 8-15.
+NKV_AVX512 inline __m512 hsum8_halves(const __m512 a[8]) {
+    const __m512 u0 = hadd_lanes(hadd_lanes(a[0], a[1]), hadd_lanes(a[2], a[3]));
+    const __m512 u1 = hadd_lanes(hadd_lanes(a[4], a[5]), hadd_lanes(a[6], a[7]));
+    // per half, as hsum8's permute2f128s: [u0.lo, u1.lo] + [u0.hi, u1.hi] (128-bit lanes; u1 is source 16..31)
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    return _mm512_add_ps(_mm512_permutex2var_ps(u0, lo, u1), _mm512_permutex2var_ps(u0, hi, u1));
+}
+
+// Scores of NP query-row pairs (rows q[2p], q[2p + 1]) against keys [0, n8), n8 % 8 == 0: 8 keys per step, each
+// key's 8 floats loaded once for the NP pairs.
+template <int NP, class Rows>
+NKV_AVX512 void scores_pairs512(const float* const* q, Rows kp, int64_t n8, int64_t hd, float scale,
+                                float* const* out) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n8; i += 8) {
+        __m512 acc[NP][8];
+        for (int p = 0; p < NP; ++p)
+            for (int k = 0; k < 8; ++k) acc[p][k] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < hd; c += 8) {
+            __m512 qv[NP];
+            for (int p = 0; p < NP; ++p)
+                qv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q[2 * p] + c)),
+                                           _mm256_loadu_ps(q[2 * p + 1] + c), 1);
+            for (int k = 0; k < 8; ++k) {
+                const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(row(kp, i + k, hd) + c));
+                for (int p = 0; p < NP; ++p) acc[p][k] = _mm512_fmadd_ps(qv[p], kv, acc[p][k]);
+            }
+        }
+        for (int p = 0; p < NP; ++p) {
+            const __m512 s = _mm512_mul_ps(hsum8_halves(acc[p]), vscale);
+            _mm256_storeu_ps(out[2 * p] + i, _mm512_castps512_ps256(s));
+            _mm256_storeu_ps(out[2 * p + 1] + i, _mm512_extractf32x8_ps(s, 1));
+        }
+    }
+}
+
+// o[r, c..c+16CW) += sum_i p[r, i] * v_i[c..c+16CW) for RT rows, as pv_tile on 16 lanes.
+template <int RT, int CW, class Rows>
+NKV_AVX512 void pv_tile512(const float* p, int64_t ld, Rows vp, int64_t n, int64_t hd, float* o) {
+    for (int64_t c = 0; c < hd; c += 16 * CW) {
+        __m512 acc[RT][CW];
+        for (int r = 0; r < RT; ++r)
+            for (int w = 0; w < CW; ++w) acc[r][w] = _mm512_loadu_ps(o + r * hd + c + 16 * w);
+        for (int64_t i = 0; i < n; ++i) {
+            const float* vi = row(vp, i, hd) + c;
+            for (int w = 0; w < CW; ++w) {
+                const __m512 v = _mm512_loadu_ps(vi + 16 * w);
+                for (int r = 0; r < RT; ++r) acc[r][w] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ld + i]), v, acc[r][w]);
+            }
+        }
+        for (int r = 0; r < RT; ++r)
+            for (int w = 0; w < CW; ++w) _mm512_storeu_ps(o + r * hd + c + 16 * w, acc[r][w]);
+    }
+}
+
+// Rows of the PV product per tile: up to 24 accumulators (+ the V vectors; the broadcasts fold into the FMAs).
+template <int CW, class Rows>
+NKV_AVX512 void pv_rows512(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
+    constexpr int kTile = std::min(6, 24 / CW);
+    for (int64_t r = 0; r < R; r += kTile) {
+        const float* pr = p + r * ld;
+        float* orow = o + r * hd;
+        switch (std::min<int64_t>(kTile, R - r)) {
+            case 6: pv_tile512<6, CW>(pr, ld, vp, n, hd, orow); break;
+            case 5: pv_tile512<5, CW>(pr, ld, vp, n, hd, orow); break;
+            case 4: pv_tile512<4, CW>(pr, ld, vp, n, hd, orow); break;
+            case 3: pv_tile512<3, CW>(pr, ld, vp, n, hd, orow); break;
+            case 2: pv_tile512<2, CW>(pr, ld, vp, n, hd, orow); break;
+            default: pv_tile512<1, CW>(pr, ld, vp, n, hd, orow); break;
+        }
+    }
+}
+
+struct Avx512Ops : Avx2Ops {  // hd % 16 == 0
+    template <class Rows>
+    NKV_AVX512 static void scores(const float* qg, int64_t T, int64_t G, int64_t qst, int64_t qsh, Rows kp,
+                                  int64_t n, int64_t hd, float scale, float* sc, int64_t ld) {
+        const int64_t R = T * G, pairs = R / 2, n8 = n / 8 * 8;
+        auto qrow = [&](int64_t r) { return qg + r / G * qst + r % G * qsh; };
+        constexpr int kPairs = 3;  // 24 accumulators, 3 query pairs and a key of the 32 registers
+        for (int64_t p0 = 0; p0 < pairs; p0 += kPairs) {
+            const float* q[2 * kPairs];
+            float* out[2 * kPairs];
+            const int np = static_cast<int>(std::min<int64_t>(kPairs, pairs - p0));
+            for (int k = 0; k < 2 * np; ++k) q[k] = qrow(2 * p0 + k), out[k] = sc + (2 * p0 + k) * ld;
+            if (np == 3) scores_pairs512<3>(q, kp, n8, hd, scale, out);
+            if (np == 2) scores_pairs512<2>(q, kp, n8, hd, scale, out);
+            if (np == 1) scores_pairs512<1>(q, kp, n8, hd, scale, out);
+            if (n8 < n)  // the tail as the AVX2 path sums it: in steps of 4 keys from n8 (a multiple of 4), then singly
+                for (int k = 0; k < 2 * np; k += 2)
+                    scores_row_pair(q[k], q[k + 1], advance(kp, n8, hd), n - n8, hd, scale, out[k] + n8,
+                                    out[k + 1] + n8);
+        }
+        if (R % 2) scores_row(qrow(R - 1), kp, 0, n, hd, scale, sc + (R - 1) * ld);  // AVX2 steps of 8 keys too
+    }
+    template <class Rows>
+    static void pv(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
+        if (hd % 64 == 0)
+            pv_rows512<4>(p, ld, R, vp, n, hd, o);
+        else if (hd % 32 == 0)
+            pv_rows512<2>(p, ld, R, vp, n, hd, o);
+        else
+            pv_rows512<1>(p, ld, R, vp, n, hd, o);
     }
 };
 
@@ -417,7 +540,10 @@ void decode_typed(const PagedArgs& a) {
 
 void decode_attention(const PagedArgs& a) {
     if (a.n <= 0) return;
-    if (isa_now() >= Isa::kAvx2 && a.hd % 16 == 0)
+    const Isa isa = isa_now();
+    if (isa >= Isa::kAvx512 && a.hd % 16 == 0)
+        decode_typed<Avx512Ops>(a);
+    else if (isa >= Isa::kAvx2 && a.hd % 16 == 0)
         decode_typed<Avx2Ops>(a);
     else
         decode_typed<ScalarOps>(a);

@@ -21,7 +21,7 @@ from paged_cases import PagedCase, brute_force, make_case
 
 @pytest.fixture(params=["avx512", "avx2", "scalar"])
 def isa(request):
-    """Run a test at each SIMD level the CPU has (AVX-512 serves only prefills with hd % 32 == 0)."""
+    """Run a test at each SIMD level the CPU has (AVX-512 serves prefills with hd % 32 == 0, decodes with hd % 16 == 0)."""
     with simd_level(request.param) as level:
         if level != request.param:
             pytest.skip(f"this CPU has no {request.param}")
@@ -141,6 +141,34 @@ def test_avx512_prefill_gives_the_avx2_bits(shape):
         wide, wide_mass = run(c)
     with simd_level("avx2"):
         narrow, narrow_mass = run(c)
+    assert torch.equal(wide, narrow) and torch.equal(wide_mass, narrow_mass)
+
+
+DECODE_SHAPES = [s for s in SHAPES if s[0] <= 16] + [
+    (1, 1, 8192, 12, 2, 128, 64, 40),  # qwen2.5-1.5b's heads after 8K: 3 query-row pairs a pass over the keys
+    (1, 1, 333, 14, 2, 64, 16, 7),     # qwen2.5-0.5b's 7 query heads a KV head: an odd row; 333 % 8 keys past the 8s
+    (2, 2, 77, 7, 1, 128, 8, 5),       # two tokens of 7 rows: a pair across the tokens
+    (3, 3, 1000, 8, 2, 32, 64, 9),     # hd 32, 12 rows: two passes of pairs
+    (1, 1, 99, 2, 2, 48, 16, 3),       # hd 48 (16 lanes, not 32), one row a KV head
+]
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "n{}-T{}-end{}-H{}-kv{}-hd{}-P{}-N{}".format(*s))
+def test_avx512_decode_gives_the_avx2_bits(shape, half):
+    """The AVX-512 decode kernel sums every score and output element in the AVX2 kernel's order, and its tail keys
+    through the AVX2 code: the same output and node mass, bit for bit, from float and half pages."""
+    with simd_level("avx512") as level:
+        if level != "avx512":
+            pytest.skip(f"this CPU has no AVX-512 (it takes {level})")
+    c = case(*shape, seed=sum(shape))
+    if half:
+        c = half_pages(c)[0]
+    narrow_case = dataclasses.replace(c, k_pages=c.k_pages.clone(), v_pages=c.v_pages.clone())
+    with simd_level("avx512"):
+        wide, wide_mass = run(c)
+    with simd_level("avx2"):
+        narrow, narrow_mass = run(narrow_case)
     assert torch.equal(wide, narrow) and torch.equal(wide_mass, narrow_mass)
 
 
