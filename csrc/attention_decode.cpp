@@ -230,10 +230,11 @@ struct Avx2Ops {  // hd % 16 == 0
 
 // _mm256_hadd_ps on each 256-bit half: [a0+a1, a2+a3, b0+b1, b2+b3] per 128-bit lane.
 NKV_AVX512 inline __m512 hadd_lanes(__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// hsum8 of the low halves of a[0..7] in lanes 0-7, of the high halves in lanes 8-15.
+// Lanes 0-7: the sums of a[0..7]'s low halves, each in hsum8's order; lanes 8-15: of their high halves.
 NKV_AVX512 inline __m512 hsum8_halves(const __m512 a[8]) {
     const __m512 u0 = hadd_lanes(hadd_lanes(a[0], a[1]), hadd_lanes(a[2], a[3]));
     const __m512 u1 = hadd_lanes(hadd_lanes(a[4], a[5]), hadd_lanes(a[6], a[7]));
