@@ -10,7 +10,7 @@
 // chunk (150 KB for one SmolLM2 token at 8192 keys), plus with node mass one float per query row
 // and (chunk, node overlapping it) pair. Scores are fp32 and max-subtracted, sums accumulate in
 // fp32. Three SIMD levels: scalar, AVX2 (hd % 16 == 0) and AVX-512, which gives the AVX2 bits. The SIMD
-// paths prefetch the next key block while computing the scores of the current one (BlockPrefetch).
+// paths prefetch the next key block of float pages while computing the scores of the current one (BlockPrefetch).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -36,7 +36,7 @@ inline const float* const* advance(const float* const* table, int64_t i, int64_t
 // The next key block's float keys and values (its run in its first page; after a chunk's last block, the first of the
 // next chunk of the same KV head, which this thread or another is about to take), asked of the caches a few 64-byte
 // lines at a time while the scores of the block before are computed, so that reading them from memory overlaps the
-// arithmetic. Without it one token's attention waits for each block, then computes: 1.5x slower at 8K float32 keys.
+// arithmetic. Without it one token's attention waits for each block, then computes: 1.4x slower at 8K float32 keys.
 // A burst of a whole block's prefetches would stall the core on its miss buffers instead.
 struct BlockPrefetch {
     // fp32 keys: a block's K lines in its steps of 8 floats on the AVX-512 path (bs * hd / 16 lines, bs * hd / 64
