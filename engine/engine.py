@@ -298,8 +298,12 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
         tokenizer = Tokenizer.from_gguf(path, source.metadata)
     ckpt = load_checkpoint(source)
     weights = ckpt.fingerprint  # of the tensors as read, before the model fuses and converts them
-    llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy, precision, target)
+    # a pool larger than the memory is refused before the weights are converted; on a GPU the pool takes a share of
+    # what they leave free, so it is sized (and checked once more) after them
     pages = default_pool_pages(ckpt.config, kv, page_size, kv_tokens, target)
+    llama = Llama(ckpt.config, ckpt.tensors, DTYPES[dtype], backend, dense_copy, precision, target)
+    if target.type == "cuda":
+        pages = default_pool_pages(ckpt.config, kv, page_size, kv_tokens, target)
     pool = PagePool(ckpt.config, kv, pages, page_size, target)
     return Engine(llama, tokenizer, pool, ckpt.path, weights)
 

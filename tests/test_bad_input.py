@@ -362,10 +362,11 @@ def test_load_engine_refuses_bad_settings_before_reading_the_model(kwargs, messa
     ({"page_size": 10 ** 9}, r"kv_tokens [\d,]+ in pages of page_size 1,000,000,000 need [\d,]+ bytes of KV pages, "
                              r"more than the [\d,]+ bytes of memory on cpu$"),
 ])
-def test_load_engine_refuses_a_page_pool_larger_than_memory_before_allocating_it(kwargs, message, monkeypatch):
+def test_load_engine_refuses_a_page_pool_larger_than_memory_before_converting_the_weights(kwargs, message,
+                                                                                          monkeypatch):
     from nodekv.engine import engine
 
-    monkeypatch.setattr(engine, "PagePool", lambda *a: pytest.fail("the page pool was allocated"))
+    monkeypatch.setattr(engine, "Llama", lambda *a: pytest.fail("the weights were converted"))
     with pytest.raises(ValueError, match=f"^{message}"):
         engine.load_engine("smollm2-135m", device="cpu", **kwargs)
 
