@@ -3,14 +3,15 @@
 // Keys are split in fixed chunks of 128 whose partial results are merged by log-sum-exp; within a
 // chunk the softmax runs online over blocks of <= 64 keys that stay in L1 while every query row of
 // a KV head reads them. A block within one page (every block when page_size is a multiple of 64)
-// is read in place, one that spans pages through a table of row pointers; with half pages every
-// block is first converted into a per-thread fp32 copy (2 x 16 KiB, still in L1). The chunks of all KV
+// is read in place, one that spans pages through a table of row pointers. Half pages are read so
+// too, each load of 8 or 16 halves converted to floats in registers (F16C, exact: the arithmetic is
+// that of float pages holding the same values), so a step reads half the bytes. The chunks of all KV
 // heads are shared among up to n_threads threads when the work is large enough; the split does not
 // depend on the thread count, so neither do the results. Scratch: hd + 2 floats per query row and
 // chunk (150 KB for one SmolLM2 token at 8192 keys), plus with node mass one float per query row
 // and (chunk, node overlapping it) pair. Scores are fp32 and max-subtracted, sums accumulate in
 // fp32. Three SIMD levels: scalar, AVX2 (hd % 16 == 0) and AVX-512, which gives the AVX2 bits. The SIMD
-// paths prefetch the next key block of float pages while computing the scores of the current one (BlockPrefetch).
+// paths prefetch the next key block while computing the scores of the current one (BlockPrefetch).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -25,32 +26,51 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The rows of a block of keys (or values), row i at row(kp, i, hd): a block within one page is
-// given by its first row (rows hd floats apart), one that spans pages by a table of row pointers.
-inline const float* row(const float* first, int64_t i, int64_t hd) { return first + i * hd; }
-inline const float* row(const float* const* table, int64_t i, int64_t) { return table[i]; }
+// The rows of a block of keys (or values) in pages of E (float, or uint16_t halves), row i at row(kp, i, hd): a
+// block within one page is given by its first row (rows hd elements apart), one that spans pages by a table of row
+// pointers.
+template <class E>
+inline const E* row(const E* first, int64_t i, int64_t hd) { return first + i * hd; }
+template <class E>
+inline const E* row(const E* const* table, int64_t i, int64_t) { return table[i]; }
 // The rows from row i on.
-inline const float* advance(const float* first, int64_t i, int64_t hd) { return first + i * hd; }
-inline const float* const* advance(const float* const* table, int64_t i, int64_t) { return table + i; }
+template <class E>
+inline const E* advance(const E* first, int64_t i, int64_t hd) { return first + i * hd; }
+template <class E>
+inline const E* const* advance(const E* const* table, int64_t i, int64_t) { return table + i; }
 
-// The next key block's float keys and values (its run in its first page; after a chunk's last block, the first of the
+// An element of a page, 8 and 16 of them from p on, as floats.
+inline float value(float x) { return x; }
+inline float value(uint16_t h) { return half_to_float(h); }
+NKV_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+NKV_AVX2 inline __m256 load8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+NKV_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+NKV_AVX512 inline __m512 load16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The next key block's keys and values (its run in its first page; after a chunk's last block, the first of the
 // next chunk of the same KV head, which this thread or another is about to take), asked of the caches a few 64-byte
 // lines at a time while the scores of the block before are computed, so that reading them from memory overlaps the
-// arithmetic. Without it one token's attention waits for each block, then computes: 1.4x slower at 8K float32 keys.
+// arithmetic. Without it one token's attention waits for each block, then computes: 1.4x slower at 8K float32 keys,
+// 1.3x at 8K halves (read in place; when a block was first converted into a buffer, that loop's streaming reads hid
+// the wait as well as prefetching did).
 // A burst of a whole block's prefetches would stall the core on its miss buffers instead.
 struct BlockPrefetch {
     // fp32 keys: a block's K lines in its steps of 8 floats on the AVX-512 path (bs * hd / 16 lines, bs * hd / 64
-    // steps); the AVX2 path takes more steps and is done sooner
+    // steps); the AVX2 path takes more steps, and halves have half the lines: both are done sooner
     static constexpr int kLinesPerStep = 4;
     const char* k = nullptr;
     const char* v = nullptr;
     int64_t lines = 0;  // left of each
     BlockPrefetch(const PagedArgs& a, int64_t s, int64_t count, int64_t g) {
-        if (count <= 0 || a.kv_half) return;  // halves: half the bytes, and no gain measured
-        const int64_t off = a.row_offset(s, g) * 4;
+        if (count <= 0) return;
+        const int64_t bytes = a.kv_half ? 2 : 4, off = a.row_offset(s, g) * bytes;
         k = static_cast<const char*>(a.k_pages) + off;
         v = static_cast<const char*>(a.v_pages) + off;
-        lines = std::min(count, a.page_size - s % a.page_size) * a.hd * 4 / 64;
+        lines = std::min(count, a.page_size - s % a.page_size) * a.hd * bytes / 64;
     }
     void step() {
         for (int i = 0; i < kLinesPerStep && lines > 0; ++i, --lines, k += 64, v += 64) {
@@ -74,7 +94,7 @@ struct ScalarOps {
                 float* out = sc + (t * G + j) * ld;
                 for (int64_t i = 0; i < n; ++i) {
                     float acc[8] = {};  // interleaved partial sums, as the SIMD path keeps them
-                    for (int64_t c = 0; c < hd; ++c) acc[c % 8] += q[c] * row(kp, i, hd)[c];
+                    for (int64_t c = 0; c < hd; ++c) acc[c % 8] += q[c] * value(row(kp, i, hd)[c]);
                     const float dot = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
                     out[i] = dot * scale;
                 }
@@ -99,7 +119,7 @@ struct ScalarOps {
     static void pv(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
         for (int64_t r = 0; r < R; ++r)
             for (int64_t i = 0; i < n; ++i)
-                for (int64_t c = 0; c < hd; ++c) o[r * hd + c] += p[r * ld + i] * row(vp, i, hd)[c];
+                for (int64_t c = 0; c < hd; ++c) o[r * hd + c] += p[r * ld + i] * value(row(vp, i, hd)[c]);
     }
 };
 
@@ -124,9 +144,9 @@ NKV_AVX2 void pv_tile(const float* p, int64_t ld, Rows vp, int64_t n, int64_t hd
         for (int64_t i = 0; i < n; ++i) {
             __m256 pr[RT];
             for (int r = 0; r < RT; ++r) pr[r] = _mm256_broadcast_ss(p + r * ld + i);
-            const float* vi = row(vp, i, hd) + c;
+            const auto* vi = row(vp, i, hd) + c;
             for (int w = 0; w < CW; ++w) {
-                const __m256 v = _mm256_loadu_ps(vi + 8 * w);
+                const __m256 v = load8(vi + 8 * w);
                 for (int r = 0; r < RT; ++r) acc[r][w] = _mm256_fmadd_ps(pr[r], v, acc[r][w]);
             }
         }
@@ -165,14 +185,14 @@ NKV_AVX2 void scores_row(const float* q, Rows kp, int64_t i0, int64_t n, int64_t
         for (int64_t c = 0; c < hd; c += 8) {
             if (pf) pf->step();
             const __m256 qv = _mm256_loadu_ps(q + c);
-            for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(row(kp, i + k, hd) + c), acc[k]);
+            for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, load8(row(kp, i + k, hd) + c), acc[k]);
         }
         _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8(acc), vscale));
     }
     for (; i < n; ++i) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t c = 0; c < hd; c += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(row(kp, i, hd) + c), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(row(kp, i, hd) + c), acc);
         out[i] = hsum(acc) * scale;
     }
 }
@@ -190,7 +210,7 @@ NKV_AVX2 void scores_row_pair(const float* q0, const float* q1, Rows kp, int64_t
             if (pf) pf->step();
             const __m256 qa = _mm256_loadu_ps(q0 + c), qb = _mm256_loadu_ps(q1 + c);
             for (int k = 0; k < 4; ++k) {
-                const __m256 kv = _mm256_loadu_ps(row(kp, i + k, hd) + c);
+                const __m256 kv = load8(row(kp, i + k, hd) + c);
                 acc[k] = _mm256_fmadd_ps(qa, kv, acc[k]);
                 acc[4 + k] = _mm256_fmadd_ps(qb, kv, acc[4 + k]);
             }
@@ -292,7 +312,7 @@ NKV_AVX512 void scores_pairs512(const float* const* q, Rows kp, int64_t n8, int6
                 qv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q[2 * p] + c)),
                                            _mm256_loadu_ps(q[2 * p + 1] + c), 1);
             for (int k = 0; k < 8; ++k) {
-                const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(row(kp, i + k, hd) + c));
+                const __m512 kv = _mm512_broadcast_f32x8(load8(row(kp, i + k, hd) + c));
                 for (int p = 0; p < NP; ++p) acc[p][k] = _mm512_fmadd_ps(qv[p], kv, acc[p][k]);
             }
         }
@@ -312,9 +332,9 @@ NKV_AVX512 void pv_tile512(const float* p, int64_t ld, Rows vp, int64_t n, int64
         for (int r = 0; r < RT; ++r)
             for (int w = 0; w < CW; ++w) acc[r][w] = _mm512_loadu_ps(o + r * hd + c + 16 * w);
         for (int64_t i = 0; i < n; ++i) {
-            const float* vi = row(vp, i, hd) + c;
+            const auto* vi = row(vp, i, hd) + c;
             for (int w = 0; w < CW; ++w) {
-                const __m512 v = _mm512_loadu_ps(vi + 16 * w);
+                const __m512 v = load16(vi + 16 * w);
                 for (int r = 0; r < RT; ++r) acc[r][w] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ld + i]), v, acc[r][w]);
             }
         }
@@ -398,13 +418,15 @@ struct UnitMass {
 
 // Online softmax over keys [s0, s1) of KV head g for its R = n * G query rows. Leaves the
 // unnormalised output in o [R, hd], the running max in m [R] and the sum in l [R]; a row that
-// sees none of these keys gets m = -inf, l = 0, o = 0. kp, vp: room for a block's row pointers;
-// kf, vf: for half pages, room for a block's keys and values converted to floats.
-template <class Ops, bool kMass>
+// sees none of these keys gets m = -inf, l = 0, o = 0. E: what the pages hold (float, or uint16_t halves).
+template <class Ops, bool kMass, class E>
 void attend_chunk(const PagedArgs& a, int64_t G, float scale, int64_t g, int64_t s0, int64_t s1, float* o,
-                  float* m, float* l, float* sc, const float** kp, const float** vp, float* kf, float* vf,
-                  UnitMass* um) {
+                  float* m, float* l, float* sc, UnitMass* um) {
     const int64_t R = a.n * G, hd = a.hd, bs = block_positions(hd), start = a.end - a.n;
+    thread_local std::vector<const E*> table;  // a block's key row pointers, then its value row pointers
+    table.resize(static_cast<size_t>(2 * bs));
+    const E** kp = table.data();
+    const E** vp = kp + bs;
     std::fill(o, o + R * hd, 0.0f);
     std::fill(m, m + R, kNegInf);
     std::fill(l, l + R, 0.0f);
@@ -413,18 +435,14 @@ void attend_chunk(const PagedArgs& a, int64_t G, float scale, int64_t g, int64_t
     int64_t jb = kMass ? um->j0 : 0;  // the node holding b0
     for (int64_t b0 = s0; b0 < s1; b0 += bs) {
         const int64_t n = std::min(bs, s1 - b0);
-        // the block's rows: in place within one page, converted from halves, or through a pointer table
-        const float *kb = nullptr, *vb = nullptr;
-        if (a.kv_half) {
-            a.rows_to_floats(b0, n, g, kf, vf);
-            kb = kf, vb = vf;
-        } else if (b0 % a.page_size + n <= a.page_size) {
-            kb = a.k_row(b0, g), vb = a.v_row(b0, g);
-        } else {
-            a.rows(b0, n, g, kp, vp);
-        }
-        const float* const* kt = kp;
-        const float* const* vt = vp;
+        // the block's rows: in place within one page, or through a pointer table
+        const E *kb = nullptr, *vb = nullptr;
+        if (b0 % a.page_size + n <= a.page_size)
+            kb = a.k_row<E>(b0, g), vb = a.v_row<E>(b0, g);
+        else
+            a.rows<E>(b0, n, g, kp, vp);
+        const E* const* kt = kp;
+        const E* const* vt = vp;
         BlockPrefetch next(a, b0 + bs, std::min(bs, a.end - b0 - bs), g);  // beyond s1: the next chunk's
         if (kb)
             Ops::scores(qg, a.n, G, a.q_stride_t, a.q_stride_h, kb, n, hd, scale, sc, bs, next);
@@ -502,12 +520,7 @@ void decode_typed(const PagedArgs& a) {
 
     auto run_unit = [&](int64_t u) {
         thread_local std::vector<float> sc;
-        thread_local std::vector<const float*> rows;
-        thread_local std::vector<float> kv;
-        const int64_t bs = block_positions(hd);
-        sc.resize(static_cast<size_t>(R * bs));
-        rows.resize(static_cast<size_t>(2 * bs));
-        if (a.kv_half) kv.resize(static_cast<size_t>(2 * bs * hd));
+        sc.resize(static_cast<size_t>(R * block_positions(hd)));
         // KV heads inner: a page holds the rows of all KV heads side by side, so consecutive units
         // read adjacent memory
         const int64_t c = u / a.kv_heads, g = u % a.kv_heads;
@@ -517,14 +530,15 @@ void decode_typed(const PagedArgs& a) {
             um = {a.node_bounds, node_lo[c], node_off[c + 1] - node_off[c], mass_acc + (g * n_off + node_off[c]) * R};
         const int64_t s0 = c * kChunk, s1 = std::min(end, s0 + kChunk);
         float *m = res + R * hd, *l = m + R;
-        float* kf = a.kv_half ? kv.data() : nullptr;
-        float* vf = a.kv_half ? kv.data() + bs * hd : nullptr;
-        if (a.mass)
-            attend_chunk<Ops, true>(a, G, scale, g, s0, s1, res, m, l, sc.data(), rows.data(), rows.data() + bs, kf,
-                                    vf, &um);
+        UnitMass* pm = a.mass ? &um : nullptr;
+        if (a.mass && a.kv_half)
+            attend_chunk<Ops, true, uint16_t>(a, G, scale, g, s0, s1, res, m, l, sc.data(), pm);
+        else if (a.mass)
+            attend_chunk<Ops, true, float>(a, G, scale, g, s0, s1, res, m, l, sc.data(), pm);
+        else if (a.kv_half)
+            attend_chunk<Ops, false, uint16_t>(a, G, scale, g, s0, s1, res, m, l, sc.data(), pm);
         else
-            attend_chunk<Ops, false>(a, G, scale, g, s0, s1, res, m, l, sc.data(), rows.data(), rows.data() + bs, kf,
-                                     vf, nullptr);
+            attend_chunk<Ops, false, float>(a, G, scale, g, s0, s1, res, m, l, sc.data(), pm);
     };
     int nt = a.n_threads > 0 ? a.n_threads : omp_get_max_threads();
     if (2 * a.H * a.n * end * hd < kParallelMacs) nt = 1;

@@ -54,20 +54,23 @@ struct PagedArgs {
     float* out;   // [n, H * hd] contiguous
     int n_threads;  // <= 0: omp_get_max_threads()
 
-    // Address of key (value) position s of KV head g; float pages only, as for rows().
-    const float* k_row(int64_t s, int64_t g) const { return static_cast<const float*>(k_pages) + row_offset(s, g); }
-    const float* v_row(int64_t s, int64_t g) const { return static_cast<const float*>(v_pages) + row_offset(s, g); }
+    // Address of key (value) position s of KV head g, in pages of E: float, or uint16_t for halves.
+    template <class E = float>
+    const E* k_row(int64_t s, int64_t g) const { return static_cast<const E*>(k_pages) + row_offset(s, g); }
+    template <class E = float>
+    const E* v_row(int64_t s, int64_t g) const { return static_cast<const E*>(v_pages) + row_offset(s, g); }
     int64_t row_offset(int64_t s, int64_t g) const {
         return ((block_table[s / page_size] * kv_heads + g) * page_size + s % page_size) * hd;
     }
     // kp[i], vp[i] = the key and value rows of position s0 + i of KV head g, i < count (one division
-    // per page); float pages only.
-    void rows(int64_t s0, int64_t count, int64_t g, const float** kp, const float** vp) const {
+    // per page), in pages of E as for k_row.
+    template <class E = float>
+    void rows(int64_t s0, int64_t count, int64_t g, const E** kp, const E** vp) const {
         for (int64_t i = 0; i < count;) {
             const int64_t s = s0 + i, run = std::min(count - i, page_size - s % page_size), off = row_offset(s, g);
             for (int64_t k = 0; k < run; ++k, ++i) {
-                kp[i] = static_cast<const float*>(k_pages) + off + k * hd;
-                vp[i] = static_cast<const float*>(v_pages) + off + k * hd;
+                kp[i] = static_cast<const E*>(k_pages) + off + k * hd;
+                vp[i] = static_cast<const E*>(v_pages) + off + k * hd;
             }
         }
     }

@@ -301,6 +301,17 @@ def test_half_pages_match_float64_on_the_halves(isa, shape):
     assert torch.equal(c16.v_pages[c16.layer, pages, :, rows], c16.v_new.half())
 
 
+@pytest.mark.parametrize("shape", SHAPES + DECODE_SHAPES[-5:],
+                         ids=lambda s: "n{}-T{}-end{}-H{}-kv{}-hd{}-P{}-N{}".format(*s))
+def test_half_pages_give_the_bits_of_float_pages_holding_their_values(isa, shape):
+    """Halves become floats exactly (the decode kernel converts them in registers as it loads them, the tiled one as
+    it packs a block), and the arithmetic is the float pages': the same output and node mass, bit for bit."""
+    c16, rounded = half_pages(case(*shape, seed=sum(shape)))
+    out16, mass16 = run(c16)
+    out, mass = run(rounded)
+    assert torch.equal(out16, out) and torch.equal(mass16, mass)
+
+
 def test_half_rounding_gives_torchs_bits(isa):
     """Every float32 -> float16 case the store meets, against torch's conversion: ties to even at every scale,
     subnormals and their ties, the overflow threshold (65520 rounds to inf, the float below it to 65504), signed
