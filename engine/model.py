@@ -11,9 +11,9 @@ pool, RoPE tables and activations live there too; logits come back as the same f
 
 bf16 models: weights, matmul inputs and outputs, and the KV cache are bf16; the residual stream, the norms and the
 logits stay fp32 (cheap, and it keeps top-1 agreement with fp32 above HF's all-bf16 forward). On CPUs without native
-bf16 matrix units (torch's bf16 GEMM there is ~100x slower than fp32) the dense weights are stored as bf16-rounded
-fp32 and each matmul runs in fp32 with its output rounded to bf16: the arithmetic of a bf16 GEMM with fp32
-accumulation, at fp32 speed.
+bf16 matrix units (torch's bf16 GEMM there is 3x (AVX-512) to ~100x (AVX2) slower than fp32) the dense weights are
+stored as bf16-rounded fp32 and each matmul runs in fp32 with its output rounded to bf16: the arithmetic of a bf16
+GEMM with fp32 accumulation, at fp32 speed.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def check_precision(precision: str, dtype: torch.dtype, device: torch.device) ->
         raise ValueError(f"precision {precision!r} runs float32 models on the CPU only")
     if precision == "bf16" and not native_bf16_matmul():
         raise ValueError("precision 'bf16' needs a CPU with bf16 matrix units (AMX or AVX512-BF16): this one has "
-                         "none, and its bf16 GEMM is ~100x slower than the exact path's fp32 one")
+                         "none, and its bf16 GEMM is 3x (AVX-512) to ~100x (AVX2) slower than the exact path's fp32 one")
 
 
 class KVCache(Protocol):

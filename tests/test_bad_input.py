@@ -414,6 +414,16 @@ def test_bf16_precision_is_refused_without_bf16_matrix_units(monkeypatch):
         engine.load_engine("no-such-model.gguf", precision="bf16")
 
 
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs Linux's /proc/cpuinfo for the CPU's flags")
+def test_bf16_matrix_units_are_the_cpus_bf16_instructions():
+    """native_bf16_matmul against the flags the kernel reads from the CPU: oneDNN calls bf16 supported on any AVX-512
+    CPU, and emulates the products there at a third of fp32's speed (a Cascade Lake Xeon)."""
+    from nodekv.engine.cpu import native_bf16_matmul
+
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split()
+    assert native_bf16_matmul() == bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 def test_an_empty_model_name_is_refused_by_name():
     from nodekv.engine.models import resolve_model
 
