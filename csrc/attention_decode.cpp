@@ -411,7 +411,7 @@ constexpr int64_t kParallelMacs = int64_t{1} << 17;
 
 // Half pages: above this many query rows a block is converted into floats once instead of in registers by each pass
 // of the score and PV tiles over it (tiles of up to 6 rows, 2 for AVX2's scores). On qwen2.5-1.5b's heads at 2K keys,
-// reading in place is 1.3x faster for 6 rows and 1.05x for 24, converting once 1.05x for 48 and 1.1x for 96.
+// reading in place is 1.3x faster for 6 rows and 1.05x for 24, converting once 1.04x for 48 and 1.1x for 96.
 constexpr int64_t kConvertHalvesAbove = 24;
 
 // Node mass of one unit (KV head, chunk): nodes [j0, j0 + cnt) overlap the chunk, and acc[r, j - j0]
@@ -448,12 +448,14 @@ void attend_chunk(const PagedArgs& a, int64_t G, float scale, int64_t g, int64_t
         // the block's rows: converted from halves, in place within one page, or through a pointer table
         const float *kf = nullptr, *vf = nullptr;
         const E *kb = nullptr, *vb = nullptr;
-        if (convert)
-            a.rows_to_floats(b0, n, g, floats.data(), floats.data() + bs * hd), kf = floats.data(), vf = kf + bs * hd;
-        else if (b0 % a.page_size + n <= a.page_size)
+        if (convert) {
+            kf = floats.data(), vf = kf + bs * hd;
+            a.rows_to_floats(b0, n, g, floats.data(), floats.data() + bs * hd);
+        } else if (b0 % a.page_size + n <= a.page_size) {
             kb = a.k_row<E>(b0, g), vb = a.v_row<E>(b0, g);
-        else
+        } else {
             a.rows<E>(b0, n, g, kp, vp);
+        }
         const E* const* kt = kp;
         const E* const* vt = vp;
         BlockPrefetch next(a, b0 + bs, std::min(bs, a.end - b0 - bs), g);  // beyond s1: the next chunk's
