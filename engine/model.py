@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..kernels import backend_ops, reference
 from ..kernels.quant import QuantLinearWeight, QuantStack, QuantWeight, quant_linear
 from .config import ModelConfig
-from .cpu import native_bf16_matmul
+from .cpu import int8_prompts_outrun_fp32, native_bf16_matmul
 from .errors import ModelLoadError, PoolExhaustedError
 from .cache_batch import CacheBatch
 from .decode_graphs import DecodeGraphs
@@ -42,7 +42,8 @@ GATED_ROWS, GATED_COLS = 512, 2048  # a many-token step's gate|up product in til
 # Types whose int8 kernels outrun the fp32 GEMM on many-token steps too: their sub-block scales are integers, applied
 # once a super-block before one conversion. The 32-element types convert every block and lose there (qwen2.5-0.5b's
 # Q5_0/Q8_0 projections: int8 prefill 0.84-0.94x the exact path's; qwen2.5-1.5b's K-quants 1.24-1.62x; bench
-# engine_speed), so their many-token steps stay on the fp32 GEMM.
+# engine_speed), so their many-token steps stay on the fp32 GEMM, as every type's do on CPUs where that GEMM has
+# full-width 512-bit FMA units (int8_prompts_outrun_fp32).
 INT8_PROMPT_QTYPES = frozenset({"q4_k", "q6_k"})
 # Llama(precision=...): fp32 activations throughout; int8 ones in the quantised projections; or bf16 GEMMs for the
 # quantised projections' many-token steps (prompts) on CPUs with bf16 matrix units, every other step exact
@@ -107,7 +108,8 @@ class Linear:
     few-token steps and, for many-token steps, either decoded into a shared `scratch` per call or taken from a `dense`
     copy [out, in] (in the dtype its matmul runs in; the older, memory-hungry path); without either every step runs
     on the blocks. Non-quantised weights have only `dense`. int8: the steps on the blocks take `quant_linear`'s int8
-    fast path, and so do many-token steps of K-quant weights (INT8_PROMPT_QTYPES), where it outruns the fp32 GEMM."""
+    fast path, and so do many-token steps of K-quant weights (INT8_PROMPT_QTYPES) where it outruns the fp32 GEMM
+    (int8_prompts_outrun_fp32)."""
 
     dense: torch.Tensor | None
     quant: QuantLinearWeight | None = None
@@ -117,7 +119,7 @@ class Linear:
 
     def __post_init__(self) -> None:
         parts = () if self.quant is None else getattr(self.quant, "parts", (self.quant,))
-        self._int8_prompt_types = all(p.qtype in INT8_PROMPT_QTYPES for p in parts)
+        self._int8_prompt_types = int8_prompts_outrun_fp32() and all(p.qtype in INT8_PROMPT_QTYPES for p in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         quant = self.quant
@@ -201,7 +203,8 @@ class Llama:
         precision (float32 models on the CPU; `check_precision`): "exact" (fp32 activations), "int8" or "bf16".
         int8: steps of up to QUANT_MAX_TOKENS tokens (decode, probes, short appends), the lm_head, and longer steps
         of the K-quant projections (INT8_PROMPT_QTYPES) multiply int8-quantised activations (`quant_linear`'s fast
-        path); longer steps of other types stay on the fp32 GEMM, which outruns their int8 kernels there. bf16: the
+        path); longer steps of other types, and of every type on a CPU whose fp32 GEMM outruns the int8 kernels
+        (`int8_prompts_outrun_fp32`), stay on the fp32 GEMM. bf16: the
         longer steps of every quantised projection multiply in bf16 (inputs, decoded weights and outputs rounded to
         bf16, fp32 accumulation) on the CPU's bf16 matrix units, ~4x the fp32 GEMM's speed on AMX, and attend in bf16
         unless node mass is collected; every other step, the lm_head, the norms, the residual stream and the KV cache

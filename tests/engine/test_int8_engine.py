@@ -1,9 +1,11 @@
 """The engine's int8 fast path (load_engine(precision="int8")) on tiny GGUF models: few-token steps take the int8
 kernels (their logits move off the exact path's by about the activations' quantisation error, and no further), the
 fused decode step gives the op-by-op int8 step's numbers bit for bit, a batch of sequences gives each sequence's
-one-token steps, long prompts take the int8 kernels where their types are listed and stay exact elsewhere, and bad
-precisions (or a model without quantised projections) are refused before anything loads."""
+one-token steps, long prompts take the int8 kernels where their types are listed and the CPU favours them and stay
+exact elsewhere, and bad precisions (or a model without quantised projections) are refused before anything loads."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,15 +79,17 @@ def test_int8_batch_matches_single_sequences(gguf_path):
     assert torch.equal(batch, torch.cat(alone))
 
 
-@pytest.mark.parametrize("listed", [False, True])
-def test_long_prompts_take_the_int8_kernels_of_listed_types(gguf_path, monkeypatch, listed):
+@pytest.mark.parametrize("listed,int8_cpu", [(False, True), (True, True), (True, False)])
+def test_long_prompts_take_the_int8_kernels_of_listed_types(gguf_path, monkeypatch, listed, int8_cpu):
     """A step longer than QUANT_MAX_TOKENS takes the int8 kernels where the weight's type is in INT8_PROMPT_QTYPES
     (the K-quants, faster than the fp32 GEMM there; the tiny model's q4_0 is listed here for the test, as a K-quant
-    model cannot be this small): its logits are those of the same tokens appended in steps of QUANT_MAX_TOKENS (a
-    projection's output row depends on its own token alone; only attention's summation order differs), off the exact
-    path's by about the activations' quantisation error. Unlisted, it stays on the fp32 GEMM: the exact logits."""
+    model cannot be this small) and the CPU is one where they outrun the fp32 GEMM (int8_cpu; set whatever this CPU
+    is): its logits are those of the same tokens appended in steps of QUANT_MAX_TOKENS (a projection's output row
+    depends on its own token alone; only attention's summation order differs), off the exact path's by about the
+    activations' quantisation error. Unlisted, or on another CPU, it stays on the fp32 GEMM: the exact logits."""
     from nodekv.engine import model as model_module
 
+    monkeypatch.setattr(model_module, "int8_prompts_outrun_fp32", lambda: int8_cpu)
     if listed:
         monkeypatch.setattr(model_module, "INT8_PROMPT_QTYPES", frozenset({"q4_0"}))
     ids = torch.randint(0, 101, (2 * QUANT_MAX_TOKENS + 9,), generator=torch.Generator().manual_seed(8))
@@ -93,7 +97,7 @@ def test_long_prompts_take_the_int8_kernels_of_listed_types(gguf_path, monkeypat
     exact.lm_head.int8 = int8.lm_head.int8 = False  # the lm_head runs on its blocks at any length, int8 included
     whole = int8.forward(ids, new_cache(int8, page_size=8), logits="all")
     reference = exact.forward(ids, new_cache(exact, page_size=8), logits="all")
-    if not listed:
+    if not (listed and int8_cpu):
         assert torch.equal(whole, reference)
         return
     cache = new_cache(int8, page_size=8)
@@ -103,6 +107,18 @@ def test_long_prompts_take_the_int8_kernels_of_listed_types(gguf_path, monkeypat
     p, q = reference.double().log_softmax(-1), whole.double().log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
     assert 0 < kl.max() < 1e-3, kl.max()
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs Linux's /proc/cpuinfo for the CPU's vendor")
+def test_int8_prompts_stay_exact_on_intel_cores_with_avx512():
+    """int8_prompts_outrun_fp32 against /proc/cpuinfo: False on Intel with AVX-512 (the fp32 GEMM's 512-bit FMA units
+    outran the int8 kernels on a Cascade Lake Xeon), True elsewhere (AMD's Zen 4, AVX2 cores)."""
+    from nodekv.engine.cpu import int8_prompts_outrun_fp32
+
+    lines = open("/proc/cpuinfo").read().splitlines()
+    first = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lines[:40])}
+    intel_avx512 = first.get("vendor_id") == "GenuineIntel" and "avx512f" in first.get("flags", "").split()
+    assert int8_prompts_outrun_fp32() == (not intel_avx512)
 
 
 @pytest.mark.parametrize("kwargs,message", [
