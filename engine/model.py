@@ -204,13 +204,12 @@ class Llama:
         int8: steps of up to QUANT_MAX_TOKENS tokens (decode, probes, short appends), the lm_head, and longer steps
         of the K-quant projections (INT8_PROMPT_QTYPES) multiply int8-quantised activations (`quant_linear`'s fast
         path); longer steps of other types, and of every type on a CPU whose fp32 GEMM outruns the int8 kernels
-        (`int8_prompts_outrun_fp32`), stay on the fp32 GEMM. bf16: the
-        longer steps of every quantised projection multiply in bf16 (inputs, decoded weights and outputs rounded to
-        bf16, fp32 accumulation) on the CPU's bf16 matrix units, ~4x the fp32 GEMM's speed on AMX, and attend in bf16
-        unless node mass is collected; every other step, the lm_head, the norms, the residual stream and the KV cache
-        stay exact. Either needs quantised projections (a ValueError without any). device: where weights,
-        activations and the RoPE tables live ("cpu", or a CUDA device: every weight dense on it, the quantised blocks
-        decoded once at load)."""
+        (`int8_prompts_outrun_fp32`), stay on the fp32 GEMM. bf16: the longer steps of every quantised projection
+        multiply in bf16 (inputs, decoded weights and outputs rounded to bf16, fp32 accumulation) on the CPU's bf16
+        matrix units, ~4x the fp32 GEMM's speed on AMX, and attend in bf16 unless node mass is collected; every
+        other step, the lm_head, the norms, the residual stream and the KV cache stay exact. Either needs quantised
+        projections (a ValueError without any). device: where weights, activations and the RoPE tables live ("cpu",
+        or a CUDA device: every weight dense on it, the quantised blocks decoded once at load)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         self.device = torch.device(device)
