@@ -115,8 +115,8 @@ def test_int8_prompts_stay_exact_on_intel_cores_with_avx512():
     outran the int8 kernels on a Cascade Lake Xeon), True elsewhere (AMD's Zen 4, AVX2 cores)."""
     from nodekv.engine.cpu import int8_prompts_outrun_fp32
 
-    lines = open("/proc/cpuinfo").read().splitlines()
-    first = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lines[:40])}
+    first_cpu = open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+    first = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu)}
     intel_avx512 = first.get("vendor_id") == "GenuineIntel" and "avx512f" in first.get("flags", "").split()
     assert int8_prompts_outrun_fp32() == (not intel_avx512)
 
