@@ -232,6 +232,9 @@ def flops(args: argparse.Namespace) -> int:
         if args.model not in MODELS and not Path(args.model).exists() and not looks_like_a_path:
             raise
         config, name = model_config(resolve_model(args.model)), args.model
+    for flag, value in (("--tokens", args.tokens), ("--n-ctx", args.n_ctx)):
+        if value is not None and value > config.max_seq_len:  # counts no model can run
+            raise ValueError(f"{flag} {value} is above {name}'s context window of {config.max_seq_len} tokens")
     print(format_report(config, name, args.tokens, args.n_ctx))
     return 0
 
