@@ -2,7 +2,7 @@
 // quant_matmul.cpp includes this file twice, in namespace avx2 with NKV_SIMD = NKV_AVX2 and in namespace avx512 with
 // NKV_SIMD = NKV_AVX512, so that the VNNI dots and the token pairs' 512-bit ones inline into drivers built for them.
 // Hence no include guard. It sees quant_matmul.cpp's constants (kRowTile, kTokens, kSweepRows, kXChunkFloats) and
-// AccOf, token_sum: a format's accumulators are __m256, one per token, or for Pairs __m512, one per two tokens.
+// AccOf, token_sum, prefetch_step: a format's accumulators are __m256, one per token, or for Pairs __m512, one per two tokens.
 
 // Output rows [r, re) for TT tokens (prepared x at xp + t ldx, output at y + t ldy) of a weight w of N rows of nb
 // blocks, R rows at a time, over blocks [b0, b1): each (row, token) accumulator starts at zero at block 0, runs
@@ -35,11 +35,7 @@ __attribute__((noinline)) NKV_SIMD void dot_rows(const float* xp, int64_t ldx, c
         else if (i + kSweepRows + R <= N)
             pf = wr + kSweepRows * row_bytes;
         for (int64_t b = b0; b < b1; ++b) {
-            if (pf) {
-                constexpr int kLines = (R * F::kBytes + 63) / 64;
-                for (int l = 0; l < kLines; ++l)
-                    _mm_prefetch(reinterpret_cast<const char*>(pf) + (b - b0) * R * F::kBytes + 64 * l, _MM_HINT_T0);
-            }
+            if (pf) prefetch_step<R * F::kBytes>(pf, b - b0);
             const float* xb = xp + b * F::kPrep;
             for (int j = 0; j < R; ++j) F::template dot<TT>(wr + j * row_bytes + b * F::kBytes, xb, ldx, a[j]);
         }

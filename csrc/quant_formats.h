@@ -43,6 +43,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cpu_common.h"
 #include "quant_matmul.h"
@@ -81,6 +82,8 @@ inline void k_scales_mins(const uint8_t* p, uint64_t* sc, uint64_t* mn) {
 NKV_AVX2 inline __m256 bcast_half(const uint8_t* p) {
     return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(p))));
 }
+
+NKV_AVX2 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 NKV_AVX2 inline __m256 lane(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
 
@@ -155,31 +158,38 @@ NKV_AVX512 inline void scaled_x(__m256 c, PairX x, int64_t ldx, __m512* acc) {
 // 0..7, 8..15; v[2], v[3] = 16 (q - c) of elements 16..23, 24..31. Both 128-bit lanes hold the 16 bytes;
 // lane 0 reads bytes 0..3 and 8..11, lane 1 bytes 4..7 and 12..15, so 0x4B goes into a dword each lane
 // leaves unread (lane 0's dword 1, lane 1's dword 0).
+// nibbles' last step at either width (V __m256i or __m512i, P __m256 or __m512): the shuffled bytes a (elements
+// 0..7) and b (8..15) masked to q and 16 q under 0x4B and centred, as vector-extension arithmetic
+template <class V, class P>
+NKV_AVX2 inline void magic_nibbles(V a, V b, float c, P v[4]) {
+    using U32 = std::conditional_t<sizeof(V) == 32, uint32_t __attribute__((vector_size(32))),
+                                   uint32_t __attribute__((vector_size(64)))>;
+    const U32 ua = reinterpret_cast<U32>(a), ub = reinterpret_cast<U32>(b);
+    const uint32_t lo = 0xff00000fu, hi = 0xff0000f0u;
+    const float lo_bias = 8388608.0f + c, hi_bias = 8388608.0f + 16.0f * c;
+    v[0] = reinterpret_cast<P>(ua & lo) - lo_bias;
+    v[1] = reinterpret_cast<P>(ub & lo) - lo_bias;
+    v[2] = reinterpret_cast<P>(ua & hi) - hi_bias;
+    v[3] = reinterpret_cast<P>(ub & hi) - hi_bias;
+}
+alignas(32) inline constexpr uint32_t kNibbleShuffles[2][8] = {  // bytes 0..7, bytes 8..15
+    {0x04808000, 0x04808001, 0x04808002, 0x04808003, 0x00808004, 0x00808005, 0x00808006, 0x00808007},
+    {0x04808008, 0x04808009, 0x0480800a, 0x0480800b, 0x0080800c, 0x0080800d, 0x0080800e, 0x0080800f}};
 NKV_AVX2 inline void nibbles(const uint8_t* qs, float c, __m256 v[4]) {
     const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     const __m256i src = _mm256_blend_epi32(raw, _mm256_set1_epi32(0x4b4b4b4b), 0x12);
-    const __m256i a = _mm256_shuffle_epi8(  // bytes 0..7
-        src, _mm256_setr_epi32(0x04808000, 0x04808001, 0x04808002, 0x04808003, 0x00808004, 0x00808005, 0x00808006,
-                               0x00808007));
-    const __m256i b = _mm256_shuffle_epi8(  // bytes 8..15
-        src, _mm256_setr_epi32(0x04808008, 0x04808009, 0x0480800a, 0x0480800b, 0x0080800c, 0x0080800d, 0x0080800e,
-                               0x0080800f));
-    const __m256i lo = _mm256_set1_epi32(static_cast<int>(0xff00000fu));
-    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xff0000f0u));
-    const __m256 lo_bias = _mm256_set1_ps(8388608.0f + c), hi_bias = _mm256_set1_ps(8388608.0f + 16.0f * c);
-    v[0] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(a, lo)), lo_bias);
-    v[1] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(b, lo)), lo_bias);
-    v[2] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(a, hi)), hi_bias);
-    v[3] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(b, hi)), hi_bias);
+    magic_nibbles(_mm256_shuffle_epi8(src, load256(kNibbleShuffles[0])),
+                  _mm256_shuffle_epi8(src, load256(kNibbleShuffles[1])), c, v);
 }
 
 // 32 quant bytes (lane 0: elements 0..15, lane 1: 16..31) as floats q - c in "split" order: v[g] holds
 // elements 4g..4g+3 in lane 0 and 16+4g..16+4g+3 in lane 1.
+alignas(32) inline constexpr uint32_t kSplitShuffle[8] = {  // group 0's bytes into dwords; group g's at + 4 g
+    0x80808000, 0x80808001, 0x80808002, 0x80808003, 0x80808000, 0x80808001, 0x80808002, 0x80808003};
 NKV_AVX2 inline void split_bytes(__m256i q, float c, __m256 v[4]) {
     const __m256i magic = _mm256_set1_epi32(0x4b000000);
     const __m256 bias = _mm256_set1_ps(8388608.0f + c);
-    const __m256i first = _mm256_setr_epi32(0x80808000, 0x80808001, 0x80808002, 0x80808003, 0x80808000, 0x80808001,
-                                            0x80808002, 0x80808003);
+    const __m256i first = load256(kSplitShuffle);
     for (int g = 0; g < 4; ++g) {
         const __m256i bytes = _mm256_shuffle_epi8(q, _mm256_add_epi32(first, _mm256_set1_epi32(4 * g)));
         v[g] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(bytes, magic)), bias);
@@ -222,6 +232,61 @@ NKV_AVX2 inline float sum32(const float* x) {
     return hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
                               _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24))));
 }
+
+#ifdef NKV_FORMATS_512
+// ---------------------------------------------------------------- row pairs (AVX-512, one token)
+//
+// One token's exact dot over two weight rows at once (a format's dot_row_pair): row r's block unpacked into the low
+// half of each 512-bit register and row r + 1's into the high half by the same instructions, against x in both
+// halves, every lane's arithmetic the one-row dot's (the same bits, tested). One token is bound by the instructions
+// that turn quants into floats, not by FMAs, and here each serves two rows. The K-quants have one (Q4_K, Q6_K); the
+// 32-element formats keep the AVX2 one-token kernel.
+
+NKV_AVX512 inline __m512 halves(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+
+// the 32 bytes at p in the low half, those at p + stride in the high half
+NKV_AVX512 inline __m512i rows256(const uint8_t* p, int64_t stride) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load256(p)), load256(p + stride), 1);
+}
+
+// x[0..7] in both halves
+NKV_AVX512 inline __m512 both_x(const float* x) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(x)); }
+
+// lane(v, i) in each half: lane i of v in the low half, lane 8 + i in the high half
+NKV_AVX512 inline __m512 lane_rows(__m512 v, int i) {
+    return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(8 + i), 1), v);
+}
+
+// nibbles of the 16 bytes at qs (low half) and at qs + stride (high half)
+NKV_AVX512 inline void nibbles_rows(const uint8_t* qs, int64_t stride, float c, __m512 v[4]) {
+    const __m512i raw = _mm512_mask_broadcast_i32x4(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))), 0xff00,
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + stride)));
+    const __m512i src = _mm512_mask_blend_epi32(0x1212, raw, _mm512_set1_epi32(0x4b4b4b4b));
+    magic_nibbles(_mm512_shuffle_epi8(src, _mm512_broadcast_i64x4(load256(kNibbleShuffles[0]))),
+                  _mm512_shuffle_epi8(src, _mm512_broadcast_i64x4(load256(kNibbleShuffles[1]))), c, v);
+}
+
+// split_bytes of each half's 32 bytes
+NKV_AVX512 inline void split_bytes_rows(__m512i q, float c, __m512 v[4]) {
+    const __m512i magic = _mm512_set1_epi32(0x4b000000);
+    const __m512 bias = _mm512_set1_ps(8388608.0f + c);
+    const __m512i first = _mm512_broadcast_i64x4(load256(kSplitShuffle));
+    for (int g = 0; g < 4; ++g) {
+        const __m512i bytes = _mm512_shuffle_epi8(q, _mm512_add_epi32(first, _mm512_set1_epi32(4 * g)));
+        v[g] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(bytes, magic)), bias);
+    }
+}
+
+// acc += d (sum over i of v[i] * x[8 i .. 8 i + 7]): scaled_dot's arithmetic for both rows
+NKV_AVX512 inline void scaled_dot_rows(const __m512 v[4], __m512 d, const float* x, __m512* acc) {
+    __m512 a = _mm512_mul_ps(v[0], both_x(x));
+    a = _mm512_fmadd_ps(v[1], both_x(x + 8), a);
+    a = _mm512_fmadd_ps(v[2], both_x(x + 16), a);
+    a = _mm512_fmadd_ps(v[3], both_x(x + 24), a);
+    *acc = _mm512_fmadd_ps(d, a, *acc);
+}
+#endif
 
 // ---------------------------------------------------------------- int8 activations (precision "int8")
 //
@@ -347,8 +412,6 @@ NKV_AVX2 inline void quantize_avx2(const float* x, XQ256* out) {
         out->sum16[2 * g + 1] = static_cast<int16_t>(half[1]);
     }
 }
-
-NKV_AVX2 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // v[j]'s dword c -> v[c]'s dword j: an 8 x 8 transpose of 4-byte groups (unpack 32, unpack 64, swap 128-bit lanes).
 NKV_AVX2 inline void transpose_dwords(__m256i v[8]) {
@@ -698,6 +761,25 @@ struct Q4_K {
         const __m256 offset = _mm256_fmsub_ps(_mm256_set1_ps(8.0f), dsc, dmn);  // w = d sc (q - 8) + offset
         scaled_x<TT>(offset, xp + 256, ldx, acc);
     }
+#ifdef NKV_FORMATS_512
+    // dot for one token over rows r (block at blk) and r + 1 (at blk + row_bytes) in acc's halves (row pairs)
+    NKV_AVX512 static void dot_row_pair(const uint8_t* blk, int64_t row_bytes, const float* xp, __m512* acc) {
+        __m256 dsc[2], dmn[2];
+        scales(blk, &dsc[0], &dmn[0]);
+        scales(blk + row_bytes, &dsc[1], &dmn[1]);
+        const __m512 s = halves(nibble_scales(dsc[0]), nibble_scales(dsc[1]));
+        for (int i = 0; i < 4; ++i) {
+            __m512 a[4], b[4];
+            nibbles_rows(blk + 16 + 32 * i, row_bytes, 8.0f, a);
+            nibbles_rows(blk + 32 + 32 * i, row_bytes, 8.0f, b);
+            const __m512 even[4] = {a[0], a[1], b[0], b[1]}, odd[4] = {a[2], a[3], b[2], b[3]};
+            scaled_dot_rows(even, lane_rows(s, 2 * i), xp + 64 * i, acc);
+            scaled_dot_rows(odd, lane_rows(s, 2 * i + 1), xp + 64 * i + 32, acc);
+        }
+        const __m512 offset = _mm512_fmsub_ps(_mm512_set1_ps(8.0f), halves(dsc[0], dsc[1]), halves(dmn[0], dmn[1]));
+        *acc = _mm512_fmadd_ps(offset, both_x(xp + 256), *acc);
+    }
+#endif
     using XQ = XQ256T;
     // d d_x sum_j sc_j sum(q_j q_xj) - dmin d_x sum_j m_j sum(q_xj), the weights transposed into x's interleaved order
     // (XQ256T) once per block, then per token 8 maddubs summed in int16 lanes of one sub-block each, one madd with the
@@ -817,21 +899,34 @@ struct Q6_K {
     // Half h's quants as bytes, q[g] for elements 128h + 32g + 0..31 (split_bytes' input: lane 0 holds
     // sub-block 8h + 2g, lane 1 sub-block 8h + 2g + 1).
     NKV_AVX2 static void quants(const uint8_t* blk, int h, __m256i q[4]) {
-        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-        const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30);
-        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
-        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m2));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
+        six_bits(load256(blk + 64 * h), load256(blk + 64 * h + 32), load256(blk + 128 + 32 * h), q);
+    }
+    // q from the low nibbles of l0, l1 and their high nibbles, each with 2 bits of qh (in 16-bit lanes, whose shifts
+    // the masks make bytewise); V is __m256i, or __m512i for row pairs
+    template <class V>
+    NKV_AVX2 static void six_bits(V l0, V l1, V qh, V q[4]) {
+        using U16 = std::conditional_t<sizeof(V) == 32, uint16_t __attribute__((vector_size(32))),
+                                       uint16_t __attribute__((vector_size(64)))>;
+        const U16 a = reinterpret_cast<U16>(l0), b = reinterpret_cast<U16>(l1), h = reinterpret_cast<U16>(qh);
+        const uint16_t m4 = 0x0f0f, m2 = 0x3030;
+        q[0] = reinterpret_cast<V>((a & m4) | ((h << 4) & m2));
+        q[1] = reinterpret_cast<V>((b & m4) | ((h << 2) & m2));
+        q[2] = reinterpret_cast<V>(((a >> 4) & m4) | (h & m2));
+        q[3] = reinterpret_cast<V>(((b >> 4) & m4) | ((h >> 2) & m2));
     }
     // The scales of a split-order vector of group g: sub-block 2g in lane 0, 2g + 1 in lane 1.
-    NKV_AVX2 static __m256 pair(__m256 s, int g) {
-        return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1,
-                                                             2 * g + 1, 2 * g + 1));
+    NKV_AVX2 static __m256i pair_index(int g) {
+        return _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
     }
+    NKV_AVX2 static __m256 pair(__m256 s, int g) { return _mm256_permutevar8x32_ps(s, pair_index(g)); }
+#ifdef NKV_FORMATS_512
+    // pair in each half: s holds a row pair's scales
+    NKV_AVX512 static __m512 pair_rows(__m512 s, int g) {
+        const __m256i i = pair_index(g);
+        return _mm512_permutexvar_ps(
+            _mm512_inserti64x4(_mm512_castsi256_si512(i), _mm256_add_epi32(i, _mm256_set1_epi32(8)), 1), s);
+    }
+#endif
     NKV_AVX2 static void decode_avx2(const uint8_t* blk, float* out) {
         __m256 s[2];
         scales(blk, s);
@@ -861,6 +956,25 @@ struct Q6_K {
             }
         }
     }
+#ifdef NKV_FORMATS_512
+    // dot for one token over rows r (block at blk) and r + 1 (at blk + row_bytes) in acc's halves (row pairs)
+    NKV_AVX512 static void dot_row_pair(const uint8_t* blk, int64_t row_bytes, const float* xp, __m512* acc) {
+        __m256 s0[2], s1[2];
+        scales(blk, s0);
+        scales(blk + row_bytes, s1);
+        for (int h = 0; h < 2; ++h) {
+            __m512i q[4];
+            six_bits(rows256(blk + 64 * h, row_bytes), rows256(blk + 64 * h + 32, row_bytes),
+                     rows256(blk + 128 + 32 * h, row_bytes), q);
+            const __m512 s = halves(s0[h], s1[h]);
+            for (int g = 0; g < 4; ++g) {
+                __m512 v[4];
+                split_bytes_rows(q[g], 32.0f, v);
+                scaled_dot_rows(v, pair_rows(s, g), xp + 128 * h + 32 * g, acc);
+            }
+        }
+    }
+#endif
     using XQ = XQ256;
     // d d_x (sum_k sc_k sum(q_k q_xk) - 32 sum_k sc_k sum(q_xk)), k over the 16 sub-blocks: q unsigned for maddubs,
     // centred through x's sums of 16
