@@ -2,7 +2,8 @@
 // quant_matmul.cpp includes this file twice, in namespace avx2 with NKV_SIMD = NKV_AVX2 and in namespace avx512 with
 // NKV_SIMD = NKV_AVX512, so that the VNNI dots and the token pairs' 512-bit ones inline into drivers built for them.
 // Hence no include guard. It sees quant_matmul.cpp's constants (kRowTile, kTokens, kSweepRows, kXChunkFloats) and
-// AccOf, token_sum, prefetch_step: a format's accumulators are __m256, one per token, or for Pairs __m512, one per two tokens.
+// AccOf, token_sum, prefetch_step: a format's accumulators are __m256, one per token, or for Pairs __m512, one per two
+// tokens.
 
 // Output rows [r, re) for TT tokens (prepared x at xp + t ldx, output at y + t ldy) of a weight w of N rows of nb
 // blocks, R rows at a time, over blocks [b0, b1): each (row, token) accumulator starts at zero at block 0, runs

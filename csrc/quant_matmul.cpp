@@ -1,16 +1,16 @@
 // Quantised-weight matmul drivers, templates over the formats of quant_formats.h; see quant_matmul.h for
 // the contract.
 //
-// Every (row, token) output is one accumulator that runs the format's dot over the row's blocks in order and
-// ends as hsum + bias, computed the same way whatever the number of tokens, the chunking or the thread: a
-// token's outputs are bit for bit those it gets alone, so a batch of decode steps reproduces sequential ones.
-// One token (decode) is bound by the weight bytes and the instructions to unpack them: each block is read once,
-// R rows at a time so that the rows share the x loads; with AVX-512, the K-quants two rows per 512-bit register (row
-// pairs: one instruction unpacks both rows' blocks; on a Cascade Lake Xeon, qwen2.5-1.5b's one-token matmuls in 0.77x
-// the AVX2 kernel's time), each lane's arithmetic the AVX2 one's. More tokens are bound by FMAs: each block is unpacked
-// once per pass of up to kTokens tokens and FMAed into all of their accumulators; with AVX-512, from kPairsMinTokens
-// on, two tokens per 512-bit FMA (Pairs), each lane's arithmetic the AVX2 one's. x is prepared once per call (per
-// type). The scalar path decodes a row at a time and takes plain dot products, also per token.
+// Every (row, token) output is one accumulator that runs the format's dot over the row's blocks in order and ends as
+// hsum + bias, computed the same way whatever the number of tokens, the chunking or the thread: a token's outputs are
+// bit for bit those it gets alone, so a batch of decode steps reproduces sequential ones. One token (decode) is bound
+// by the weight bytes and the instructions to unpack them: each block is read once, R rows at a time so that the rows
+// share the x loads; with AVX-512, the K-quants two rows per 512-bit register (row pairs: one instruction unpacks both
+// rows' blocks; on a Cascade Lake Xeon, qwen2.5-1.5b's one-token matmuls in 0.77-0.85x the AVX2 kernel's time), each
+// lane's arithmetic the AVX2 one's. More tokens are bound by FMAs: each block is unpacked once per pass of up to
+// kTokens tokens and FMAed into all of their accumulators; with AVX-512, from kPairsMinTokens on, two tokens per
+// 512-bit FMA (Pairs), each lane's arithmetic the AVX2 one's. x is prepared once per call (per type). The scalar path
+// decodes a row at a time and takes plain dot products, also per token.
 #include "quant_matmul.h"
 
 #include <algorithm>
@@ -209,7 +209,8 @@ inline void prefetch_step(const uint8_t* pf, int64_t b) {
         _mm_prefetch(reinterpret_cast<const char*>(pf) + b * kStep + 64 * l, _MM_HINT_T0);
 }
 
-// Formats with a row-pair dot (formats512: F::dot_row_pair, one token over two rows in the halves of 512-bit registers).
+// Formats with a row-pair dot (formats512: F::dot_row_pair, one token over two rows in the halves of 512-bit
+// registers).
 template <class F, class = void>
 struct HasRowPair : std::false_type {};
 template <class F>
