@@ -17,7 +17,7 @@ in ms and tokens/s, and tokens/s relative to one token (what batching that many 
 side. The count where dense overtakes the blocks is where a forward should switch to dense weights. --int8 adds the
 int8 fast path (`quant_linear(..., int8=True)`) beside the exact one in either table. On a CPU with AVX-512 the sweep
 also runs the kernels limited to AVX2 (the same bits): the exact path's, whose 8 tokens or more take two tokens per
-512-bit FMA and whose one token takes the K-quants two rows per 512-bit register, and with --int8 the int8 path's,
+512-bit FMA and whose fewer tokens take the K-quants two rows per 512-bit register, and with --int8 the int8 path's,
 which use VNNI.
 """
 from __future__ import annotations

@@ -234,13 +234,13 @@ NKV_AVX2 inline float sum32(const float* x) {
 }
 
 #ifdef NKV_FORMATS_512
-// ---------------------------------------------------------------- row pairs (AVX-512, one token)
+// ---------------------------------------------------------------- row pairs (AVX-512, fewer than 8 tokens)
 //
-// One token's exact dot over two weight rows at once (a format's dot_row_pair): row r's block unpacked into the low
-// half of each 512-bit register and row r + 1's into the high half by the same instructions, against x in both
-// halves, every lane's arithmetic the one-row dot's (the same bits, tested). One token is bound by the instructions
-// that turn quants into floats, not by FMAs, and here each serves two rows. The K-quants have one (Q4_K, Q6_K); the
-// 32-element formats keep the AVX2 one-token kernel.
+// The exact dot of up to 7 tokens over two weight rows at once (a format's dot_row_pair): row r's block unpacked into
+// the low half of each 512-bit register and row r + 1's into the high half by the same instructions, against each
+// token's x in both halves, every lane's arithmetic the one-row dot's (the same bits, tested). So few tokens are bound
+// by the instructions that turn quants into floats, not by FMAs, and here each serves two rows. The K-quants have one
+// (Q4_K, Q6_K); the 32-element formats keep the AVX2 kernels.
 
 NKV_AVX512 inline __m512 halves(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
 
@@ -278,13 +278,18 @@ NKV_AVX512 inline void split_bytes_rows(__m512i q, float c, __m512 v[4]) {
     }
 }
 
-// acc += d (sum over i of v[i] * x[8 i .. 8 i + 7]): scaled_dot's arithmetic for both rows
-NKV_AVX512 inline void scaled_dot_rows(const __m512 v[4], __m512 d, const float* x, __m512* acc) {
-    __m512 a = _mm512_mul_ps(v[0], both_x(x));
-    a = _mm512_fmadd_ps(v[1], both_x(x + 8), a);
-    a = _mm512_fmadd_ps(v[2], both_x(x + 16), a);
-    a = _mm512_fmadd_ps(v[3], both_x(x + 24), a);
-    *acc = _mm512_fmadd_ps(d, a, *acc);
+// acc[t] += d (sum over i of v[i] * x_t[8 i .. 8 i + 7]) for the TT tokens x_t = x + t ldx: scaled_dot's arithmetic
+// for both rows
+template <int TT>
+NKV_AVX512 inline void scaled_dot_rows(const __m512 v[4], __m512 d, const float* x, int64_t ldx, __m512* acc) {
+    for (int t = 0; t < TT; ++t) {
+        const float* xt = x + t * ldx;
+        __m512 a = _mm512_mul_ps(v[0], both_x(xt));
+        a = _mm512_fmadd_ps(v[1], both_x(xt + 8), a);
+        a = _mm512_fmadd_ps(v[2], both_x(xt + 16), a);
+        a = _mm512_fmadd_ps(v[3], both_x(xt + 24), a);
+        acc[t] = _mm512_fmadd_ps(d, a, acc[t]);
+    }
 }
 #endif
 
@@ -762,8 +767,10 @@ struct Q4_K {
         scaled_x<TT>(offset, xp + 256, ldx, acc);
     }
 #ifdef NKV_FORMATS_512
-    // dot for one token over rows r (block at blk) and r + 1 (at blk + row_bytes) in acc's halves (row pairs)
-    NKV_AVX512 static void dot_row_pair(const uint8_t* blk, int64_t row_bytes, const float* xp, __m512* acc) {
+    // dot for TT tokens over rows r (block at blk) and r + 1 (at blk + row_bytes) in the halves of acc[t] (row pairs)
+    template <int TT>
+    NKV_AVX512 static void dot_row_pair(const uint8_t* blk, int64_t row_bytes, const float* xp, int64_t ldx,
+                                        __m512* acc) {
         __m256 dsc[2], dmn[2];
         scales(blk, &dsc[0], &dmn[0]);
         scales(blk + row_bytes, &dsc[1], &dmn[1]);
@@ -773,11 +780,11 @@ struct Q4_K {
             nibbles_rows(blk + 16 + 32 * i, row_bytes, 8.0f, a);
             nibbles_rows(blk + 32 + 32 * i, row_bytes, 8.0f, b);
             const __m512 even[4] = {a[0], a[1], b[0], b[1]}, odd[4] = {a[2], a[3], b[2], b[3]};
-            scaled_dot_rows(even, lane_rows(s, 2 * i), xp + 64 * i, acc);
-            scaled_dot_rows(odd, lane_rows(s, 2 * i + 1), xp + 64 * i + 32, acc);
+            scaled_dot_rows<TT>(even, lane_rows(s, 2 * i), xp + 64 * i, ldx, acc);
+            scaled_dot_rows<TT>(odd, lane_rows(s, 2 * i + 1), xp + 64 * i + 32, ldx, acc);
         }
         const __m512 offset = _mm512_fmsub_ps(_mm512_set1_ps(8.0f), halves(dsc[0], dsc[1]), halves(dmn[0], dmn[1]));
-        *acc = _mm512_fmadd_ps(offset, both_x(xp + 256), *acc);
+        for (int t = 0; t < TT; ++t) acc[t] = _mm512_fmadd_ps(offset, both_x(xp + 256 + t * ldx), acc[t]);
     }
 #endif
     using XQ = XQ256T;
@@ -957,8 +964,10 @@ struct Q6_K {
         }
     }
 #ifdef NKV_FORMATS_512
-    // dot for one token over rows r (block at blk) and r + 1 (at blk + row_bytes) in acc's halves (row pairs)
-    NKV_AVX512 static void dot_row_pair(const uint8_t* blk, int64_t row_bytes, const float* xp, __m512* acc) {
+    // dot for TT tokens over rows r (block at blk) and r + 1 (at blk + row_bytes) in the halves of acc[t] (row pairs)
+    template <int TT>
+    NKV_AVX512 static void dot_row_pair(const uint8_t* blk, int64_t row_bytes, const float* xp, int64_t ldx,
+                                        __m512* acc) {
         __m256 s0[2], s1[2];
         scales(blk, s0);
         scales(blk + row_bytes, s1);
@@ -970,7 +979,7 @@ struct Q6_K {
             for (int g = 0; g < 4; ++g) {
                 __m512 v[4];
                 split_bytes_rows(q[g], 32.0f, v);
-                scaled_dot_rows(v, pair_rows(s, g), xp + 128 * h + 32 * g, acc);
+                scaled_dot_rows<TT>(v, pair_rows(s, g), xp + 128 * h + 32 * g, ldx, acc);
             }
         }
     }

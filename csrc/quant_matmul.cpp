@@ -5,12 +5,12 @@
 // hsum + bias, computed the same way whatever the number of tokens, the chunking or the thread: a token's outputs are
 // bit for bit those it gets alone, so a batch of decode steps reproduces sequential ones. One token (decode) is bound
 // by the weight bytes and the instructions to unpack them: each block is read once, R rows at a time so that the rows
-// share the x loads; with AVX-512, the K-quants two rows per 512-bit register (row pairs: one instruction unpacks both
-// rows' blocks; on a Cascade Lake Xeon, qwen2.5-1.5b's one-token matmuls in 0.77-0.85x the AVX2 kernel's time), each
-// lane's arithmetic the AVX2 one's. More tokens are bound by FMAs: each block is unpacked once per pass of up to
-// kTokens tokens and FMAed into all of their accumulators; with AVX-512, from kPairsMinTokens on, two tokens per
-// 512-bit FMA (Pairs), each lane's arithmetic the AVX2 one's. x is prepared once per call (per type). The scalar path
-// decodes a row at a time and takes plain dot products, also per token.
+// share the x loads. More tokens are bound by FMAs: each block is unpacked once per pass of up to kTokens tokens and
+// FMAed into all of their accumulators. With AVX-512, from kPairsMinTokens on, two tokens per 512-bit FMA (Pairs);
+// below, the K-quants' two rows per 512-bit register (row pairs: one instruction unpacks both rows' blocks; on a
+// Cascade Lake Xeon, qwen2.5-1.5b's matmuls of 1 to 7 tokens 1.2-1.5x faster than AVX2's); each lane's arithmetic the
+// AVX2 one's. x is prepared once per call (per type). The scalar path decodes a row at a time and takes plain dot
+// products, also per token.
 #include "quant_matmul.h"
 
 #include <algorithm>
@@ -54,7 +54,7 @@ constexpr int64_t kXChunkFloats = 4096;  // a sweep's chunk of prepared x (16 Ki
 // Tokens from which the exact path runs them in pairs on AVX-512 (Pairs): the same bits either way, but each block's
 // unpacked weights are first copied into both halves of 512-bit registers, which fewer tokens do not repay (on a
 // Xeon with 512-bit FMA units, qwen2.5-1.5b's Q4_K and Q6_K projections: 0.8-0.9x AVX2 at 2 tokens, 1.0x at 4,
-// 1.15-1.6x at 8 to 32)
+// 1.15-1.6x at 8 to 32). Fewer tokens take row pairs, where the format has them.
 constexpr int64_t kPairsMinTokens = 8;
 
 // ---------------------------------------------------------------- scalar path
@@ -136,7 +136,7 @@ static_assert(Int8Vnni<formats::Q8_0>::kVnni && Int8Vnni<formats::Q5_0>::kVnni &
 // A format's exact path over token pairs (formats512::PairX) as a format for the drivers: its prepared x is a pair
 // block per block (kPrep twice the format's), and its dot runs the 512-bit FMAs of two tokens at once, each lane's
 // arithmetic the one-token dot's (the same bits, tested). On cores with 512-bit FMA units a several-token step then
-// issues half the FMAs; one token is bound by unpacking the weights, not FMAs (row pairs, below).
+// issues half the FMAs; fewer tokens are bound by unpacking the weights, not FMAs (row pairs, below).
 template <class F>
 struct Pairs {
     static constexpr QType kType = F::kType;
@@ -209,12 +209,13 @@ inline void prefetch_step(const uint8_t* pf, int64_t b) {
         _mm_prefetch(reinterpret_cast<const char*>(pf) + b * kStep + 64 * l, _MM_HINT_T0);
 }
 
-// Formats with a row-pair dot (formats512: F::dot_row_pair, one token over two rows in the halves of 512-bit
+// Formats with a row-pair dot (formats512: F::dot_row_pair, up to 7 tokens over two rows in the halves of 512-bit
 // registers).
 template <class F, class = void>
 struct HasRowPair : std::false_type {};
 template <class F>
-struct HasRowPair<F, std::void_t<decltype(F::dot_row_pair(nullptr, 0, nullptr, nullptr))>> : std::true_type {};
+struct HasRowPair<F, std::void_t<decltype(F::template dot_row_pair<1>(nullptr, 0, nullptr, 0, nullptr))>>
+    : std::true_type {};
 static_assert(HasRowPair<formats512::Q4_K>::value && HasRowPair<formats512::Q6_K>::value &&
                   !HasRowPair<formats512::Q8_0>::value,
               "the row-pair dots are found where the formats define them");
@@ -230,23 +231,39 @@ namespace avx512 {
 #include "quant_drivers.h"
 #undef NKV_SIMD
 
-// One token's output rows [r, re) two at a time through F::dot_row_pair, with dot_rows' prefetch of the rows a sweep
-// further on; an odd last row through dot_rows. Each row's lanes do the AVX2 one-token dot's arithmetic.
-template <class F>
-__attribute__((noinline)) NKV_AVX512 void dot_row_pairs(const float* xp, int64_t K, const uint8_t* w, int64_t N,
-                                                        const float* bias, float* y, int64_t r, int64_t re) {
-    const int64_t nb = K / F::kElems, row_bytes = nb * F::kBytes;
+// Output rows [r, re) for TT tokens (TT < kPairsMinTokens) two rows at a time through F::dot_row_pair, whole rows
+// (x stays in L2), with dot_rows' prefetch of the rows a sweep further on; an odd last row through dot_rows. Each
+// row's lanes do the AVX2 dot's arithmetic.
+template <class F, int TT>
+__attribute__((noinline)) NKV_AVX512 void dot_row_pairs(const float* xp, int64_t ldx, const uint8_t* w, int64_t N,
+                                                        int64_t nb, const float* bias, float* y, int64_t ldy,
+                                                        int64_t r, int64_t re) {
+    const int64_t row_bytes = nb * F::kBytes;
     for (; r + 2 <= re; r += 2) {
-        __m512 acc = _mm512_setzero_ps();
+        __m512 acc[TT];
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
         const uint8_t* wr = w + r * row_bytes;
         const uint8_t* pf = r + kSweepRows + 2 <= N ? wr + kSweepRows * row_bytes : nullptr;
         for (int64_t b = 0; b < nb; ++b) {
             if (pf) prefetch_step<2 * F::kBytes>(pf, b);
-            F::dot_row_pair(wr + b * F::kBytes, row_bytes, xp + b * F::kPrep, &acc);
+            F::template dot_row_pair<TT>(wr + b * F::kBytes, row_bytes, xp + b * F::kPrep, ldx, acc);
         }
-        for (int h = 0; h < 2; ++h) y[r + h] = token_sum(&acc, h) + (bias ? bias[r + h] : 0.0f);
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; ++t)
+            for (int h = 0; h < 2; ++h) y[t * ldy + r + h] = token_sum(&acc[t], h) + (bias ? bias[r + h] : 0.0f);
     }
-    if (r < re) dot_rows<F, 1, 1>(xp, nb * F::kPrep, w, N, nb, bias, y, 1, r, re, 0, nb, nullptr);
+    if (r < re) dot_rows<F, 1, TT>(xp, ldx, w, N, nb, bias, y, ldy, r, re, 0, nb, nullptr);
+}
+
+// dot_row_pairs for tn tokens, a run-time count up to TT
+template <class F, int TT = kPairsMinTokens - 1>
+NKV_AVX512 void row_pair_range(int64_t tn, const float* xp, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                          float* y, int64_t ldy, int64_t r, int64_t re) {
+    if constexpr (TT > 1)
+        if (tn < TT) return row_pair_range<F, TT - 1>(tn, xp, K, w, N, bias, y, ldy, r, re);
+    const int64_t nb = K / F::kElems;
+    dot_row_pairs<F, TT>(xp, nb * F::kPrep, w, N, nb, bias, y, ldy, r, re);
 }
 }  // namespace avx512
 
@@ -375,15 +392,15 @@ void matmul(const float* x, int64_t T, int64_t K, const Segment* segs, int n_seg
                 xp[s] = aligned;
             });
         }
-        // one token's exact dots two rows at a time, for the formats that have a row-pair dot
-        const bool row_pairs = !int8 && T == 1 && isa == Isa::kAvx512;
+        // fewer tokens' exact dots two rows at a time, for the formats that have a row-pair dot (row pairs)
+        const bool row_pairs = !int8 && T < kPairsMinTokens && isa == Isa::kAvx512;
         parallel_segments(segs, n_segs, nt, [&](int s, int64_t r0, int64_t r1, int) {
             const Segment& g = segs[s];
             float* out = y + row0[s];
             if (row_pairs && formats512::visit(g.qt, [&](auto f) {
                     using F = decltype(f);
                     if constexpr (HasRowPair<F>::value)
-                        avx512::dot_row_pairs<F>(xp[s], K, g.w, g.rows, bias_of(s), out, r0, r1);
+                        avx512::row_pair_range<F>(T, xp[s], K, g.w, g.rows, bias_of(s), out, N, r0, r1);
                     return HasRowPair<F>::value;
                 }))
                 return;

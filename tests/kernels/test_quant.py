@@ -200,14 +200,14 @@ def test_batch_rows_match_single_tokens_in_a_stack(isa, t):
 @pytest.mark.parametrize("qtype", list(QTYPES))
 def test_token_and_row_pairs_give_the_avx2_bits(qtype):
     """Where the CPU has AVX-512, 8 tokens or more run the exact dots two at a time in 512-bit FMAs (token pairs), and
-    one token runs the K-quants' dots over two rows at a time (row pairs); each lane does the AVX2 dot's arithmetic,
-    so every type, odd and even counts of tokens and rows (an odd last row alone) and several passes (70 tokens: two
+    fewer run the K-quants' dots over two rows at a time (row pairs); each lane does the AVX2 dot's arithmetic, so
+    every type, odd and even counts of tokens and rows (an odd last row alone) and several passes (70 tokens: two
     calls of 35, in passes of 8, 6, 8, 6 and an odd last 7) give the AVX2 bits."""
     if _C.isa() != "avx512":
         pytest.skip(f"this CPU takes the {_C.isa()} path (no AVX-512)")
     for n, blocks in SHAPES:
         w, _ = make_weight(qtype, n, blocks * BLOCK_ELEMS[qtype], seed=n + blocks, offset=0.1)
-        for t in (1, 8, 9, 13, 70):
+        for t in (1, 2, 5, 7, 8, 9, 13, 70):
             x = torch.randn(t, blocks * BLOCK_ELEMS[qtype], generator=torch.Generator().manual_seed(t)) * 3
             pairs = quant_linear(x, w)
             with simd_level("avx2") as level:
