@@ -41,17 +41,9 @@ inline const E* advance(const E* first, int64_t i, int64_t hd) { return first + 
 template <class E>
 inline const E* const* advance(const E* const* table, int64_t i, int64_t) { return table + i; }
 
-// An element of a page, 8 and 16 of them from p on, as floats.
+// An element of a page as a float (the SIMD paths load 8 or 16 with F32x8::load, F32x16::load).
 inline float value(float x) { return x; }
 inline float value(uint16_t h) { return half_to_float(h); }
-NKV_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-NKV_AVX2 inline __m256 load8(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-NKV_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-NKV_AVX512 inline __m512 load16(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // The next key block's keys and values (its run in its first page; after a chunk's last block, the first of the
 // next chunk of the same KV head, which this thread or another is about to take), asked of the caches a few 64-byte
@@ -135,44 +127,44 @@ NKV_AVX2 inline __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// o[r, c..c+8CW) += sum_i p[r, i] * v_i[c..c+8CW) for RT rows: each V load feeds RT FMAs, and
-// RT x CW >= 8 independent accumulators keep both FMA pipes busy despite the 4-cycle latency.
-template <int RT, int CW, class Rows>
-NKV_AVX2 void pv_tile(const float* p, int64_t ld, Rows vp, int64_t n, int64_t hd, float* o) {
-    for (int64_t c = 0; c < hd; c += 8 * CW) {
-        __m256 acc[RT][CW];
+// o[r, c..c+L CW) += sum_i p[r, i] * v_i[c..c+L CW) for RT rows, L = W::kLanes: each V load feeds RT FMAs, and
+// RT x CW >= 8 independent accumulators keep both FMA pipes busy despite the 4-cycle latency. Each output element is
+// summed over the keys in order, at both widths.
+template <class W, int RT, int CW, class Rows>
+NKV_EITHER_WIDTH void pv_tile(const float* p, int64_t ld, Rows vp, int64_t n, int64_t hd, float* o) {
+    using V = typename W::V;
+    constexpr int L = W::kLanes;
+    for (int64_t c = 0; c < hd; c += L * CW) {
+        V acc[RT][CW];
         for (int r = 0; r < RT; ++r)
-            for (int w = 0; w < CW; ++w) acc[r][w] = _mm256_loadu_ps(o + r * hd + c + 8 * w);
+            for (int w = 0; w < CW; ++w) acc[r][w] = W::load(o + r * hd + c + L * w);
         for (int64_t i = 0; i < n; ++i) {
-            __m256 pr[RT];
-            for (int r = 0; r < RT; ++r) pr[r] = _mm256_broadcast_ss(p + r * ld + i);
+            V pr[RT];
+            for (int r = 0; r < RT; ++r) pr[r] = W::set1(p[r * ld + i]);
             const auto* vi = row(vp, i, hd) + c;
             for (int w = 0; w < CW; ++w) {
-                const __m256 v = load8(vi + 8 * w);
-                for (int r = 0; r < RT; ++r) acc[r][w] = _mm256_fmadd_ps(pr[r], v, acc[r][w]);
+                const V v = W::load(vi + L * w);
+                for (int r = 0; r < RT; ++r) acc[r][w] = W::fmadd(pr[r], v, acc[r][w]);
             }
         }
         for (int r = 0; r < RT; ++r)
-            for (int w = 0; w < CW; ++w) _mm256_storeu_ps(o + r * hd + c + 8 * w, acc[r][w]);
+            for (int w = 0; w < CW; ++w) W::store(o + r * hd + c + L * w, acc[r][w]);
     }
 }
 
-// Rows of the PV product per tile: up to 12 accumulators (+ the V vector and RT broadcasts).
-template <int CW, class Rows>
-NKV_AVX2 void pv_rows(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
-    constexpr int kTile = 12 / CW;
-    for (int64_t r = 0; r < R; r += kTile) {
-        const float* pr = p + r * ld;
-        float* orow = o + r * hd;
-        switch (std::min<int64_t>(kTile, R - r)) {
-            case 6: pv_tile<6, CW>(pr, ld, vp, n, hd, orow); break;
-            case 5: pv_tile<5, CW>(pr, ld, vp, n, hd, orow); break;
-            case 4: pv_tile<4, CW>(pr, ld, vp, n, hd, orow); break;
-            case 3: pv_tile<3, CW>(pr, ld, vp, n, hd, orow); break;
-            case 2: pv_tile<2, CW>(pr, ld, vp, n, hd, orow); break;
-            default: pv_tile<1, CW>(pr, ld, vp, n, hd, orow); break;
-        }
-    }
+// The PV product of `rows` (1 <= rows <= RT) rows: a tile RT rows high, or fewer.
+template <class W, int RT, int CW, class Rows>
+NKV_EITHER_WIDTH void pv_block(int64_t rows, const float* p, int64_t ld, Rows vp, int64_t n, int64_t hd, float* o) {
+    if constexpr (RT > 1)
+        if (rows < RT) return pv_block<W, RT - 1, CW>(rows, p, ld, vp, n, hd, o);
+    pv_tile<W, RT, CW>(p, ld, vp, n, hd, o);
+}
+
+// The PV product of R rows in tiles of up to RT rows.
+template <class W, int RT, int CW, class Rows>
+NKV_EITHER_WIDTH void pv_rows(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
+    for (int64_t r = 0; r < R; r += RT)
+        pv_block<W, RT, CW>(std::min<int64_t>(RT, R - r), p + r * ld, ld, vp, n, hd, o + r * hd);
 }
 
 // Scores of one query row against keys [i0, n): 8 keys per step, so one q load feeds 8 FMAs.
@@ -187,14 +179,14 @@ NKV_AVX2 void scores_row(const float* q, Rows kp, int64_t i0, int64_t n, int64_t
         for (int64_t c = 0; c < hd; c += 8) {
             if (pf) pf->step();
             const __m256 qv = _mm256_loadu_ps(q + c);
-            for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, load8(row(kp, i + k, hd) + c), acc[k]);
+            for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, F32x8::load(row(kp, i + k, hd) + c), acc[k]);
         }
         _mm256_storeu_ps(out + i, _mm256_mul_ps(hsum8(acc), vscale));
     }
     for (; i < n; ++i) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t c = 0; c < hd; c += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(row(kp, i, hd) + c), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), F32x8::load(row(kp, i, hd) + c), acc);
         out[i] = hsum(acc) * scale;
     }
 }
@@ -212,7 +204,7 @@ NKV_AVX2 void scores_row_pair(const float* q0, const float* q1, Rows kp, int64_t
             if (pf) pf->step();
             const __m256 qa = _mm256_loadu_ps(q0 + c), qb = _mm256_loadu_ps(q1 + c);
             for (int k = 0; k < 4; ++k) {
-                const __m256 kv = load8(row(kp, i + k, hd) + c);
+                const __m256 kv = F32x8::load(row(kp, i + k, hd) + c);
                 acc[k] = _mm256_fmadd_ps(qa, kv, acc[k]);
                 acc[4 + k] = _mm256_fmadd_ps(qb, kv, acc[4 + k]);
             }
@@ -265,12 +257,13 @@ struct Avx2Ops {  // hd % 16 == 0
         return hsum(sum);
     }
     NKV_AVX2 static float sum(const float* s, int64_t n) { return sum_avx2(s, n); }
+    // PV tiles of up to 12 accumulators (+ the V vector and the rows' broadcasts of the 16 registers)
     template <class Rows>
-    static void pv(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
+    NKV_AVX2 static void pv(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
         if (hd % 32 == 0)
-            pv_rows<4>(p, ld, R, vp, n, hd, o);
+            pv_rows<F32x8, 3, 4>(p, ld, R, vp, n, hd, o);
         else
-            pv_rows<2>(p, ld, R, vp, n, hd, o);
+            pv_rows<F32x8, 6, 2>(p, ld, R, vp, n, hd, o);
     }
 };
 
@@ -314,7 +307,7 @@ NKV_AVX512 void scores_pairs512(const float* const* q, Rows kp, int64_t n8, int6
                 qv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q[2 * p] + c)),
                                            _mm256_loadu_ps(q[2 * p + 1] + c), 1);
             for (int k = 0; k < 8; ++k) {
-                const __m512 kv = _mm512_broadcast_f32x8(load8(row(kp, i + k, hd) + c));
+                const __m512 kv = _mm512_broadcast_f32x8(F32x8::load(row(kp, i + k, hd) + c));
                 for (int p = 0; p < NP; ++p) acc[p][k] = _mm512_fmadd_ps(qv[p], kv, acc[p][k]);
             }
         }
@@ -322,43 +315,6 @@ NKV_AVX512 void scores_pairs512(const float* const* q, Rows kp, int64_t n8, int6
             const __m512 s = _mm512_mul_ps(hsum8_halves(acc[p]), vscale);
             _mm256_storeu_ps(out[2 * p] + i, _mm512_castps512_ps256(s));
             _mm256_storeu_ps(out[2 * p + 1] + i, _mm512_extractf32x8_ps(s, 1));
-        }
-    }
-}
-
-// o[r, c..c+16CW) += sum_i p[r, i] * v_i[c..c+16CW) for RT rows, as pv_tile on 16 lanes.
-template <int RT, int CW, class Rows>
-NKV_AVX512 void pv_tile512(const float* p, int64_t ld, Rows vp, int64_t n, int64_t hd, float* o) {
-    for (int64_t c = 0; c < hd; c += 16 * CW) {
-        __m512 acc[RT][CW];
-        for (int r = 0; r < RT; ++r)
-            for (int w = 0; w < CW; ++w) acc[r][w] = _mm512_loadu_ps(o + r * hd + c + 16 * w);
-        for (int64_t i = 0; i < n; ++i) {
-            const auto* vi = row(vp, i, hd) + c;
-            for (int w = 0; w < CW; ++w) {
-                const __m512 v = load16(vi + 16 * w);
-                for (int r = 0; r < RT; ++r) acc[r][w] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ld + i]), v, acc[r][w]);
-            }
-        }
-        for (int r = 0; r < RT; ++r)
-            for (int w = 0; w < CW; ++w) _mm512_storeu_ps(o + r * hd + c + 16 * w, acc[r][w]);
-    }
-}
-
-// Rows of the PV product per tile: up to 24 accumulators (+ the V vectors; the broadcasts fold into the FMAs).
-template <int CW, class Rows>
-NKV_AVX512 void pv_rows512(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
-    constexpr int kTile = std::min(6, 24 / CW);
-    for (int64_t r = 0; r < R; r += kTile) {
-        const float* pr = p + r * ld;
-        float* orow = o + r * hd;
-        switch (std::min<int64_t>(kTile, R - r)) {
-            case 6: pv_tile512<6, CW>(pr, ld, vp, n, hd, orow); break;
-            case 5: pv_tile512<5, CW>(pr, ld, vp, n, hd, orow); break;
-            case 4: pv_tile512<4, CW>(pr, ld, vp, n, hd, orow); break;
-            case 3: pv_tile512<3, CW>(pr, ld, vp, n, hd, orow); break;
-            case 2: pv_tile512<2, CW>(pr, ld, vp, n, hd, orow); break;
-            default: pv_tile512<1, CW>(pr, ld, vp, n, hd, orow); break;
         }
     }
 }
@@ -385,14 +341,15 @@ struct Avx512Ops : Avx2Ops {  // hd % 16 == 0
         }
         if (R % 2) scores_row(qrow(R - 1), kp, 0, n, hd, scale, sc + (R - 1) * ld, &pf);  // AVX2 steps of 8 keys too
     }
+    // PV tiles of up to 24 accumulators (+ the V vector and 6 broadcasts of the 32 registers)
     template <class Rows>
-    static void pv(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
+    NKV_AVX512 static void pv(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
         if (hd % 64 == 0)
-            pv_rows512<4>(p, ld, R, vp, n, hd, o);
+            pv_rows<F32x16, 6, 4>(p, ld, R, vp, n, hd, o);
         else if (hd % 32 == 0)
-            pv_rows512<2>(p, ld, R, vp, n, hd, o);
+            pv_rows<F32x16, 6, 2>(p, ld, R, vp, n, hd, o);
         else
-            pv_rows512<1>(p, ld, R, vp, n, hd, o);
+            pv_rows<F32x16, 6, 1>(p, ld, R, vp, n, hd, o);
     }
 };
 

@@ -8,9 +8,10 @@
 // blocks from position 0 up to the block's last token (blocks fully above the diagonal are
 // skipped), compute the score tile S = Q K^T with a register-blocked FMA kernel, update a running
 // max and sum per row (online softmax, in base 2 with scale * log2(e) folded into the packed Q),
-// and accumulate O += P V. The FMA kernels come in AVX2 (tiles of 6 rows x 16 columns) and AVX-512
-// (12 x 32, for hd % 32 == 0) versions that sum in the same order, so give the same bits. As a task owns its query rows, it adds their node mass straight into
-// the caller's matrix, head after head: no races and an order that does not depend on threads.
+// and accumulate O += P V. The FMA kernels are written once for both widths: AVX2 takes tiles of 6
+// rows x 16 columns, AVX-512 12 x 32 (for hd % 32 == 0), summing in the same order, so with the same
+// bits. As a task owns its query rows, it adds their node mass straight into the caller's matrix,
+// head after head: no races and an order that does not depend on threads.
 //
 // Node mass: nodes are runs of keys and all rows of a task walk the keys in the same order, so
 // they share one open node (TaskMass). Its sums, one per row, are topped up from the probability
@@ -36,7 +37,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr int64_t kBK = 64;     // keys per block (the packed K^T tile is [hd, kBK])
 constexpr int64_t kRows = 96;   // target query rows (tokens x G) per KV head of a task
-constexpr int kMR = 6;          // rows per register tile of both micro-kernels
 
 // Per-thread scratch of one task: rows R = tokens x G; with node mass (n_nodes > 0) the node sums
 // of TaskMass.
@@ -60,84 +60,73 @@ struct Scratch {
     }
 };
 
+// ---------------------------------------------------------------- register tiles of either width
+//
+// Both products of the attention, S = Qp K^T and O = O * alpha + P V, are one GEMM: C = C * diag(alpha) + A B, with
+// C = 0 first where alpha is null. A register tile holds MR rows of C by two vectors of columns: 2L columns, L =
+// W::kLanes (8 for F32x8, 16 for F32x16).
+
+// c[MR, 2L] (row stride ldc) = c * alpha[r] (or 0) + a[MR, :K] (row stride lda) . b[:K, 2L] (row stride ldb).
+template <class W, int MR>
+NKV_EITHER_WIDTH void gemm_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, const float* alpha,
+                                float* c, int64_t ldc) {
+    using V = typename W::V;
+    constexpr int L = W::kLanes;
+    V c0[MR], c1[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+        if (alpha) {
+            const V al = W::set1(alpha[r]);
+            c0[r] = W::mul(W::load(c + r * ldc), al);
+            c1[r] = W::mul(W::load(c + r * ldc + L), al);
+        } else {
+            c0[r] = c1[r] = W::zero();
+        }
+    }
+    for (int64_t k = 0; k < K; ++k) {
+        const V b0 = W::load(b + k * ldb), b1 = W::load(b + k * ldb + L);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+            const V ar = W::set1(a[r * lda + k]);
+            c0[r] = W::fmadd(ar, b0, c0[r]);
+            c1[r] = W::fmadd(ar, b1, c1[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+        W::store(c + r * ldc, c0[r]);
+        W::store(c + r * ldc + L, c1[r]);
+    }
+}
+
+// The tiles of `rows` (1 <= rows <= MR) rows of C over its N columns (N % 2L == 0): MR rows high, or fewer.
+template <class W, int MR>
+NKV_EITHER_WIDTH void gemm_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K,
+                                int64_t N, const float* alpha, float* c, int64_t ldc) {
+    if constexpr (MR > 1)
+        if (rows < MR) return gemm_rows<W, MR - 1>(rows, a, lda, b, ldb, K, N, alpha, c, ldc);
+    for (int64_t j = 0; j < N; j += 2 * W::kLanes) gemm_tile<W, MR>(a, lda, b + j, ldb, K, alpha, c + j, ldc);
+}
+
+// C[R, N] = C * diag(alpha) (or 0) + A[R, K] B[K, N] in tiles of up to MR rows.
+template <class W, int MR>
+NKV_EITHER_WIDTH void gemm(const float* a, int64_t lda, int64_t R, const float* b, int64_t ldb, int64_t K, int64_t N,
+                           const float* alpha, float* c, int64_t ldc) {
+    for (int64_t r = 0; r < R; r += MR)
+        gemm_rows<W, MR>(std::min<int64_t>(MR, R - r), a + r * lda, lda, b, ldb, K, N, alpha ? alpha + r : nullptr,
+                         c + r * ldc, ldc);
+}
+
 // ---------------------------------------------------------------- AVX2 kernels
 
-// s[MR, 16] (row stride kBK) = q[MR, hd] (row stride hd) . kt[hd, 16] (row stride ldk).
-template <int MR>
-NKV_AVX2 inline void qk_tile(const float* q, const float* kt, int64_t ldk, int64_t hd, float* s) {
-    __m256 a0[MR], a1[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-        a0[r] = _mm256_setzero_ps();
-        a1[r] = _mm256_setzero_ps();
-    }
-    for (int64_t d = 0; d < hd; ++d) {
-        const __m256 k0 = _mm256_loadu_ps(kt + d * ldk), k1 = _mm256_loadu_ps(kt + d * ldk + 8);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-            const __m256 b = _mm256_broadcast_ss(q + r * hd + d);
-            a0[r] = _mm256_fmadd_ps(b, k0, a0[r]);
-            a1[r] = _mm256_fmadd_ps(b, k1, a1[r]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-        _mm256_storeu_ps(s + r * kBK, a0[r]);
-        _mm256_storeu_ps(s + r * kBK + 8, a1[r]);
-    }
-}
-
-// o[MR, 16] (row stride hd) = o * alpha[r] + p[MR, :n] (row stride kBK) . v[:n, 16] (row stride hd).
-template <int MR>
-NKV_AVX2 inline void pv_tile(const float* p, const float* v, int64_t n, int64_t hd, const float* alpha, float* o) {
-    __m256 a0[MR], a1[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-        const __m256 al = _mm256_broadcast_ss(alpha + r);
-        a0[r] = _mm256_mul_ps(_mm256_loadu_ps(o + r * hd), al);
-        a1[r] = _mm256_mul_ps(_mm256_loadu_ps(o + r * hd + 8), al);
-    }
-    for (int64_t k = 0; k < n; ++k) {
-        const __m256 v0 = _mm256_loadu_ps(v + k * hd), v1 = _mm256_loadu_ps(v + k * hd + 8);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-            const __m256 b = _mm256_broadcast_ss(p + r * kBK + k);
-            a0[r] = _mm256_fmadd_ps(b, v0, a0[r]);
-            a1[r] = _mm256_fmadd_ps(b, v1, a1[r]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-        _mm256_storeu_ps(o + r * hd, a0[r]);
-        _mm256_storeu_ps(o + r * hd + 8, a1[r]);
-    }
-}
-
-template <int MR>
-NKV_AVX2 void qk_rows(const float* q, const float* kt, int64_t ldk, int64_t hd, int64_t ncols, float* s) {
-    for (int64_t c = 0; c < ncols; c += 16) qk_tile<MR>(q, kt + c, ldk, hd, s + c);
-}
-
-template <int MR>
-NKV_AVX2 void pv_rows(const float* p, const float* v, int64_t n, int64_t hd, const float* alpha, float* o) {
-    for (int64_t c = 0; c < hd; c += 16) pv_tile<MR>(p, v + c, n, hd, alpha, o + c);
-}
+constexpr int kMR = 6;  // rows per tile: 12 accumulators + 2 loads + a broadcast of the 16 registers
 
 struct Avx2Ops {  // hd % 16 == 0
     static constexpr int64_t kCols = 16;  // S is computed in column tiles of kCols
-    // S[R, ncols] = Qp[R, hd] K^T (kt: K^T with row stride ldk); ncols % 16 == 0.
+    // S[R, ncols] = Qp[R, hd] K^T (kt: K^T with row stride ldk); ncols % kCols == 0.
     NKV_AVX2 static void qk(const float* qp, int64_t R, const float* kt, int64_t ldk, int64_t hd, int64_t ncols,
                             float* s) {
-        int64_t r = 0;
-        for (; r + kMR <= R; r += kMR) qk_rows<kMR>(qp + r * hd, kt, ldk, hd, ncols, s + r * kBK);
-        switch (R - r) {
-            case 5: qk_rows<5>(qp + r * hd, kt, ldk, hd, ncols, s + r * kBK); break;
-            case 4: qk_rows<4>(qp + r * hd, kt, ldk, hd, ncols, s + r * kBK); break;
-            case 3: qk_rows<3>(qp + r * hd, kt, ldk, hd, ncols, s + r * kBK); break;
-            case 2: qk_rows<2>(qp + r * hd, kt, ldk, hd, ncols, s + r * kBK); break;
-            case 1: qk_rows<1>(qp + r * hd, kt, ldk, hd, ncols, s + r * kBK); break;
-            default: break;
-        }
+        gemm<F32x8, kMR>(qp, hd, R, kt, ldk, hd, ncols, nullptr, s, kBK);
     }
     // One row's softmax step over ncols (% 16 == 0) scores of which the first nv are visible:
     // s <- 2^(s - m_new) (0 where masked); returns the row's sum; m updated, alpha = 2^(m_old - m_new).
@@ -154,8 +143,8 @@ struct Avx2Ops {  // hd % 16 == 0
         const __m256 vm = _mm256_set1_ps(mn);
         __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
         for (int64_t k = 0; k < ncols; k += 16) {
-            const __m256 e0 = exp2_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + k), vm));
-            const __m256 e1 = exp2_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + k + 8), vm));
+            const __m256 e0 = exp2_nonpos<F32x8>(_mm256_sub_ps(_mm256_loadu_ps(s + k), vm));
+            const __m256 e1 = exp2_nonpos<F32x8>(_mm256_sub_ps(_mm256_loadu_ps(s + k + 8), vm));
             _mm256_storeu_ps(s + k, e0);
             _mm256_storeu_ps(s + k + 8, e1);
             sum0 = _mm256_add_ps(sum0, e0);
@@ -166,16 +155,7 @@ struct Avx2Ops {  // hd % 16 == 0
     // O[R, hd] = O * alpha + P[R, :n] V[:n, hd].
     NKV_AVX2 static void pv(const float* p, int64_t R, const float* v, int64_t n, int64_t hd, const float* alpha,
                             float* o) {
-        int64_t r = 0;
-        for (; r + kMR <= R; r += kMR) pv_rows<kMR>(p + r * kBK, v, n, hd, alpha + r, o + r * hd);
-        switch (R - r) {
-            case 5: pv_rows<5>(p + r * kBK, v, n, hd, alpha + r, o + r * hd); break;
-            case 4: pv_rows<4>(p + r * kBK, v, n, hd, alpha + r, o + r * hd); break;
-            case 3: pv_rows<3>(p + r * kBK, v, n, hd, alpha + r, o + r * hd); break;
-            case 2: pv_rows<2>(p + r * kBK, v, n, hd, alpha + r, o + r * hd); break;
-            case 1: pv_rows<1>(p + r * kBK, v, n, hd, alpha + r, o + r * hd); break;
-            default: break;
-        }
+        gemm<F32x8, kMR>(p, kBK, R, v, hd, n, hd, alpha, o, hd);
     }
     // out[k * ldo + i] = sum(p[i * kBK + off[k], i * kBK + off[k + 1])) for rows i < R and segments k <
     // nseg (0 = off[0] < ... < off[nseg] = n <= kBK; p's columns past n up to a multiple of 8 are 0).
@@ -239,7 +219,7 @@ struct Avx2Ops {  // hd % 16 == 0
                                     float* w) {
         int64_t r = 0;
         for (; r + 8 <= R; r += 8) {
-            const __m256 e = exp2_nonpos(_mm256_sub_ps(_mm256_loadu_ps(ref + r), _mm256_loadu_ps(m + r)));
+            const __m256 e = exp2_nonpos<F32x8>(_mm256_sub_ps(_mm256_loadu_ps(ref + r), _mm256_loadu_ps(m + r)));
             const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(acc + r), e);
             _mm256_storeu_ps(w + r, _mm256_mul_ps(p, _mm256_loadu_ps(inv_l + r)));
         }
@@ -249,89 +229,16 @@ struct Avx2Ops {  // hd % 16 == 0
 
 // ---------------------------------------------------------------- AVX-512 kernels
 //
-// The AVX2 kernels' arithmetic on 16 lanes: every score, output element and row sum is summed in the AVX2
-// order (the row sum's 16 lanes are AVX2's two accumulators side by side), so the results are the same bits.
+// The products are the GEMM above on 16 lanes; the softmax sums each row in the AVX2 order (its 16 lanes are AVX2's
+// two accumulators side by side). So the results are the AVX2 bits.
 
-// s[MR, 32] (row stride kBK) = q[MR, hd] (row stride hd) . kt[hd, 32] (row stride ldk).
-template <int MR>
-NKV_AVX512 inline void qk_tile512(const float* q, const float* kt, int64_t ldk, int64_t hd, float* s) {
-    __m512 a0[MR], a1[MR];
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-        a0[r] = _mm512_setzero_ps();
-        a1[r] = _mm512_setzero_ps();
-    }
-    for (int64_t d = 0; d < hd; ++d) {
-        const __m512 k0 = _mm512_loadu_ps(kt + d * ldk), k1 = _mm512_loadu_ps(kt + d * ldk + 16);
-#pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-            const __m512 b = _mm512_set1_ps(q[r * hd + d]);
-            a0[r] = _mm512_fmadd_ps(b, k0, a0[r]);
-            a1[r] = _mm512_fmadd_ps(b, k1, a1[r]);
-        }
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-        _mm512_storeu_ps(s + r * kBK, a0[r]);
-        _mm512_storeu_ps(s + r * kBK + 16, a1[r]);
-    }
-}
-
-// o[MR, 32] (row stride hd) = o * alpha[r] + p[MR, :n] (row stride kBK) . v[:n, 32] (row stride hd).
-template <int MR>
-NKV_AVX512 inline void pv_tile512(const float* p, const float* v, int64_t n, int64_t hd, const float* alpha,
-                                  float* o) {
-    __m512 a0[MR], a1[MR];
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-        const __m512 al = _mm512_set1_ps(alpha[r]);
-        a0[r] = _mm512_mul_ps(_mm512_loadu_ps(o + r * hd), al);
-        a1[r] = _mm512_mul_ps(_mm512_loadu_ps(o + r * hd + 16), al);
-    }
-    for (int64_t k = 0; k < n; ++k) {
-        const __m512 v0 = _mm512_loadu_ps(v + k * hd), v1 = _mm512_loadu_ps(v + k * hd + 16);
-#pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-            const __m512 b = _mm512_set1_ps(p[r * kBK + k]);
-            a0[r] = _mm512_fmadd_ps(b, v0, a0[r]);
-            a1[r] = _mm512_fmadd_ps(b, v1, a1[r]);
-        }
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-        _mm512_storeu_ps(o + r * hd, a0[r]);
-        _mm512_storeu_ps(o + r * hd + 16, a1[r]);
-    }
-}
-
-template <int MR>
-NKV_AVX512 void qk_rows512(const float* q, const float* kt, int64_t ldk, int64_t hd, int64_t ncols, float* s) {
-    for (int64_t c = 0; c < ncols; c += 32) qk_tile512<MR>(q, kt + c, ldk, hd, s + c);
-}
-
-template <int MR>
-NKV_AVX512 void pv_rows512(const float* p, const float* v, int64_t n, int64_t hd, const float* alpha, float* o) {
-    for (int64_t c = 0; c < hd; c += 32) pv_tile512<MR>(p, v + c, n, hd, alpha, o + c);
-}
-
-// Rows [0, R) in tiles of up to kMR512, the tail through a table of tile heights.
-constexpr int kMR512 = 12;  // 24 accumulators + 2 loads + a broadcast of the 32 registers
-template <int... M>
-struct Rows512 {
-    using Qk = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float*);
-    using Pv = void (*)(const float*, const float*, int64_t, int64_t, const float*, float*);
-    static constexpr Qk qk[] = {nullptr, qk_rows512<M>...};
-    static constexpr Pv pv[] = {nullptr, pv_rows512<M>...};
-};
-using Rows = Rows512<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
+constexpr int kMR512 = 12;  // rows per tile: 24 accumulators + 2 loads + a broadcast of the 32 registers
 
 struct Avx512Ops : Avx2Ops {  // hd % 32 == 0
     static constexpr int64_t kCols = 32;
-    // S[R, ncols] = Qp[R, hd] K^T; ncols % 32 == 0.
     NKV_AVX512 static void qk(const float* qp, int64_t R, const float* kt, int64_t ldk, int64_t hd, int64_t ncols,
                               float* s) {
-        for (int64_t r = 0; r < R; r += kMR512)
-            Rows::qk[std::min<int64_t>(kMR512, R - r)](qp + r * hd, kt, ldk, hd, ncols, s + r * kBK);
+        gemm<F32x16, kMR512>(qp, hd, R, kt, ldk, hd, ncols, nullptr, s, kBK);
     }
     // Avx2Ops::softmax_row on 16 lanes; ncols % 32 == 0.
     NKV_AVX512 static float softmax_row(float* s, int64_t nv, int64_t ncols, float* m, float* alpha) {
@@ -344,17 +251,15 @@ struct Avx512Ops : Avx2Ops {  // hd % 32 == 0
         const __m512 vm = _mm512_set1_ps(mn);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t k = 0; k < ncols; k += 16) {
-            const __m512 e = exp2_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + k), vm));
+            const __m512 e = exp2_nonpos<F32x16>(_mm512_sub_ps(_mm512_loadu_ps(s + k), vm));
             _mm512_storeu_ps(s + k, e);
             sum = _mm512_add_ps(sum, e);
         }
         return hsum(_mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1)));
     }
-    // O[R, hd] = O * alpha + P[R, :n] V[:n, hd].
     NKV_AVX512 static void pv(const float* p, int64_t R, const float* v, int64_t n, int64_t hd, const float* alpha,
                               float* o) {
-        for (int64_t r = 0; r < R; r += kMR512)
-            Rows::pv[std::min<int64_t>(kMR512, R - r)](p + r * kBK, v, n, hd, alpha + r, o + r * hd);
+        gemm<F32x16, kMR512>(p, kBK, R, v, hd, n, hd, alpha, o, hd);
     }
 };
 

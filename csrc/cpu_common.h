@@ -11,6 +11,10 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+// The kernels written once for both vector widths (NKV_EITHER_WIDTH, below) have no target of their own, so GCC notes
+// that they return vectors their (absent) target lacks, an ABI question that never arises: they are always inlined
+// into callers that have the target. The note is silenced for the files that include this one.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -82,15 +86,87 @@ NKV_AVX2 inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// ---------------------------------------------------------------- kernels written once for both vector widths
+//
+// F32x8 (AVX2) and F32x16 (AVX-512) name the vector operations such a kernel uses. The kernel is a template over one
+// of them marked NKV_EITHER_WIDTH: always inlined and without a target of its own, so its body is compiled inside its
+// caller, an NKV_AVX2 or NKV_AVX512 function, with that caller's target, and the traits' functions inline there. A
+// target on the template could not serve both widths: GCC inlines no AVX-512 function into an AVX2 one, and AVX2 code
+// compiled with AVX-512 enabled may take EVEX encodings that an AVX2-only CPU cannot run. At both widths a kernel does
+// the same operations in the same order, so gives the same bits lane for lane.
+#define NKV_EITHER_WIDTH __attribute__((always_inline)) inline
+
+struct F32x8 {
+    using V = __m256;
+    using Mask = __m256;  // lanes of all ones or all zeros
+    static constexpr int kLanes = 8;
+    NKV_AVX2 static V zero() { return _mm256_setzero_ps(); }
+    NKV_AVX2 static V set1(float x) { return _mm256_set1_ps(x); }
+    NKV_AVX2 static V load(const float* p) { return _mm256_loadu_ps(p); }
+    NKV_AVX2 static V load(const uint16_t* p) {  // halves, converted exactly
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+    NKV_AVX2 static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+    NKV_AVX2 static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    NKV_AVX2 static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    NKV_AVX2 static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    NKV_AVX2 static V max(V a, V b) { return _mm256_max_ps(a, b); }
+    NKV_AVX2 static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, rounded once
+    NKV_AVX2 static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    NKV_AVX2 static V pow2(V n) {  // 2^n for integral n in [-126, 127]
+        const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
+    }
+    NKV_AVX2 static Mask ge(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+    NKV_AVX2 static V mul_where(Mask k, V a, V b) { return _mm256_and_ps(_mm256_mul_ps(a, b), k); }  // 0 elsewhere
+};
+
+struct F32x16 {
+    using V = __m512;
+    using Mask = __mmask16;
+    static constexpr int kLanes = 16;
+    NKV_AVX512 static V zero() { return _mm512_setzero_ps(); }
+    NKV_AVX512 static V set1(float x) { return _mm512_set1_ps(x); }
+    NKV_AVX512 static V load(const float* p) { return _mm512_loadu_ps(p); }
+    NKV_AVX512 static V load(const uint16_t* p) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+    NKV_AVX512 static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+    NKV_AVX512 static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    NKV_AVX512 static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    NKV_AVX512 static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    NKV_AVX512 static V max(V a, V b) { return _mm512_max_ps(a, b); }
+    NKV_AVX512 static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    NKV_AVX512 static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    NKV_AVX512 static V pow2(V n) {
+        const __m512i biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23));
+    }
+    NKV_AVX512 static Mask ge(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+    NKV_AVX512 static V mul_where(Mask k, V a, V b) { return _mm512_maskz_mul_ps(k, a, b); }
+};
+
 // e^r for |r| <= ln2/2 (after range reduction x = n ln2 + r): Cephes' expf polynomial, ~1 ulp. Callers scale by 2^n.
-NKV_AVX2 inline __m256 exp_reduced(__m256 r) {
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    return _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+template <class W>
+NKV_EITHER_WIDTH typename W::V exp_reduced(const typename W::V& r) {
+    typename W::V p = W::set1(1.9875691500e-4f);
+    p = W::fmadd(p, r, W::set1(1.3981999507e-3f));
+    p = W::fmadd(p, r, W::set1(8.3334519073e-3f));
+    p = W::fmadd(p, r, W::set1(4.1665795894e-2f));
+    p = W::fmadd(p, r, W::set1(1.6666665459e-1f));
+    p = W::fmadd(p, r, W::set1(5.0000001201e-1f));
+    return W::fmadd(p, W::mul(r, r), W::add(r, W::set1(1.0f)));
+}
+
+// 2^x for x <= 0 (x = -inf gives 0); relative error ~1e-7. Below -126 the result is 0.
+template <class W>
+NKV_EITHER_WIDTH typename W::V exp2_nonpos(const typename W::V& x_in) {
+    using V = typename W::V;
+    const typename W::Mask keep = W::ge(x_in, W::set1(-126.0f));
+    const V x = W::max(x_in, W::set1(-126.0f));
+    const V n = W::round(x);
+    const V r = W::mul(W::sub(x, n), W::set1(0.693147180559945309f));  // |r| <= ln2/2
+    return W::mul_where(keep, exp_reduced<W>(r), W::pow2(n));
 }
 
 // exp(x) for x <= 0 (NaN propagates): exp_reduced on r = x - n ln2, times 2^n built as 2^n1 * 2^n2, so that
@@ -101,7 +177,7 @@ NKV_AVX2 inline __m256 exp_nonpos(__m256 x) {
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    const __m256 p = exp_reduced(r);
+    const __m256 p = exp_reduced<F32x8>(r);
     const __m256i ni = _mm256_cvtps_epi32(n);
     const __m256i n1 = _mm256_srai_epi32(ni, 1);
     const __m256i n2 = _mm256_sub_epi32(ni, n1);
@@ -109,39 +185,6 @@ NKV_AVX2 inline __m256 exp_nonpos(__m256 x) {
     const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
     const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
-
-// 2^x for x <= 0 (x = -inf gives 0); relative error ~1e-7. Below -126 the result is 0.
-NKV_AVX2 inline __m256 exp2_nonpos(__m256 x) {
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.693147180559945309f));  // |r| <= ln2/2
-    const __m256 p = exp_reduced(r);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-}
-
-// exp_reduced on 16 lanes (the same operations, so the same bits lane by lane).
-NKV_AVX512 inline __m512 exp_reduced(__m512 r) {
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    return _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-}
-
-// exp2_nonpos on 16 lanes, the same bits lane by lane.
-NKV_AVX512 inline __m512 exp2_nonpos(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147180559945309f));
-    const __m512 p = exp_reduced(r);
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
 
 // Lanes [0, n) of a vector, n in 0..8, for masked loads and stores of a row's tail.
