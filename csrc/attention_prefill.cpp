@@ -117,6 +117,36 @@ NKV_EITHER_WIDTH void gemm(const float* a, int64_t lda, int64_t R, const float* 
                          c + r * ldc, ldc);
 }
 
+// Sums of 16 columns' lanes, AVX2's two vectors of 8 or one of 16 (the same lanes side by side), added in one order.
+NKV_AVX2 inline float lane_total(const __m256 (&s)[2]) { return hsum(_mm256_add_ps(s[0], s[1])); }
+NKV_AVX512 inline float lane_total(const __m512 (&s)[1]) {
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(s[0]), _mm512_extractf32x8_ps(s[0], 1)));
+}
+
+// One row's softmax step over ncols (% 16 == 0, % 2L) scores of which the first nv are visible:
+// s <- 2^(s - m_new) (0 where masked); returns the row's sum; m updated, alpha = 2^(m_old - m_new).
+template <class W>
+NKV_EITHER_WIDTH float softmax_step(float* s, int64_t nv, int64_t ncols, float* m, float* alpha) {
+    using V = typename W::V;
+    constexpr int L = W::kLanes, A = 16 / L;  // the row sum's accumulators: each sums its lanes of every 16 columns
+    for (int64_t k = nv; k < ncols; ++k) s[k] = kNegInf;
+    V mx = W::set1(kNegInf);
+    for (int64_t k = 0; k < ncols; k += L) mx = W::max(mx, W::load(s + k));
+    const float mn = std::max(*m, W::reduce_max(mx));
+    *alpha = *m == kNegInf ? 0.0f : std::exp2(*m - mn);
+    *m = mn;
+    const V vm = W::set1(mn);
+    V sum[A];
+    for (int a = 0; a < A; ++a) sum[a] = W::zero();
+    for (int64_t k = 0; k < ncols; k += 16)
+        for (int a = 0; a < A; ++a) {
+            const V e = exp2_nonpos<W>(W::sub(W::load(s + k + a * L), vm));
+            W::store(s + k + a * L, e);
+            sum[a] = W::add(sum[a], e);
+        }
+    return lane_total(sum);
+}
+
 // ---------------------------------------------------------------- AVX2 kernels
 
 constexpr int kMR = 6;  // rows per tile: 12 accumulators + 2 loads + a broadcast of the 16 registers
@@ -128,29 +158,8 @@ struct Avx2Ops {  // hd % 16 == 0
                             float* s) {
         gemm<F32x8, kMR>(qp, hd, R, kt, ldk, hd, ncols, nullptr, s, kBK);
     }
-    // One row's softmax step over ncols (% 16 == 0) scores of which the first nv are visible:
-    // s <- 2^(s - m_new) (0 where masked); returns the row's sum; m updated, alpha = 2^(m_old - m_new).
     NKV_AVX2 static float softmax_row(float* s, int64_t nv, int64_t ncols, float* m, float* alpha) {
-        for (int64_t k = nv; k < ncols; ++k) s[k] = kNegInf;
-        __m256 mx = _mm256_set1_ps(kNegInf);
-        for (int64_t k = 0; k < ncols; k += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + k));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        const float bmax = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_movehdup_ps(h)));
-        const float mn = std::max(*m, bmax);
-        *alpha = *m == kNegInf ? 0.0f : std::exp2(*m - mn);
-        *m = mn;
-        const __m256 vm = _mm256_set1_ps(mn);
-        __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
-        for (int64_t k = 0; k < ncols; k += 16) {
-            const __m256 e0 = exp2_nonpos<F32x8>(_mm256_sub_ps(_mm256_loadu_ps(s + k), vm));
-            const __m256 e1 = exp2_nonpos<F32x8>(_mm256_sub_ps(_mm256_loadu_ps(s + k + 8), vm));
-            _mm256_storeu_ps(s + k, e0);
-            _mm256_storeu_ps(s + k + 8, e1);
-            sum0 = _mm256_add_ps(sum0, e0);
-            sum1 = _mm256_add_ps(sum1, e1);
-        }
-        return hsum(_mm256_add_ps(sum0, sum1));
+        return softmax_step<F32x8>(s, nv, ncols, m, alpha);
     }
     // O[R, hd] = O * alpha + P[R, :n] V[:n, hd].
     NKV_AVX2 static void pv(const float* p, int64_t R, const float* v, int64_t n, int64_t hd, const float* alpha,
@@ -229,8 +238,8 @@ struct Avx2Ops {  // hd % 16 == 0
 
 // ---------------------------------------------------------------- AVX-512 kernels
 //
-// The products are the GEMM above on 16 lanes; the softmax sums each row in the AVX2 order (its 16 lanes are AVX2's
-// two accumulators side by side). So the results are the AVX2 bits.
+// The GEMM and the softmax step above on 16 lanes, summing in the AVX2 order (a row's 16 lanes are AVX2's two
+// accumulators side by side): the AVX2 bits.
 
 constexpr int kMR512 = 12;  // rows per tile: 24 accumulators + 2 loads + a broadcast of the 32 registers
 
@@ -240,22 +249,8 @@ struct Avx512Ops : Avx2Ops {  // hd % 32 == 0
                               float* s) {
         gemm<F32x16, kMR512>(qp, hd, R, kt, ldk, hd, ncols, nullptr, s, kBK);
     }
-    // Avx2Ops::softmax_row on 16 lanes; ncols % 32 == 0.
     NKV_AVX512 static float softmax_row(float* s, int64_t nv, int64_t ncols, float* m, float* alpha) {
-        for (int64_t k = nv; k < ncols; ++k) s[k] = kNegInf;
-        __m512 mx = _mm512_set1_ps(kNegInf);
-        for (int64_t k = 0; k < ncols; k += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + k));
-        const float mn = std::max(*m, _mm512_reduce_max_ps(mx));
-        *alpha = *m == kNegInf ? 0.0f : std::exp2(*m - mn);
-        *m = mn;
-        const __m512 vm = _mm512_set1_ps(mn);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t k = 0; k < ncols; k += 16) {
-            const __m512 e = exp2_nonpos<F32x16>(_mm512_sub_ps(_mm512_loadu_ps(s + k), vm));
-            _mm512_storeu_ps(s + k, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        return hsum(_mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1)));
+        return softmax_step<F32x16>(s, nv, ncols, m, alpha);
     }
     NKV_AVX512 static void pv(const float* p, int64_t R, const float* v, int64_t n, int64_t hd, const float* alpha,
                               float* o) {

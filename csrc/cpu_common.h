@@ -111,6 +111,11 @@ struct F32x8 {
     NKV_AVX2 static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
     NKV_AVX2 static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
     NKV_AVX2 static V max(V a, V b) { return _mm256_max_ps(a, b); }
+    NKV_AVX2 static float reduce_max(V v) {
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        return std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_movehdup_ps(h)));
+    }
     NKV_AVX2 static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, rounded once
     NKV_AVX2 static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
     NKV_AVX2 static V pow2(V n) {  // 2^n for integral n in [-126, 127]
@@ -136,6 +141,7 @@ struct F32x16 {
     NKV_AVX512 static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
     NKV_AVX512 static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     NKV_AVX512 static V max(V a, V b) { return _mm512_max_ps(a, b); }
+    NKV_AVX512 static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
     NKV_AVX512 static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     NKV_AVX512 static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
     NKV_AVX512 static V pow2(V n) {
