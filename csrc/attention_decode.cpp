@@ -257,7 +257,9 @@ struct Avx2Ops {  // hd % 16 == 0
         return hsum(sum);
     }
     NKV_AVX2 static float sum(const float* s, int64_t n) { return sum_avx2(s, n); }
-    // PV tiles of up to 12 accumulators (+ the V vector and the rows' broadcasts of the 16 registers)
+    // PV tiles of up to 12 accumulators. At hd % 32 != 0, 6 rows x 2 vectors and their 6 broadcasts are more than the 16
+    // registers hold (3 accumulators a key go through the stack), yet 5- and 4-row tiles, which fit, ran no faster
+    // (qwen2.5-0.5b's and SmolLM2's heads, decode at 2K-8K keys).
     template <class Rows>
     NKV_AVX2 static void pv(const float* p, int64_t ld, int64_t R, Rows vp, int64_t n, int64_t hd, float* o) {
         if (hd % 32 == 0)
