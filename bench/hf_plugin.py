@@ -33,9 +33,9 @@ def _available() -> int:
 
 def child(mode: str, tokens: int, node: int, threads: int) -> dict:
     import torch
-    import transformers
 
     import nodekv.hf
+    from nodekv.bench.engine_runners import hf_from_gguf
     from nodekv.bench.engine_speed import prompt_ids
     from nodekv.engine.models import resolve_model
 
@@ -43,8 +43,7 @@ def child(mode: str, tokens: int, node: int, threads: int) -> dict:
     path = resolve_model("smollm2-135m")
     ids = torch.tensor([prompt_ids(path, tokens)])
     nodekv.hf.register()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                              attn_implementation=mode).eval()
+    model = hf_from_gguf(path, attn_implementation=mode)
     bounds = list(range(0, tokens, node)) + [tokens]
     with torch.inference_mode():
         model(ids, logits_to_keep=1)  # warm-up without collection: weights, caches and allocator at their peak

@@ -62,12 +62,11 @@ def child(mode: str, n: int, node: int, threads: int) -> dict:
         plain.append(appends(False))
         collect.append(appends(True))
         return {"plain": min(plain), "collect": min(collect), "extra_bytes": max(0, extra)}
-    import transformers
+    from nodekv.bench.engine_runners import hf_from_gguf
 
     path = engine.path
     del engine
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              dtype=torch.float32, attn_implementation="eager")
+    model = hf_from_gguf(path, attn_implementation="eager")
     with torch.inference_mode():
         model(torch.tensor([ids]), logits_to_keep=1)  # warm-up without attentions
         base = _peak_rss()

@@ -105,11 +105,12 @@ def hf(gguf):
     and the greedy continuation. The HF model is freed on return."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    from nodekv.bench.engine_runners import hf_from_gguf
+
     # tokenizer_type="qwen2" picks the class AutoTokenizer would (checked: same backend, template, special tokens)
     # without first parsing the model config out of the file with gguf's slow reader (~15-45 s)
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, tokenizer_type="qwen2")
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.eval()
+    model = hf_from_gguf(gguf)
     ids = list(tok.apply_chat_template(_prompt(), add_generation_prompt=True, tokenize=True, return_dict=True)
                ["input_ids"])
     with torch.no_grad():

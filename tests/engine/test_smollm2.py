@@ -30,11 +30,11 @@ def engine():
 
 @pytest.fixture(scope="module")
 def hf_model(engine):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    path = engine.path
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    from nodekv.bench.engine_runners import hf_from_gguf
+
+    return hf_from_gguf(engine.path)
 
 
 def test_logits_match_hf(engine, hf_model):
