@@ -16,7 +16,7 @@ import torch
 WARMUP_TOKENS = 32
 
 
-def hf_from_gguf(path: Path, **kwargs):
+def hf_from_gguf(path: Path, **kwargs) -> torch.nn.Module:
     """HF transformers' fp32 model of a GGUF file, in eval mode: `AutoModelForCausalLM.from_pretrained(dir,
     gguf_file=..., dtype=torch.float32, **kwargs)`, which dequantises every tensor. transformers builds a gguf
     GGUFReader for the config and another for the weights, and each parses all of the file's metadata (~20 s for a
