@@ -20,7 +20,8 @@ def hf_from_gguf(path: Path, **kwargs) -> torch.nn.Module:
     """HF transformers' fp32 model of a GGUF file, in eval mode: `AutoModelForCausalLM.from_pretrained(dir,
     gguf_file=..., dtype=torch.float32, **kwargs)`, which dequantises every tensor. transformers builds a gguf
     GGUFReader for the config and another for the weights, and each parses all of the file's metadata (~20 s for a
-    Qwen vocabulary on one core); a reader only reads, so here the second is the first: the same model, sooner."""
+    Qwen vocabulary on one core); a reader only reads, so here the second is the first: the same model, sooner.
+    It swaps gguf's GGUFReader for the load: not for loads in several threads at once."""
     import gguf
     import transformers
 

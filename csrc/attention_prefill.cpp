@@ -123,7 +123,7 @@ NKV_AVX512 inline float lane_total(const __m512 (&s)[1]) {
     return hsum(_mm256_add_ps(_mm512_castps512_ps256(s[0]), _mm512_extractf32x8_ps(s[0], 1)));
 }
 
-// One row's softmax step over ncols (% 16 == 0, % 2L) scores of which the first nv are visible:
+// One row's softmax step over ncols (a multiple of 2L, so of 16) scores of which the first nv are visible:
 // s <- 2^(s - m_new) (0 where masked); returns the row's sum; m updated, alpha = 2^(m_old - m_new).
 template <class W>
 NKV_EITHER_WIDTH float softmax_step(float* s, int64_t nv, int64_t ncols, float* m, float* alpha) {
