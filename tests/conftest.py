@@ -20,6 +20,17 @@ MODEL_BACKENDS = ["torch", "cpu", pytest.param("triton", marks=needs_triton_inte
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
 
+@pytest.fixture(autouse=True)
+def _threads_kept():
+    """torch's thread count as the worker's share again after each test: a command run in-process (a benchmark's
+    main, the CLI's --threads, `load_engine(threads=...)`) sets it for the whole process, and a worker left on 2
+    threads beside another worker ran its decode-heavy tests 5x slower (OpenMP threads waiting on a preempted one)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def new_cache(model, tokens: int = 512, page_size: int = 8):
     """An empty paged KV cache for `model` (a nodekv Llama) in a pool of its own; small pages cross boundaries."""
     from nodekv.engine.kv_cache import PagedKVCache
