@@ -7,8 +7,9 @@ so the engines' continuations can be compared.
 """
 from __future__ import annotations
 
-import os
+import functools
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,27 +19,31 @@ WARMUP_TOKENS = 32
 
 def hf_from_gguf(path: Path, **kwargs) -> torch.nn.Module:
     """HF transformers' fp32 model of a GGUF file, in eval mode: `AutoModelForCausalLM.from_pretrained(dir,
-    gguf_file=..., dtype=torch.float32, **kwargs)`, which dequantises every tensor. transformers builds a gguf
-    GGUFReader for the config and another for the weights, and each parses all of the file's metadata (~20 s for a
-    Qwen vocabulary on one core); a reader only reads, so here the second is the first: the same model, sooner.
-    It swaps gguf's GGUFReader for the load: not for loads in several threads at once."""
-    import gguf
+    gguf_file=..., dtype=torch.float32, **kwargs)`, which dequantises every tensor, with gguf's parsers memoised
+    (`_gguf_parsed_once`): the same model, sooner. Not for loads in several threads at once."""
     import transformers
 
-    real, readers = gguf.GGUFReader, {}
-
-    def read_once(file, mode="r"):
-        key = (os.fspath(file), mode)
-        if key not in readers:
-            readers[key] = real(file, mode)
-        return readers[key]
-
-    gguf.GGUFReader = read_once  # transformers imports it from gguf on each load
-    try:
+    with _gguf_parsed_once():
         return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                                  **kwargs).eval()
+
+
+@contextmanager
+def _gguf_parsed_once():
+    """transformers' GGUF load builds a gguf GGUFReader for the config and another for the weights, each parsing all
+    of the file's metadata (~20 s for a Qwen vocabulary on one core), and a tensor-name map for each of the model's
+    ~400 modules (~9 s for SmolLM2's). Both only read, and transformers imports them from gguf on each load, so
+    within this context gguf hands out one per distinct arguments."""
+    import gguf
+
+    real = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map")}
+    for name, build in real.items():
+        setattr(gguf, name, functools.cache(build))
+    try:
+        yield
     finally:
-        gguf.GGUFReader = real
+        for name, build in real.items():
+            setattr(gguf, name, build)
 
 
 class Runner:
