@@ -120,7 +120,10 @@ def _spread(actors: list, items: list, call: Callable) -> Iterator[tuple]:
 
 
 def evaluate_on_ray(plan: RayPlan, spec: WorkerSpec, todo: list, write: Callable[[dict], None]) -> None:
-    """Evaluate `todo` (records, in run order) on Ray and `write` each line in that order."""
+    """Evaluate `todo` (records, in run order) on Ray and `write` each line in that order; with nothing to do, Ray is
+    not started."""
+    if not todo:
+        return
     groups: dict[str, list] = {}
     for r in todo:
         groups.setdefault(r.document, []).append(r)
@@ -136,7 +139,10 @@ def evaluate_on_ray(plan: RayPlan, spec: WorkerSpec, todo: list, write: Callable
 
 def index_on_ray(plan: RayPlan, spec: WorkerSpec, documents: dict[str, str],
                  built: Callable[[str, tuple | str], None]) -> None:
-    """Index `documents` ({key: text}) on Ray into the spec's store; `built(key, cost or error)` as each one ends."""
+    """Index `documents` ({key: text}) on Ray into the spec's store; `built(key, cost or error)` as each one ends.
+    With nothing to index, Ray is not started."""
+    if not documents:
+        return
     with ray_workers(plan, spec) as actors:
         for key, cost in _spread(actors, list(documents), lambda a, key: a.index.remote(documents[key])):
             built(key, cost)

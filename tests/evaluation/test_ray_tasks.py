@@ -1,7 +1,7 @@
 """`nodekv eval --ray` and `nodekv index-corpus --ray` on SmolLM2 with 2 local workers, one of them killed mid-run:
 the worker restarts, its task runs again, and the run ends with what a local run gives (eval: the same lines in the
 same order, wall times aside; index-corpus: byte-identical indexes and the same manifest, times aside); a rerun
-finds nothing left to do, so nothing is lost or duplicated."""
+finds nothing left to do (and starts no Ray runtime), so nothing is lost or duplicated."""
 from __future__ import annotations
 
 import json
@@ -71,7 +71,12 @@ def _kill_a_worker_when(ready, run: subprocess.Popen) -> None:
     assert run.wait(timeout=1800) == 0  # a restarted worker loads its engine again
 
 
-def test_ray_eval_equals_local_despite_a_killed_worker(tmp_path):
+def _no_ray_runtime(monkeypatch) -> None:
+    """ray.init fails the test: a rerun with nothing left to do must not start (or join) a Ray runtime."""
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: pytest.fail("a rerun with nothing to do started Ray"))
+
+
+def test_ray_eval_equals_local_despite_a_killed_worker(tmp_path, monkeypatch):
     data = tmp_path / "data"
     _write_data(data)
     assert cli_main(_argv(data, tmp_path / "local")) == 0
@@ -83,6 +88,7 @@ def test_ray_eval_equals_local_despite_a_killed_worker(tmp_path):
     path = tmp_path / "ray" / "bm25-top2-hotpotqa.jsonl"
     _kill_a_worker_when(lambda: path.exists() and path.read_text().count("\n") >= 2, run)
     assert _lines(tmp_path / "ray") == local
+    _no_ray_runtime(monkeypatch)
     assert cli_main(_argv(data, tmp_path / "ray", "--ray")) == 0  # the rerun finds nothing left to do
     assert _lines(tmp_path / "ray") == local
 
@@ -93,13 +99,15 @@ def _manifest(store):
     return [{**r, "index": os.path.basename(r["index"]), "seconds": None} for r in rows]
 
 
-def test_ray_index_corpus_equals_local_despite_a_killed_worker(tmp_path):
+def test_ray_index_corpus_equals_local_despite_a_killed_worker(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for d in range(3):
         (corpus / f"doc{d}.txt").write_text(" ".join(f"{WORDS[(d + i) % 8].title()}{d} was founded in {1800 + i} by "
                                                      f"{WORDS[i].title()} Quill." for i in range(3)))
-    argv = ["index-corpus", str(corpus), "--model", "smollm2-135m", "--threads", "1", "--out"]
+    # summaries of 64 tokens at most: SmolLM2 fills the default 512 here, 16 s a document
+    argv = ["index-corpus", str(corpus), "--model", "smollm2-135m", "--threads", "1", "--option", "summary_tokens=64",
+            "--out"]
     assert cli_main([*argv, str(tmp_path / "local")]) == 0
     local = _manifest(tmp_path / "local")
     assert len(local) == 3
@@ -108,6 +116,7 @@ def test_ray_index_corpus_equals_local_despite_a_killed_worker(tmp_path):
     run = subprocess.Popen([sys.executable, "-m", "nodekv", *argv, str(store), "--ray", "--workers", "2"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _kill_a_worker_when(lambda: any(store.glob("pecan-*.json")), run)
+    _no_ray_runtime(monkeypatch)
     assert cli_main([*argv, str(store), "--ray"]) == 0  # the rerun finds nothing left to do
     assert _manifest(store) == local
     assert len(list(store.glob("pecan-*.json"))) == 3
