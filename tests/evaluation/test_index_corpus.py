@@ -113,13 +113,14 @@ def test_a_stored_pecan_index_is_the_one_nodekv_index_saves_and_answers(tmp_path
     corpus, store = tmp_path / "corpus", tmp_path / "store"
     corpus.mkdir()
     (corpus / "mill.txt").write_text(MILL)
-    assert cli_main(["index-corpus", str(corpus), "--out", str(store), *MODEL]) == 0
+    short = ["--option", "summary_tokens=64"]  # SmolLM2 would fill the default 512 tokens of a summary here
+    assert cli_main(["index-corpus", str(corpus), "--out", str(store), *MODEL, *short]) == 0
     (row,) = _manifest(store)
     assert row["tflops"] > 0 and row["tokens"] > 0
     (cost_file,) = store.glob("pecan-*.json")  # what a later eval charges the index: also projected to the 8B
     flops, flops_8b = json.loads(cost_file.read_text())[:2]
     assert flops_8b > 40 * flops > 0
-    assert cli_main(["index", str(corpus / "mill.txt"), "-o", str(tmp_path / "mill.pecan"), *MODEL]) == 0
+    assert cli_main(["index", str(corpus / "mill.txt"), "-o", str(tmp_path / "mill.pecan"), *MODEL, *short]) == 0
     with open(row["index"], "rb") as stored:
         assert stored.read() == (tmp_path / "mill.pecan").read_bytes()
     capsys.readouterr()
