@@ -37,10 +37,11 @@ demo: $(STAMP)
 	# on the 0.5B model p(Yes) carries no signal (README), so a node budget ends the search
 	$(VENV)/bin/nodekv ask build/demo.pecan "What race has captured Korvin?" --prompt narrativeqa --option prompt_style=restate --option node_budget=12 --trace
 
-# two workers, a test file each at a time (its module fixtures load their models once): 10 min against 15 on 2 cores
+# two workers, a test file each at a time (its module fixtures load their models once), the longest files first
+# (tests/conftest.py): about 11 min on 2 cores
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	# one process per engine (nodekv, HF transformers, llama.cpp when installed) on qwen2.5-0.5b; BENCH_ARGS=--quick
