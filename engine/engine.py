@@ -265,6 +265,8 @@ def load_engine(model: str | os.PathLike | None = None, dtype: str | None = None
     methods and the FLOP account work the same, with logits and node mass returned on the CPU.
     backend: "auto" (on the CPU: C++ kernels for float32, torch otherwise; on CUDA: Triton), "torch", "cpu" or
     "triton".
+    threads: torch's thread count, set for the whole process (`torch.set_num_threads`): nodekv's C++ kernels and
+    torch's ops run on torch.get_num_threads() threads at each call. None leaves it as it is.
     kv_tokens: token positions in the KV page pool shared by all sessions (default: four context windows,
     at most a quarter of the device's memory); page_size: positions per page. dense_copy: keep a dense fp32 copy of
     a GGUF model's projections for prompts (the older path, for comparison; `model.DequantScratch`).
