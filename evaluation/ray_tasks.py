@@ -43,8 +43,8 @@ def check_address(address: str | None) -> None:
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every worker loads: the model file, its dtype, the method with its options, the prompt of `dataset`
-    ("" for the generic one), the index store's root directory, the engine's precision and what its KV cache holds
-    (None: the model's dtype)."""
+    ("" for the generic one), the index store's root directory, the engine's precision, what its KV cache holds
+    (None: the model's dtype) and the answer's token budget (None: the prompt's)."""
 
     model: str
     dtype: str
@@ -54,6 +54,7 @@ class WorkerSpec:
     dataset: str = ""
     precision: str = "exact"
     kv_dtype: str | None = None
+    max_new_tokens: int | None = None
 
 
 class _Worker:
@@ -67,7 +68,8 @@ class _Worker:
 
         self.engine = load_engine(spec.model, dtype=spec.dtype, threads=threads, precision=spec.precision,
                                   kv_dtype=spec.kv_dtype)
-        self.method = get(spec.method)(self.engine, prompt=prompt_for(spec.dataset), **spec.options)
+        self.method = get(spec.method)(self.engine, prompt=prompt_for(spec.dataset, spec.max_new_tokens),
+                                                  **spec.options)
         self.store = IndexStore.for_method(Path(spec.store_root), self.engine, self.method)
         self.indexes: dict = {}
 

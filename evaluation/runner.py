@@ -12,10 +12,11 @@ document trains the model that answers it (`fit_s` in its lines); with --ray the
 workers and the fits and answers run in this process.
 Killing a run and starting it again skips the records already written (a torn last line is dropped), so the final
 file is the same as an uninterrupted run's; records whose lines are errors are tried again, their error lines dropped
-once the run ends. A run file is resumed only under the model, precision, dtype, KV cache dtype, options and method
-config that wrote it (`check_resumable`), and a cross-fitted run only over the same records: a changed default, a
-calibration written since or a longer cross-fitted run is refused, not mixed in, and before the model loads
-(`check_run`).
+once the run ends. A run file is resumed only under the model, precision, dtype, KV cache dtype, options, method
+config and answer decoding (budget, stops, penalty) that wrote it (`check_resumable`), and a cross-fitted run only
+over the same records: a changed default, a calibration written since or a longer cross-fitted run is refused, not
+mixed in, and before the model loads (`check_run`). `--max-new-tokens` sets the answer's budget for a run (in its
+label), e.g. to read short summaries at a fraction of the 512 tokens the summary prompts allow.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from ..engine.engine import DTYPES, KV_DTYPES, Engine
 from ..engine.models import resolve_model
 from ..methods.base import Method
 from ..methods.baselines import TopK
-from ..methods.prompts import prompt_for
+from ..methods.prompts import PromptSpec, prompt_for
 from ..methods.registry import get, names
 from ..paths import check_input, read_json_lines, write_atomic
 from .datasets import LoadResult, load_dataset
@@ -55,6 +56,7 @@ class RunConfig:
     options: dict = field(default_factory=dict)  # method config, e.g. {"k": 3}
     match: str | None = None  # a reference run file: pick k so that query FLOPs match its mean (Top-X)
     name: str | None = None   # the run's label; by default the method and its options (e.g. bm25-top3)
+    max_new_tokens: int | None = None  # the answer's token budget; None: the dataset prompt's (512 for summaries)
 
     @property
     def label(self) -> str:
@@ -63,13 +65,22 @@ class RunConfig:
         if self.match is not None:  # named after the reference: runs matched to two methods keep two files
             return f"{self.method}-topx-{Path(self.match).stem.removesuffix(f'-{self.dataset}')}"
         parts = [f"top{v}" if k == "k" else f"{k}={v}" for k, v in sorted(self.options.items())]
-        return "-".join([self.method, *parts])
+        budget = [] if self.max_new_tokens is None else [f"max_new_tokens={self.max_new_tokens}"]
+        return "-".join([self.method, *parts, *budget])
 
     def __post_init__(self):
+        n = self.max_new_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"max_new_tokens must be an int >= 1 (the answer's token budget), got {n!r}")
         label = self.label  # a run's index store and calibration are found beside it in <out>
         if "/" in label or "\\" in label or label.startswith("."):
             raise ValueError(f"the run's label {label!r} must be a plain file name (no '/', not starting with '.'); "
                              "set --label")
+
+    @property
+    def prompt(self) -> PromptSpec:
+        """The dataset's prompt, with the run's answer budget where it sets one."""
+        return prompt_for(self.dataset, self.max_new_tokens)
 
     @property
     def path(self) -> Path:
@@ -86,17 +97,18 @@ def check_top_x(method: str) -> None:
 def match_k(engine: Engine, cfg: RunConfig, reference: Path, k_max: int = 32, sample: int = 10) -> tuple[int, dict]:
     """Top-X: the k whose predicted mean query FLOPs on cfg's records come closest to the mean of a reference run
     (as Table 1 matches BM25/dense to PECAN). A prediction is one exact prefill of the k-chunk prompt plus as many
-    decoded tokens as the reference's answers hold on average (their tokens and the line break that ends them:
-    not the reference's own generated tokens, which for DICE include its sub-questions and facts), over the first
-    `sample` records."""
+    decoded tokens as the reference's answers hold on average, at most the run's budget (their tokens and the line
+    break that ends them: not the reference's own generated tokens, which for DICE include its sub-questions and
+    facts), over the first `sample` records."""
     from ..engine.flops import forward_flops
 
     check_top_x(cfg.method)
     ref = _answered(reference, cfg.dataset, str(engine.path))
     target = sum(r["query_flops"] for r in ref) / len(ref)
-    gen = round(sum(len(engine.tokenizer.encode(r["prediction"])) + 1 for r in ref) / len(ref))
+    gen = min(round(sum(len(engine.tokenizer.encode(r["prediction"])) + 1 for r in ref) / len(ref)),
+              cfg.prompt.max_new_tokens)  # a run's budget below the reference's answers cuts them
     records = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit).records[:sample]
-    method = get(cfg.method)(engine, prompt=prompt_for(cfg.dataset), **{**cfg.options, "k": k_max})
+    method = get(cfg.method)(engine, prompt=cfg.prompt, **{**cfg.options, "k": k_max})
     c = engine.config
     predicted = {k: 0.0 for k in range(1, k_max + 1)}
     for record in records:
@@ -136,13 +148,14 @@ def kv_dtype_name(engine: Engine) -> str:
     return next(name for name, d in KV_DTYPES.items() if d == engine.pool.dtype)
 
 
-RESUMED_AS_WRITTEN = ("model", "precision", "dtype", "kv_dtype", "options", "config")  # a resumed run file keeps them
+RESUMED_AS_WRITTEN = ("model", "precision", "dtype", "kv_dtype", "options", "config", "generation")  # kept on resume
 
 
 def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bool = False) -> None:
     """Refuse (ValueError, before any work) to append to a run file that was written under another model file,
-    precision, dtype, KV cache dtype, option set or method config: a calibration file written since (PECAN's t_p) or
-    a method default changed since would otherwise mix two settings in one file under one label; and to append to
+    precision, dtype, KV cache dtype, option set, method config or answer decoding (`generation`): a calibration
+    file written since (PECAN's t_p), a method default or a prompt's budget changed since would otherwise mix two
+    settings in one file under one label; and to append to
     one whose meta file is gone, which says nothing of its settings. A method that learns across
     documents (`across_documents`) also keeps the run's record count: its folds are dealt over the run's documents,
     so a run extended from 10 records to 30 would mix answers fitted on 8 other documents with answers fitted on 24.
@@ -186,7 +199,7 @@ def _run_meta(cfg: RunConfig, model: str, precision: str, dtype: str, kv_dtype: 
     defaults = with_calibration(method_class, method_class.dataset_defaults(cfg.dataset), cfg.dataset,
                                 cfg.path.parent, cfg.options, model, [r.id for r in loaded.records])
     options = {**{k: v for k, (v, _) in defaults.items()}, **cfg.options}
-    prompt = prompt_for(cfg.dataset)
+    prompt = cfg.prompt
     return {"method": cfg.label, "dataset": cfg.dataset, "model": model, "precision": precision, "dtype": dtype,
             "kv_dtype": kv_dtype, "options": options,
             "config": asdict(method_class.configure(**options)),
@@ -228,7 +241,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     options, method_class = meta["options"], get(cfg.method)
     for k, source in meta["option_sources"].items():
         print(f"{cfg.label} {cfg.dataset}: {k}={options[k]} ({source})", file=sys.stderr)
-    method = method_class(engine, prompt=prompt_for(cfg.dataset), **options)
+    method = method_class(engine, prompt=cfg.prompt, **options)
     cfg.path.parent.mkdir(parents=True, exist_ok=True)
     with cfg.path.open("a") as out:  # held to the end: the lock is on it, and the lines go to it
         _lock(out, cfg.path)
@@ -255,7 +268,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
 
         spec = None if ray is None else WorkerSpec(
             str(engine.path), dtype_name(engine), cfg.method,
-            options, str(store.root), cfg.dataset, engine.model.precision, kv_dtype_name(engine))
+            options, str(store.root), cfg.dataset, engine.model.precision, kv_dtype_name(engine), cfg.max_new_tokens)
         if method_class.learns_across_documents:
             # every fit needs all the indexes, each one independent work: with Ray they are built on the workers
             # (one that fails there fails again in _cross_fit, which writes its error lines)

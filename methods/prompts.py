@@ -91,9 +91,10 @@ PROMPTS: dict[str, PromptSpec] = {
 }
 
 
-def prompt_for(dataset: str) -> PromptSpec:
+def prompt_for(dataset: str, max_new_tokens: int | None = None) -> PromptSpec:
     """The dataset's prompt (RULER's for every variable-tracking configuration, `variable_tracking_<shape>`); unknown
-    names get the generic document-QA prompt."""
+    names get the generic document-QA prompt. `max_new_tokens` replaces its answer budget (None keeps the prompt's)."""
     if dataset.startswith("variable_tracking_"):
         dataset = "variable_tracking"
-    return PROMPTS.get(dataset, PromptSpec(_DOC_QA, 64))
+    prompt = PROMPTS.get(dataset, PromptSpec(_DOC_QA, 64))
+    return prompt if max_new_tokens is None else replace(prompt, max_new_tokens=max_new_tokens)

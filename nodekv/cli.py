@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                     help="a method option, repeatable, e.g. --option attention=false (PECAN's ablations)")
     ev.add_argument("--label", default=None, help="the run's name (default: the method and its options)")
+    ev.add_argument("--max-new-tokens", type=int, default=None,
+                    help="the answer's token budget (default: the dataset prompt's, e.g. 512 for summaries)")
     ev.add_argument("--model", default=None, help=MODEL_HELP)
     ev.add_argument("--precision", default="exact", choices=PRECISIONS, help=PRECISION_HELP)
     ev.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: by --device")

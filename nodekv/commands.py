@@ -298,7 +298,8 @@ def run_config(args: argparse.Namespace):
         options["k"] = args.k
     if args.match is not None and "k" in options:
         raise ValueError("--match picks k itself: drop --k and --option k")
-    return RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options, args.match, args.label)
+    return RunConfig(args.method, args.dataset, args.limit, args.data_dir, args.out, options, args.match, args.label,
+                     args.max_new_tokens)
 
 
 def calibrate(args: argparse.Namespace) -> int:

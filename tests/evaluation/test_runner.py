@@ -153,6 +153,37 @@ def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
     assert len(path.read_text().splitlines()) == 3
 
 
+def test_an_answer_budget_cuts_each_greedy_answer_and_a_run_resumes_only_under_its_own(tmp_path, capsys):
+    """--max-new-tokens N: each greedy answer is the one the prompt's budget gives, cut after N tokens (a prefix of
+    it); the label and meta say N, a run file is resumed only under the budget that wrote it, and N < 1 is refused
+    before any work."""
+    from nodekv.evaluation.runner import RunConfig
+
+    data = tmp_path / "data"
+    _write_data(data)
+    assert _eval(data, tmp_path, "--limit", "2") == 0
+    assert _eval(data, tmp_path, "--limit", "2", "--max-new-tokens", "2") == 0
+    full, cut = ([json.loads(x) for x in (tmp_path / f"{label}-hotpotqa.jsonl").read_text().splitlines()]
+                 for label in ("bm25-top2", "bm25-top2-max_new_tokens=2"))
+    assert any(r["generated_tokens"] > 2 for r in full)  # the budget cuts something
+    for f, c in zip(full, cut, strict=True):
+        assert c["generated_tokens"] == min(f["generated_tokens"], 2)
+        assert f["prediction"].startswith(c["prediction"])
+    meta = json.loads((tmp_path / "bm25-top2-hotpotqa.meta.json").read_text())
+    assert meta["generation"]["max_new_tokens"] > 2
+    assert json.loads((tmp_path / "bm25-top2-max_new_tokens=2-hotpotqa.meta.json").read_text())["generation"] == \
+        {**meta["generation"], "max_new_tokens": 2}
+
+    capsys.readouterr()
+    assert _eval(data, tmp_path, "--label", "bm25-top2") == 0  # its own budget: resumed
+    assert _eval(data, tmp_path, "--label", "bm25-top2", "--max-new-tokens", "2") == 2
+    assert f"  max_new_tokens={meta['generation']['max_new_tokens']} now 2\n" in capsys.readouterr().err
+    assert _eval(data, tmp_path, "--max-new-tokens", "0") == 2
+    assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        RunConfig("bm25", "hotpotqa", max_new_tokens=True)
+
+
 def test_a_run_with_a_cache_of_halves_says_so_and_resumes_only_under_halves(tmp_path):
     """`eval --kv-dtype float16` answers from a KV cache of halves (its meta reads the engine's page pool) and
     resumes only under halves."""

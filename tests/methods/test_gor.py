@@ -257,7 +257,7 @@ def _meetings_and_argv(root) -> list[str]:
     return ["eval", "--method", "gor", "--dataset", "qmsum_general", "--data-dir", str(root / "data"),
             "--model", "smollm2-135m", "--option", "queries=2", "--option", "attempts=4", "--option",
             "query_tokens=16", "--option", "response_tokens=8", "--option", "epochs=3", "--label", "gor",
-            "--threads", "1"]
+            "--max-new-tokens", "32", "--threads", "1"]  # summaries of 32 tokens, not the prompt's 512
 
 
 def _rows(out) -> list[dict]:
