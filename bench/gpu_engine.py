@@ -13,16 +13,18 @@ compared against HF on the very same tensors. Prints the device, torch, Triton a
   and at --batch, each with the fused steps (CUDA graphs on a GPU) and op by op. The GPU is kept busy for 2 s
   before the timings, so that its clocks are up.
 
---fresh-mass kernel,sdpa checks and times a bf16 prefill's node mass both ways side by side (the Triton kernel's one
-pass, or SDPA then the Triton mass pass: `triton_ops.FRESH_PREFILL_MASS`); by default the engine's own choice.
+--fresh-mass kernel,sdpa,kernel/64x32x4x2 checks and times a bf16 prefill's node mass each way side by side (the
+Triton kernel's one pass, SDPA then the Triton mass pass, or the kernel at chosen tiles: `triton_ops.FRESH_PREFILL_MASS`
+and `MASS_TILES`); by default the engine's own choice.
 
     nodekv bench gpu_engine [--preset qwen2.5-1.5b] [--prompts 2048,8192] [--decode 64] [--batch 32] [--nodes 32]
-        [--fresh-mass kernel,sdpa]
+        [--fresh-mass kernel,sdpa,kernel/64x32x4x2]
     nodekv bench gpu_engine --preset tiny --device cpu --dtype float32 --prompts 512,1024   # a smoke run on the CPU
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from typing import Callable, TypeVar
 
@@ -36,6 +38,7 @@ from nodekv.engine.loader import hf_state_tensors
 from nodekv.engine.model import Llama
 from nodekv.engine.page_pool import PagePool
 from nodekv.kernels import triton_ops
+from nodekv.kernels.triton_attention import check_tiles
 
 # a few-second stand-in for the smoke run and the tests (Qwen2's layout: QKV bias, tied embeddings)
 TINY = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
@@ -227,6 +230,34 @@ def versions(device: torch.device) -> str:
     return f"{name}; torch {torch.__version__}, Triton {triton.__version__}, transformers {transformers.__version__}"
 
 
+def mass_way(way: str) -> tuple[str, tuple[int, int, int, int] | None]:
+    """A --fresh-mass way as (`triton_ops.FRESH_PREFILL_MASS`, `triton_ops.MASS_TILES`): "kernel", "sdpa", or
+    "kernel/BMxBNxWARPSxSTAGES", the kernel at those tiles; a ValueError naming a malformed one."""
+    how, _, text = way.partition("/")
+    if how not in ("kernel", "sdpa") or (text and how != "kernel"):
+        raise ValueError(f"{way!r} is not kernel, sdpa or kernel/BMxBNxWARPSxSTAGES (e.g. kernel/64x32x4x2)")
+    if not text:
+        return how, None
+    try:
+        tiles = tuple(int(t) for t in text.split("x"))
+    except ValueError:
+        raise ValueError(f"{way!r}: tiles are four integers joined by x, e.g. kernel/64x32x4x2") from None
+    check_tiles(tiles, repr(way))
+    return how, tiles
+
+
+@contextlib.contextmanager
+def _mass_settings_kept():
+    """`triton_ops`' node-mass settings restored after the block: main sets them for each way it times, and a run in a
+    test's process must not leave them to the tests after it."""
+    saved = triton_ops.FRESH_PREFILL_MASS, triton_ops.MASS_TILES
+    try:
+        yield
+    finally:
+        triton_ops.FRESH_PREFILL_MASS, triton_ops.MASS_TILES = saved
+
+
+@_mass_settings_kept()
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen2.5-1.5b", help="a config preset (nodekv.engine.config) or 'tiny'")
@@ -239,17 +270,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=count, default=5)
     p.add_argument("--no-check", dest="check", action="store_false", help="speed only (e.g. an 8B on one GPU)")
     p.add_argument("--fresh-mass", default=None,
-                   help="how a bf16 prefill sums node mass: kernel, sdpa, or both comma-separated to check and time "
-                        "them side by side (default: triton_ops.FRESH_PREFILL_MASS)")
+                   help="how a bf16 prefill sums node mass: kernel, sdpa or kernel/BMxBNxWARPSxSTAGES (the kernel at "
+                        "those tiles), several comma-separated to check and time them side by side (default: the "
+                        "engine's own, triton_ops.FRESH_PREFILL_MASS and MASS_TILES)")
     a = p.parse_args(argv)
-    fresh_mass = a.fresh_mass.split(",") if a.fresh_mass else [triton_ops.FRESH_PREFILL_MASS]
-    if not set(fresh_mass) <= {"kernel", "sdpa"}:
-        p.error(f"--fresh-mass: {a.fresh_mass!r} is not kernel, sdpa or both")
+    tiles = triton_ops.MASS_TILES
+    fresh_mass = a.fresh_mass.split(",") if a.fresh_mass else \
+        [triton_ops.FRESH_PREFILL_MASS + ("/" + "x".join(map(str, tiles)) if tiles else "")]
+    try:
+        for way in fresh_mass:
+            mass_way(way)
+    except ValueError as e:
+        p.error(f"--fresh-mass: {e}")
 
-    def summed_by(how: str) -> str:
+    def summed_by(way: str) -> str:
         """Set how the engine's fresh prefills sum node mass; the label of a row where several are compared."""
-        triton_ops.FRESH_PREFILL_MASS = how
-        return "" if len(fresh_mass) == 1 else f" ({how})"
+        triton_ops.FRESH_PREFILL_MASS, triton_ops.MASS_TILES = mass_way(way)
+        return "" if len(fresh_mass) == 1 else f" ({way})"
 
     device, dtype = a.device, getattr(torch, a.dtype)
     config = config_of(a.preset)
@@ -284,9 +321,11 @@ def main(argv: list[str] | None = None) -> None:
                 got = model.forward(ids, new_cache(model, ids.shape[0]), logits="all").double().cpu()
             err = (got - exact).abs().max().item()
             mass_target = TARGETS["mass_fp32" if check_dtype == torch.float32 else "mass_bf16"]
-            mass_errs = []  # fp32 prefills keep the kernel: one row
+            mass_errs = []  # fp32 prefills keep the kernel: one row, at the first way's tiles
             for how in fresh_mass if check_dtype != torch.float32 else fresh_mass[:1]:
-                label = summed_by(how) if check_dtype != torch.float32 else ""
+                label = summed_by(how)
+                if check_dtype == torch.float32:
+                    label = ""
                 got = or_failure(lambda: our_mass(model, ids, bounds))
                 err_text = got if isinstance(got, str) else f"{(got - ref_mass).abs().max().item():.3g}"
                 mass_errs.append(err_text + label)

@@ -78,7 +78,8 @@ import triton.language as tl
 from .reference import (check_block_table, check_kv_pair, check_node_bounds, check_page_shape, check_pages_writable,
                         overlaps)
 
-__all__ = ["ONE_PASS_MAX_NODES", "decode_attention", "paged_attention", "sdpa_prefill", "write_kv"]
+__all__ = ["ONE_PASS_MAX_NODES", "check_tiles", "decode_attention", "paged_attention", "sdpa_prefill",
+           "write_kv"]
 
 # the most nodes summed inside the attention pass: a [BLOCK_M, N_PAD] fp32 accumulator held in registers, like acc
 ONE_PASS_MAX_NODES = 128
@@ -429,6 +430,14 @@ def _constants(G: int, hd: int, k_pages: torch.Tensor, block_m: int, block_n: in
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else None}
 
 
+def check_tiles(tiles: tuple[int, ...], fn: str) -> None:
+    """A ValueError naming `fn` unless `tiles` is (BLOCK_M, BLOCK_N, num_warps, num_stages) as `_attn_fwd` launches:
+    blocks powers of two >= 16 (tl.dot's smallest tile), warps a power of two, stages >= 1."""
+    if len(tiles) != 4 or any(t < 1 or t & (t - 1) for t in tiles[:3]) or min(tiles[:2]) < 16 or tiles[3] < 1:
+        raise ValueError(f"{fn}: tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): blocks >= 16 and warps "
+                         f"powers of two, stages >= 1; got {tiles!r}")
+
+
 def _mass_pass(mass_pass: str | None, n_nodes: int) -> str:
     """How node mass is summed: `mass_pass` checked, or by default "one" when the nodes fit the one-pass
     accumulator, else "two"."""
@@ -483,9 +492,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     block_m, block_n, block_d = _blocks(n * G, hd)
     launch = {}
     if tiles is not None:
-        if len(tiles) != 4 or any(t < 1 or t & (t - 1) for t in tiles[:3]) or min(tiles[:2]) < 16 or tiles[3] < 1:
-            raise ValueError(f"paged_attention: tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): blocks >= 16 "
-                             f"and warps powers of two, stages >= 1; got {tiles!r}")
+        check_tiles(tiles, "paged_attention")
         block_m, block_n = tiles[:2]
         launch = {"num_warps": tiles[2], "num_stages": tiles[3]}
     if k_new is not None:  # every argument checked: nothing is written on a refusal

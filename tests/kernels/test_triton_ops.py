@@ -189,3 +189,33 @@ def test_paged_attention_no_queries():
                               case.v_new, case.node_bounds, torch.zeros(0, 3))
     assert out.shape == (0, 4 * 16)
     torch.testing.assert_close(case.k_pages[case.layer, case.block_table[1], :, 0], case.k_new[0])
+
+
+def test_mass_tiles_reach_every_call_with_node_mass_and_only_those(monkeypatch):
+    """MASS_TILES (the engine's tiles for attention with node mass) launches the kernel at those tiles where node mass
+    is summed and the caller gave no tiles; output and mass against brute force; a call without mass, or with its
+    own tiles, keeps its blocking."""
+    from nodekv.kernels import triton_attention
+
+    launched, kernel = [], triton_attention._attn_fwd
+
+    class Recording:  # _attn_fwd[grid](...), recording the launch's block sizes and options
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["BLOCK_M"], kw["BLOCK_N"], kw.get("num_warps"), kw.get("num_stages")))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_attn_fwd", Recording())
+    monkeypatch.setattr(tro, "MASS_TILES", (16, 32, 2, 1))
+    case = make_case(7, 7, 150, 4, 2, 16, 8, 5)
+    want_out, want_mass = brute_force(case)
+    mass = torch.zeros(7, 5)
+    out = tro.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new,
+                              case.v_new, case.node_bounds, mass)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass.double(), want_mass, atol=1e-5, rtol=1e-5)
+    tro.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end)
+    tro.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end,
+                        node_bounds=case.node_bounds, mass=torch.zeros(7, 5), tiles=(32, 16, 4, 2))
+    assert launched == [(16, 32, 2, 1), (16, 64, None, None), (32, 16, 4, 2)]  # 14 rows: 16-row tiles by default
