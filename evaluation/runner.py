@@ -62,10 +62,10 @@ class RunConfig:
     def label(self) -> str:
         if self.name:
             return self.name
-        if self.match is not None:  # named after the reference: runs matched to two methods keep two files
-            return f"{self.method}-topx-{Path(self.match).stem.removesuffix(f'-{self.dataset}')}"
-        parts = [f"top{v}" if k == "k" else f"{k}={v}" for k, v in sorted(self.options.items())]
         budget = [] if self.max_new_tokens is None else [f"max_new_tokens={self.max_new_tokens}"]
+        if self.match is not None:  # named after the reference: runs matched to two methods keep two files
+            return "-".join([f"{self.method}-topx-{Path(self.match).stem.removesuffix(f'-{self.dataset}')}", *budget])
+        parts = [f"top{v}" if k == "k" else f"{k}={v}" for k, v in sorted(self.options.items())]
         return "-".join([self.method, *parts, *budget])
 
     def __post_init__(self):

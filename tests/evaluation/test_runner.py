@@ -74,6 +74,9 @@ def test_run_resume_and_report(tmp_path, capsys):
     (["--method", "pecan", "--option", "t_p=0.4", "--option", "mode=fast", "--label", "p4"], "p4",
      {"t_p": 0.4, "mode": "fast"}),
     (["--method", "bm25", "--match", "runs/pecan-hotpotqa.jsonl"], "bm25-topx-pecan", {}),  # the reference's label
+    (["--method", "bm25", "--k", "3", "--max-new-tokens", "16"], "bm25-top3-max_new_tokens=16", {"k": 3}),
+    (["--method", "bm25", "--match", "runs/pecan-hotpotqa.jsonl", "--max-new-tokens", "16"],
+     "bm25-topx-pecan-max_new_tokens=16", {}),
 ])
 def test_options_and_labels(argv, label, options):
     from nodekv.cli import build_parser
