@@ -76,3 +76,21 @@ def make_batch(ends: list[int], H: int, Hkv: int, hd: int, page_size: int
     for b, c in enumerate(cases):
         tables[b, : c.block_table.shape[0]] = c.block_table + offsets[b]
     return cases, torch.cat([c.k_pages for c in cases], 1), torch.cat([c.v_pages for c in cases], 1), tables
+
+
+def record_attention_tiles(monkeypatch) -> list[tuple]:
+    """Record each launch of the Triton attention kernel (`triton_attention._attn_fwd[grid](...)`, for the rest of the
+    test) as (BLOCK_M, BLOCK_N, num_warps, num_stages), in a list returned now and filled as the kernel launches."""
+    from nodekv.kernels import triton_attention
+
+    launched, kernel = [], triton_attention._attn_fwd
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["BLOCK_M"], kw["BLOCK_N"], kw.get("num_warps"), kw.get("num_stages")))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_attn_fwd", Recording())
+    return launched

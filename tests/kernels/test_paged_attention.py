@@ -7,7 +7,7 @@ import torch
 
 from nodekv.kernels import reference
 from conftest import needs_triton_interpreter
-from paged_cases import brute_force, make_batch, make_case
+from paged_cases import brute_force, make_batch, make_case, record_attention_tiles
 
 # backend name -> module whose paged_attention is tested (Triton runs under TRITON_INTERPRET=1 on CPU, see conftest)
 MODULES = {"reference": "nodekv.kernels.reference", "cpu": "nodekv.kernels.cpu_ops",
@@ -94,16 +94,7 @@ def test_triton_tiles_chosen_by_hand_give_the_same_attention_and_mass(tiles, mas
     kernel is launched with them; malformed tiles are refused."""
     from nodekv.kernels import triton_attention
 
-    launched, kernel = [], triton_attention._attn_fwd
-
-    class Recording:  # _attn_fwd[grid](...), recording the launch's block sizes and options
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append((kw["BLOCK_M"], kw["BLOCK_N"], kw.get("num_warps"), kw.get("num_stages")))
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(triton_attention, "_attn_fwd", Recording())
+    launched = record_attention_tiles(monkeypatch)
     case = _mass_case(7, 7, 150, 4, 2, 16, 8, 5)
     mass = torch.zeros(7, 5)
     out = triton_attention.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table,

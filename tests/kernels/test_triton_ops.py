@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from nodekv.kernels import reference
-from paged_cases import brute_force, make_case
+from paged_cases import brute_force, make_case, record_attention_tiles
 from conftest import needs_triton_interpreter
 from numerics import assert_close, gen
 
@@ -195,18 +195,7 @@ def test_mass_tiles_reach_every_call_with_node_mass_and_only_those(monkeypatch):
     """MASS_TILES (the engine's tiles for attention with node mass) launches the kernel at those tiles where node mass
     is summed and the caller gave no tiles; output and mass against brute force; a call without mass, or with its
     own tiles, keeps its blocking."""
-    from nodekv.kernels import triton_attention
-
-    launched, kernel = [], triton_attention._attn_fwd
-
-    class Recording:  # _attn_fwd[grid](...), recording the launch's block sizes and options
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append((kw["BLOCK_M"], kw["BLOCK_N"], kw.get("num_warps"), kw.get("num_stages")))
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(triton_attention, "_attn_fwd", Recording())
+    launched = record_attention_tiles(monkeypatch)
     monkeypatch.setattr(tro, "MASS_TILES", (16, 32, 2, 1))
     case = make_case(7, 7, 150, 4, 2, 16, 8, 5)
     want_out, want_mass = brute_force(case)
