@@ -22,7 +22,8 @@ from pathlib import Path
 # sm_80 (Ampere) to sm_90 (Hopper): the bf16/fp16 dots need sm_80, and sm_90 is the one measured (H100/H200);
 # a capability Triton's ptxas does not know aborts inside LLVM
 ARCHS = (80, 86, 89, 90)
-TILES = [(64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
+TILES = [(64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2),
+         (64, 32, 4, 2)]
 POINTERS = {"Q": "*{dt}", "KP": "*{dt}", "VP": "*{dt}", "O": "*{dt}", "L": "*fp32", "BT": "*i32", "NB": "*i32",
             "MB": "*fp32", "ENDS": "*i32", "NODE": "*i32", "M": "*fp32"}
 KERNELS = ["none", "one pass", "mass pass"]  # the attention pass without mass, with it, and `_attn_mass` alone

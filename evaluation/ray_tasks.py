@@ -68,8 +68,8 @@ class _Worker:
 
         self.engine = load_engine(spec.model, dtype=spec.dtype, threads=threads, precision=spec.precision,
                                   kv_dtype=spec.kv_dtype)
-        self.method = get(spec.method)(self.engine, prompt=prompt_for(spec.dataset, spec.max_new_tokens),
-                                                  **spec.options)
+        prompt = prompt_for(spec.dataset, spec.max_new_tokens)
+        self.method = get(spec.method)(self.engine, prompt=prompt, **spec.options)
         self.store = IndexStore.for_method(Path(spec.store_root), self.engine, self.method)
         self.indexes: dict = {}
 

@@ -155,12 +155,11 @@ def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bo
     """Refuse (ValueError, before any work) to append to a run file that was written under another model file,
     precision, dtype, KV cache dtype, option set, method config or answer decoding (`generation`): a calibration
     file written since (PECAN's t_p), a method default or a prompt's budget changed since would otherwise mix two
-    settings in one file under one label; and to append to
-    one whose meta file is gone, which says nothing of its settings. A method that learns across
-    documents (`across_documents`) also keeps the run's record count: its folds are dealt over the run's documents,
-    so a run extended from 10 records to 30 would mix answers fitted on 8 other documents with answers fitted on 24.
-    Keys an older meta file lacks are not checked; the model is compared by file name, so a run moves between
-    machines."""
+    settings in one file under one label; and to append to one whose meta file is gone, which says nothing of its
+    settings. A method that learns across documents (`across_documents`) also keeps the run's record count: its
+    folds are dealt over the run's documents, so a run extended from 10 records to 30 would mix answers fitted on 8
+    other documents with answers fitted on 24. Keys an older meta file lacks are not checked; the model is compared
+    by file name, so a run moves between machines."""
     meta_path = path.with_suffix(".meta.json")
     if not resuming:
         return

@@ -34,8 +34,9 @@ _MAX_ROW_BLOCK = 4096  # columns a norm program holds at once; longer rows loop
 # log-sum-exp then the Triton mass pass (`triton_attention.sdpa_prefill`; not yet timed on a GPU:
 # `bench gpu_engine --fresh-mass kernel,sdpa` times both, and this follows the measurement)
 FRESH_PREFILL_MASS = "kernel"
-# The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) of an attention call that sums node mass in the Triton kernel,
-# where the caller gives none; None: the kernel's defaults. On an H100, 512 query rows of qwen2.5-1.5b's shapes over
+# The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) of an attention call that sums node mass in the Triton kernel
+# over at least BLOCK_M query rows (a decode step or a short probe keeps its 16- or 32-row tiles), where the caller
+# gives none; None: the kernel's defaults. On an H100, 512 query rows of qwen2.5-1.5b's shapes over
 # 8K keys took 1.17x the fastest no-mass tiles' time with node mass at (64, 32, 4, 2), 1.40x at the defaults (kernel
 # alone, results/gpu_h100.md); not yet timed in the engine: `bench gpu_engine --fresh-mass kernel,kernel/64x32x4x2`
 MASS_TILES: tuple[int, int, int, int] | None = None
@@ -51,14 +52,16 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     "sdpa") goes through `triton_attention.sdpa_prefill`: torch's SDPA (flash attention) over k_new, v_new, which it
     also stores. On an H200 the Triton kernel, which gathers keys through the block table, took 1.7x SDPA's time on
     512 rows over 8K keys (bench triton_gpu). fp32 keeps the Triton kernel, whose IEEE dots the fp32 tests hold to a
-    few ulps. A Triton call with node mass and no `tiles` of its own takes MASS_TILES, where set."""
+    few ulps. A Triton call with node mass over at least MASS_TILES[0] query rows (n x heads per KV head) and no
+    `tiles` of its own takes MASS_TILES, where set."""
     n = q.shape[0]
     fresh = k_new is not None and k_new.shape[0] == end and n in (1, end)
     half_on_cuda = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     if fresh and half_on_cuda and not options and (mass is None or FRESH_PREFILL_MASS == "sdpa"):
         return triton_attention.sdpa_prefill(q, k_pages, v_pages, layer, block_table, k_new, v_new, node_bounds,
                                              mass)
-    if mass is not None and MASS_TILES is not None:
+    rows = n * (q.shape[1] // k_pages.shape[2])  # a tile's rows are (query, head of the KV head's group) pairs
+    if mass is not None and MASS_TILES is not None and rows >= MASS_TILES[0]:
         options = {"tiles": MASS_TILES, **options}
     return triton_attention.paged_attention(q, k_pages, v_pages, layer, block_table, end, k_new, v_new,
                                             node_bounds, mass, **options)

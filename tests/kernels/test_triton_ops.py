@@ -191,20 +191,23 @@ def test_paged_attention_no_queries():
     torch.testing.assert_close(case.k_pages[case.layer, case.block_table[1], :, 0], case.k_new[0])
 
 
-def test_mass_tiles_reach_every_call_with_node_mass_and_only_those(monkeypatch):
+def test_mass_tiles_reach_the_calls_with_node_mass_over_a_whole_tile_and_only_those(monkeypatch):
     """MASS_TILES (the engine's tiles for attention with node mass) launches the kernel at those tiles where node mass
-    is summed and the caller gave no tiles; output and mass against brute force; a call without mass, or with its
-    own tiles, keeps its blocking."""
+    is summed over at least BLOCK_M query rows and the caller gave no tiles; output and mass against brute force. A
+    call without mass, a decode-sized one, or one with its own tiles keeps its blocking."""
     launched = record_attention_tiles(monkeypatch)
     monkeypatch.setattr(tro, "MASS_TILES", (16, 32, 2, 1))
-    case = make_case(7, 7, 150, 4, 2, 16, 8, 5)
+    case = make_case(12, 12, 150, 4, 2, 16, 8, 5)  # 24 rows: 12 queries x 2 heads per KV head
     want_out, want_mass = brute_force(case)
-    mass = torch.zeros(7, 5)
+    mass = torch.zeros(12, 5)
     out = tro.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end, case.k_new,
                               case.v_new, case.node_bounds, mass)
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mass.double(), want_mass, atol=1e-5, rtol=1e-5)
     tro.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end)
+    tro.paged_attention(case.q[-1:], case.k_pages, case.v_pages, case.layer, case.block_table, case.end,
+                        node_bounds=case.node_bounds, mass=torch.zeros(1, 5))  # one query: 2 rows
     tro.paged_attention(case.q, case.k_pages, case.v_pages, case.layer, case.block_table, case.end,
-                        node_bounds=case.node_bounds, mass=torch.zeros(7, 5), tiles=(32, 16, 4, 2))
-    assert launched == [(16, 32, 2, 1), (16, 64, None, None), (32, 16, 4, 2)]  # 14 rows: 16-row tiles by default
+                        node_bounds=case.node_bounds, mass=torch.zeros(12, 5), tiles=(32, 16, 4, 2))
+    # by default 24 rows take 32-row tiles, 2 rows 16-row ones
+    assert launched == [(16, 32, 2, 1), (32, 64, None, None), (16, 64, None, None), (32, 16, 4, 2)]
