@@ -114,6 +114,7 @@ def test_no_two_points_of_a_panel_share_colour_and_marker():
     assert len(set(point_styles(70))) == 70  # a panel of HotpotQA rows held 14 runs; 10 and 10 repeated at the 11th
 
 
+@pytest.mark.filterwarnings("ignore:No artists with labels:UserWarning")  # the stubbed scatter draws nothing
 def test_a_run_keeps_its_colour_and_marker_in_every_panel(tmp_path, monkeypatch):
     """Full context is the same point style on a panel where a run sorts before it and on one where none does."""
     import matplotlib.axes
