@@ -8,6 +8,7 @@ so the engines' continuations can be compared.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,13 @@ def hf_from_gguf(path: Path, **kwargs) -> torch.nn.Module:
     with _gguf_parsed_once():
         return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                                  **kwargs).eval()
+
+
+def hf_cache_name(model: torch.nn.Module) -> str:
+    """The name of a transformers causal LM's KV cache, as a forward keyword and an output field: "cache" where its
+    forward takes one (transformers 5.2x renamed it, and warns on the old name until 5.40 drops it), else
+    "past_key_values"."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @contextmanager
@@ -101,7 +109,7 @@ class HFRunner(Runner):
     def __init__(self, path: Path, threads: int, attention: str = "sdpa"):
         torch.set_num_threads(threads)
         self.model = hf_from_gguf(path, attn_implementation=attention)
-        self.past = None
+        self.past, self.cache_name = None, hf_cache_name(self.model)
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -111,7 +119,7 @@ class HFRunner(Runner):
     @torch.inference_mode()
     def extend(self, ids: list[int]) -> int:
         # logits_to_keep=1: the lm_head only at the last position, as the other engines do
-        out = self.model(torch.tensor([ids]), past_key_values=self.past, use_cache=True, logits_to_keep=1)
+        out = self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1, **{self.cache_name: self.past})
         return int(out.logits[0, -1].argmax())
 
 

@@ -31,6 +31,7 @@ from typing import Callable, TypeVar
 import torch
 
 from nodekv.bench import count, device as device_arg
+from nodekv.bench.engine_runners import hf_cache_name
 from nodekv.engine.cache_batch import CacheBatch
 from nodekv.engine.config import ModelConfig, preset
 from nodekv.engine.kv_cache import PagedKVCache
@@ -197,7 +198,7 @@ def our_decode(model: Llama, pool: PagePool, prompt: torch.Tensor, batch: int, s
 def hf_decode(hf, prompt: torch.Tensor, batch: int, steps: int) -> Callable[[], None]:
     """The same for HF: `batch` copies of `prompt` prefilled once, here, into its cache, which each run crops back."""
     out = hf(prompt[None].expand(batch, -1).to(hf.device), use_cache=True, logits_to_keep=1)
-    name = "cache" if "cache" in out else "past_key_values"  # transformers 5.2x renamed it
+    name = hf_cache_name(hf)
     cache, first = out[name], out.logits[:, -1].argmax(-1, keepdim=True)
 
     @torch.inference_mode()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import nodekv.hf as nodekv_hf
+from nodekv.bench.engine_runners import hf_cache_name
 from conftest import tiny_engine, tiny_hf_model
 
 BOUNDS = [0, 7, 20, 33, 40]
@@ -60,9 +61,10 @@ def test_a_decode_step_through_the_cache_counts_new_keys_as_one_more_node():
     ids = torch.randint(0, 101, (1, 41), generator=torch.Generator().manual_seed(3))
     model.set_attn_implementation("nodekv")
     with torch.no_grad():
-        past = model(ids[:, :40], use_cache=True).past_key_values
+        name = hf_cache_name(model)
+        past = model(ids[:, :40], use_cache=True)[name]
         mass = nodekv_hf.NodeMassCollector(BOUNDS)
-        step = model(ids[:, 40:], past_key_values=past, use_cache=True, node_mass=mass).logits
+        step = model(ids[:, 40:], use_cache=True, node_mass=mass, **{name: past}).logits
     full = _run(model, "eager", ids, output_attentions=True)
     torch.testing.assert_close(step[:, -1], full.logits[:, -1], atol=1e-5, rtol=0)
     want = _per_node(torch.stack(full.attentions).mean(dim=(0, 2))[:, -1:], BOUNDS)  # the last query row

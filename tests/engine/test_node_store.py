@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_engine, tiny_hf_model, write_tiny_gguf
+from nodekv.bench.engine_runners import hf_cache_name
 from nodekv.engine.errors import PoolExhaustedError
 from nodekv.engine.node_store import StoredNode
 
@@ -41,7 +42,7 @@ def hf_kv(hf, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor
     """HF's K and V of `tokens` at positions start.. with no context: [layers, n, kv_heads, hd] each."""
     with torch.no_grad():
         out = hf(torch.tensor([tokens]), position_ids=torch.arange(start, start + len(tokens))[None], use_cache=True)
-    layers = out.past_key_values.layers
+    layers = out[hf_cache_name(hf)].layers
     return (torch.stack([getattr(layer, name)[0].transpose(0, 1) for layer in layers]) for name in ("keys", "values"))
 
 
