@@ -9,7 +9,7 @@ logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Hashable, Sequence
+from typing import Callable, Collection, Hashable, Literal, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from .sampling import RepetitionPenalty, SamplingParams, sample
 # fn(ids generated so far, logits [vocab]) -> logits: steers the next token (it may modify logits in place)
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
-FINISH_REASONS = ("stop", "eos", "length", "window")
+FinishReason = Literal["stop", "eos", "length", "window"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Generation:
     text: str
     ids: list[int]
     node_id: Hashable | None  # the session node holding `ids` (None when nothing was generated)
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: list[float]
     flops: int
 

@@ -198,6 +198,7 @@ class NodeStore:
         return list(self._entries)
 
     def bytes_per_1k_tokens(self) -> float:
+        """The file's KV bytes per 1,000 stored tokens (its size on disk against the tokens it can place)."""
         tokens = sum(len(e["tokens"]) for e in self._entries.values())
         return 1000 * sum(sum(e["sizes"]) for e in self._entries.values()) / max(tokens, 1)
 

@@ -33,16 +33,14 @@ from pathlib import Path
 from typing import Callable, Iterator, Union
 
 from ..paths import DATA_ENV, data_dir
-from .records import LoadResult, Record
+from .records import LoadResult, Record, Task
 from .variable_tracking import PREFIX, is_variable_tracking, records, shape
 
 __all__ = ["DATASETS", "DataNotFoundError", "LoadResult", "Record", "check_dataset", "default_data_dir",
            "find_dataset_file", "load_dataset"]
 
-TASKS = ("qa", "summary", "multiple_choice", "variables")
-
 # dataset name (= file stem) -> task
-DATASET_TASKS: dict[str, str] = {
+DATASET_TASKS: dict[str, Task] = {
     "hotpotqa": "qa",
     "musique": "qa",
     "2wikimqa": "qa",

@@ -3,6 +3,9 @@ text), and what loading a file found."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+Task = Literal["qa", "summary", "multiple_choice", "variables"]  # variables: variable tracking
 
 
 @dataclass(frozen=True)
@@ -15,7 +18,7 @@ class Record:
     question: str
     references: tuple[str, ...]
     options: tuple[str, ...] = ()  # multiple choice only: option texts, in letter order A, B, C, ...
-    task: str = "qa"  # "qa" | "summary" | "multiple_choice" | "variables" (variable tracking)
+    task: Task = "qa"
     supports: tuple[str, ...] = ()  # the text that holds the answer, one entry per supporting passage, where marked
 
 

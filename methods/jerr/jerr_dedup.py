@@ -79,7 +79,6 @@ class ExactSet:
 
     def __init__(self, bits: int = 1 << 16, hashes: int = 4):
         self.bloom, self.trie = BloomFilter(bits, hashes), Trie()
-        self.trie_lookups = 0  # how often the Bloom filter could not answer alone
 
     def add(self, name: str) -> bool:
         """True if `name` (normalized) is new, and remember it."""
@@ -88,7 +87,6 @@ class ExactSet:
             self.bloom.add(key)
             self.trie.add(key)
             return True
-        self.trie_lookups += 1
         return self.trie.add(key)
 
 

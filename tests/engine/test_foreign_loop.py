@@ -82,7 +82,7 @@ def test_read_and_write_refuse_positions_outside_the_cache():
     pages = pool.k.clone().view(torch.int32)  # bits: pages never written may hold NaNs
     kv = torch.ones(1, ex.KV_HEADS, ex.HEAD_DIM)
     for bad in (-1, 5, 8):
-        with pytest.raises(ValueError, match=rf"write: positions must be cached or reserved by begin, in \[0, 5\)"):
+        with pytest.raises(ValueError, match=r"write: positions must be cached or reserved by begin, in \[0, 5\)"):
             cache.write(0, kv, kv, torch.tensor([1, bad]))
     assert torch.equal(pool.k.view(torch.int32), pages)
     for bad in (-1, 3, 4, 8):

@@ -143,8 +143,6 @@ def test_logits_processor_steers_and_sees_generated_ids(tiny):
 def test_repetition_penalty_is_hfs(tiny, penalty):
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    from nodekv.engine.sampling import RepetitionPenalty
-
     hf, eng = tiny
     logits = torch.randn(101, generator=torch.Generator().manual_seed(0)) * 3
     generated = [7, 99, 7, 0]
