@@ -23,12 +23,21 @@ REGISTERED: dict[str, type[Method]] = {}
 the built-in method modules and the `nodekv.methods` entry points."""
 
 
+# characters that show nothing and that str.strip keeps: zero-width space, (non-)joiner, word joiner, BOM
+_INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
+
+
+def _blank(text: str) -> bool:
+    """Whether `text` shows nothing: whitespace and invisible characters only."""
+    return not text.translate(_INVISIBLE).strip()
+
+
 def check_question(question: str) -> str:
     """`question`, or a ValueError if it is not text or is blank: every method's `answer` checks it before any
     prefill (`Method.__init_subclass__`), and the CLI before a model loads."""
     if not isinstance(question, str):
         raise ValueError(f"the question must be text, got {type(question).__name__}")
-    if not question.strip():
+    if _blank(question):
         raise ValueError("the question is empty (nothing to ask)")
     return check_unicode(question, "the question")
 
@@ -39,7 +48,7 @@ def check_document(document: str, what: str = "the document") -> str:
     and the CLI before a model loads."""
     if not isinstance(document, str):
         raise ValueError(f"{what} must be text, got {type(document).__name__}")
-    if not document.strip():
+    if _blank(document):
         raise ValueError(f"{what} is empty: nothing to index")
     nul = document.find("\0")
     if nul >= 0:

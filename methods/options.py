@@ -59,7 +59,8 @@ class Option:
 
     def _typed(self, value: Any) -> Any:
         """`value` converted to the declared type where nothing is lost (a str read by the type, an int as a
-        float), else None. A bool is not taken for an int, nor 2.0 for 2."""
+        float, 0 or 1 as a bool: the CLI reads --option x=1 as JSON's 1), else None. A bool is not taken for an
+        int, nor 2.0 for 2."""
         kind = self.type
         if isinstance(value, str) and kind is not str:
             text = value.strip().lower()
@@ -71,6 +72,8 @@ class Option:
                 return None
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if kind is bool and type(value) is int and value in (0, 1):
+            return bool(value)
         if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
             return value
         return None

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import sys
 
 from nodekv import commands
@@ -254,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # nodekv's input errors are ValueErrors with a message naming the problem
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout stopped reading (`| head`): no error, as for any Unix filter
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the exit's flush raises it again
+        return 128 + signal.SIGPIPE
     except OSError as e:  # a file that could not be read or written (a full disk, a folder gone meanwhile)
         print(f"error: {e}", file=sys.stderr)
         return 1

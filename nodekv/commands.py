@@ -162,7 +162,7 @@ def ask(args: argparse.Namespace) -> int:
     from nodekv.engine.loader import model_config
     from nodekv.methods import get
     from nodekv.methods.base import check_question
-    from nodekv.methods.index_file import kv_path
+    from nodekv.methods.index_file import kv_path, saved_format
     from nodekv.methods.reader import check_room
 
     check_question(args.question)
@@ -174,6 +174,9 @@ def ask(args: argparse.Namespace) -> int:
     unloaded = method_class(None, prompt=prompt, **options)  # a method made without an engine does no model work
     unloaded.check_without_fit()  # ask fits nothing on other documents
     saved = method_class.can_save and _saved_by(doc) == name
+    if saved and method_class.index_file_format is not None and saved_format(doc) is None:
+        raise ValueError(f"{doc} is named like a saved {name} index but holds none (no nodekv header); to ask about "
+                         "it as text, name a method, e.g. --method full")
     if saved:  # its index key names what shapes an index
         shaping = sorted(set(options) & set(unloaded.index_key()))
         if shaping:

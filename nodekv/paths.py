@@ -124,10 +124,11 @@ class NotUTF8Error(ValueError):
 
 
 def read_text(path: str | os.PathLike) -> str:
-    """`path`'s text (UTF-8, newlines as `Path.read_text` reads them), or a NotUTF8Error."""
+    """`path`'s text (UTF-8 without a leading byte-order mark, newlines as `Path.read_text` reads them), or a
+    NotUTF8Error."""
     path = Path(path)
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         try:
             path.read_bytes().decode("utf-8")  # again as a whole: the error's offset is then the file's

@@ -41,6 +41,8 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "doc.txt").write_text("The mill was built in 1821.")
     (tmp_path / "latin.txt").write_bytes(b"x" * 1234 + "Caf\xe9".encode("latin-1"))
     (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "invisible.txt").write_text("\ufeff\u200b \u2060\n")  # a BOM and zero-width characters only
+    (tmp_path / "notes.dense").write_text("Notes, named like a dense index.")
     (tmp_path / "data" / "multihop").mkdir(parents=True)
     record = {"_id": "q1", "question": "Who built it?", "answer": "Ann", "context": [["Mill", ["Ann built it."]]]}
     (tmp_path / "data" / "multihop" / "hotpotqa.jsonl").write_text(json.dumps(record) + "\n")
@@ -78,6 +80,8 @@ CASES = [  # argv, the one line on stderr
                                 "iconv -f latin1 -t utf-8 latin.txt > latin.utf8.txt"),
     (["index", "latin.txt", "--method", "pecan"], "error: latin.txt is not UTF-8 text (byte 0xe9 at offset 1237)"),
     (["ask", "empty.txt", "q"], "error: document empty.txt is empty"),
+    (["ask", "invisible.txt", "q"], "error: document invisible.txt is empty"),
+    (["ask", "doc.txt", "\u200b\ufeff"], "error: the question is empty"),
     (["ask", "missing.pecan", "q"], "error: document missing.pecan does not exist"),
     (["ask", "fifo", "q"], "error: fifo is a device, a pipe or a socket, not a document file"),
     (["ask", "nul.txt", "q"], "error: document nul.txt holds NUL characters (the first at character 3)"),
@@ -86,6 +90,8 @@ CASES = [  # argv, the one line on stderr
      "error: saved.txt.bm25 is a saved bm25 index, which full cannot read; ask it with --method bm25"),
     (["ask", "--method", "pecan", "saved.txt.bm25", "q"], "error: saved.txt.bm25 is a saved bm25 index"),
     (["ask", "renamed.json", "q"], "error: renamed.json is a saved nodekv index (nodekv-topk-index), not a text file"),
+    (["ask", "notes.dense", "q"], "error: notes.dense is named like a saved dense index but holds none (no nodekv "
+                                  "header); to ask about it as text, name a method, e.g. --method full"),
     (["ask", "saved.txt.bm25", "q", "--option", "chunk_tokens=50", "--option", "k=2"],
      "error: saved.txt.bm25 is built already, and chunk_tokens would change how: rebuild it with `nodekv index` and "
      "--option chunk_tokens=..."),
@@ -210,6 +216,15 @@ def test_the_cli_refuses_bad_input_in_one_line_before_any_model_work(argv, messa
     assert status == 2 and time.perf_counter() - t < 5
     err = capsys.readouterr().err
     assert err.startswith(message.format(tmp=files)) and err.count("\n") == 1, err
+
+
+def test_a_reader_that_stops_reading_is_no_error():
+    """`nodekv ... | head`: stdout's reader gone before the output is written ends the command quietly, with the
+    shell's status for a broken pipe, not an error line."""
+    cli = subprocess.Popen([sys.executable, "-m", "nodekv", "flops", "--model", "smollm2-135m", "--tokens", "10"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cli.stdout.close()
+    assert (cli.stderr.read(), cli.wait()) == (b"", 128 + signal.SIGPIPE)
 
 
 def test_files_written_under_other_settings_are_refused_before_the_model_loads(files, no_model, capsys):
@@ -468,6 +483,8 @@ def test_not_utf8_names_the_file_byte_and_offset_past_the_first_read_chunk(tmp_p
     assert (e.value.byte, e.value.offset) == (0xFF, 90_000)
     path.write_bytes("line\r\nnext".encode())
     assert read_text(path) == path.read_text(encoding="utf-8") == "line\nnext"  # newlines as before
+    path.write_bytes("\ufeffline".encode())  # a byte-order mark (Notepad's UTF-8) is not text: 3 tokens of junk
+    assert read_text(path) == "line"
 
 
 def _index_engine():

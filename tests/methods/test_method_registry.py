@@ -47,6 +47,7 @@ def test_an_unknown_method_is_refused_with_the_known_ones():
     ("pecan", {"t_p": "0.25", "attention": "false", "node_budget": "6"}, {"t_p": 0.25, "attention": False,
                                                                             "node_budget": 6}),
     ("pecan", {"t_p": 1}, {"t_p": 1.0}),
+    ("pecan", {"attention": 0, "dynamic": 1}, {"attention": False, "dynamic": True}),  # --option attention=0
 ])
 def test_options_are_typed_by_their_declaration(name, options, typed):
     config = vars(get(name)(None, **options).config)
@@ -58,6 +59,7 @@ def test_options_are_typed_by_their_declaration(name, options, typed):
     ("bm25", {"k": "three"}, "bm25 option k must be int, got 'three'"),
     ("dense", {"k": 2.5}, "dense option k must be int, got 2.5"),
     ("bm25", {"k": True}, "bm25 option k must be int, got True"),
+    ("pecan", {"attention": 2}, r"PECAN option attention must be bool \(true, 1, false, 0\), got 2"),
     ("bm25", {"chunk_tokens": 0}, "bm25 option chunk_tokens must be >= 1, got 0"),
     ("pecan", {"t_p": "2"}, r"PECAN option t_p must be in \[0, 1\], got '2'"),
     ("pecan", {"attention": "yes"}, r"PECAN option attention must be bool \(true, 1, false, 0\), got 'yes'"),
