@@ -21,14 +21,22 @@ from ..options import Option
 from ..prompts import PromptSpec
 from ..reader import KV_REUSE_OPTIONS, READER_OPTION, Repair, store_kv_nodes
 from ..retrieval import DenseIndex, HybridIndex
+from ..retrieval.chunking import HAN_KANA
+
+
+_WORDS = re.compile(rf"[{HAN_KANA}]|[^\s{HAN_KANA}]+")  # a Han or kana character is a word by itself
 
 
 def word_chunks(document: str, words: int) -> list[str]:
-    """Chunks of at most `words` whitespace-separated words; a chunk never spans a blank line (a passage break)."""
+    """Chunks of at most `words` words (whitespace-separated runs; each Han or kana character one word, so a Chinese
+    or Japanese paragraph is cut too), each space between them one; a chunk never spans a blank line (a passage
+    break)."""
     chunks = []
     for paragraph in re.split(r"\n\s*\n", document):
-        w = paragraph.split()
-        chunks += [" ".join(w[i:i + words]) for i in range(0, len(w), words)]
+        spans = [m.span() for m in _WORDS.finditer(paragraph)]
+        for first in range(0, len(spans), words):
+            last = spans[min(first + words, len(spans)) - 1]
+            chunks.append(" ".join(paragraph[spans[first][0]:last[1]].split()))
     return chunks
 
 

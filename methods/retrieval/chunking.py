@@ -5,6 +5,10 @@ from __future__ import annotations
 import re
 from typing import Protocol, Sequence
 
+# Han ideographs and kana (a regex character range): scripts written without spaces, where a run of characters is
+# a phrase rather than a word, so what counts words (BM25's terms, DICE's word chunks) takes each character as one
+HAN_KANA = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f"
+
 
 class TextTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...

@@ -11,7 +11,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .chunking import HAN_KANA
 from .embedder import Embedder
+
+
+# each Han or kana character is a term (unigrams, as in Lucene's StandardAnalyzer), other words are runs of 2+ word
+# characters as in bm25s's default pattern (\b\w\w+\b, which makes a whole Chinese sentence one term that no
+# question matches)
+_WORD = rf"[^\W{HAN_KANA}]"
+TOKEN_PATTERN = rf"(?u)[{HAN_KANA}]|(?<!{_WORD}){_WORD}{{2,}}(?!{_WORD})"
 
 
 def _top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
@@ -38,9 +46,10 @@ def _check_query(query: str) -> None:
 
 class BM25Index:
     """Okapi BM25 over chunks with `bm25s` (its defaults: Lucene variant, k1=1.5, b=0.75,
-    idf = ln(1 + (N - df + 0.5) / (df + 0.5))). Text is lower-cased, split into words of 2+ word characters
-    (``\\b\\w\\w+\\b``) and English stopwords are dropped, for chunks and queries alike. A query with no
-    indexed term scores every chunk 0 (so the ranking is index order); an empty query is a ValueError."""
+    idf = ln(1 + (N - df + 0.5) / (df + 0.5))). Text is lower-cased, split into words of 2+ word characters and
+    single Han or kana characters (`TOKEN_PATTERN`) and English stopwords are dropped, for chunks and queries alike.
+    A query with no indexed term scores every chunk 0 (so the ranking is index order); an empty query is a
+    ValueError."""
 
     def __init__(self, chunks: Sequence[str], k1: float = 1.5, b: float = 0.75) -> None:
         import bm25s
@@ -54,7 +63,8 @@ class BM25Index:
             self.retriever.index(terms, show_progress=False)
 
     def tokenize(self, texts: list[str]) -> list[list[str]]:
-        return self._bm25s.tokenize(texts, lower=True, stopwords="en", return_ids=False, show_progress=False)
+        return self._bm25s.tokenize(texts, lower=True, token_pattern=TOKEN_PATTERN, stopwords="en", return_ids=False,
+                                    show_progress=False)
 
     def __len__(self) -> int:
         return len(self.chunks)

@@ -264,6 +264,8 @@ def test_the_variable_tracking_examples_replace_app_d_in_either_format():
 def test_word_chunks_hold_at_most_n_words_and_never_cross_a_blank_line():
     doc = "Passage 1:\nTitle one\n" + " ".join(f"w{i}" for i in range(7)) + "\n\n  \nPassage 2:\nshort"
     assert word_chunks(doc, 4) == ["Passage 1: Title one", "w0 w1 w2 w3", "w4 w5 w6", "Passage 2: short"]
+    # a Han or kana character is a word (a full stop is not): a paragraph without spaces is cut, kept as written
+    assert word_chunks("東京は日本の首都です。 Tokyo 東京\n\n寿司", 4) == ["東京は日", "本の首都", "です。 Tokyo", "東京", "寿司"]
 
 
 def test_bad_input_is_refused_with_a_message():

@@ -118,6 +118,20 @@ def test_bm25_matches_formula():
     assert index.search("cat garden", 1)[0][0] == 1  # the only chunk with both terms
 
 
+def test_bm25_reads_text_without_spaces_by_character():
+    """Chinese and Japanese runs are phrases: each Han or kana character is a term, so a question shares terms with
+    the chunk that answers it (as one term per run, no question would match); other words read as before."""
+    chunks = ["苹果是红色的水果。", "天空是蓝色的。", "香蕉是黄色的，猴子喜欢香蕉。", "東京は日本の首都です。"]
+    index = BM25Index(chunks)
+    assert index.tokenize(["東京は日本", "Tokyo東京 it's x_y2"]) == [["東", "京", "は", "日", "本"],
+                                                                 ["tokyo", "東", "京", "x_y2"]]
+    terms = index.tokenize(chunks)
+    for query, best in (("香蕉是什么颜色？", 2), ("日本の首都は？", 3)):
+        expected = _bm25_by_hand(index.tokenize([query])[0], terms)
+        assert index.search(query, 1)[0][0] == best == int(np.argmax(expected))
+        np.testing.assert_allclose([s for _, s in index.search(query, 4)], sorted(expected, reverse=True), rtol=1e-5)
+
+
 def test_bm25_k_and_ties_and_empty_query():
     index = BM25Index(CORPUS)
     hits = index.search("garden", 50)
