@@ -87,6 +87,19 @@ def _check_saved_index(doc: Path, name: str) -> None:
                      "the method that saved it")
 
 
+def _check_index_options(method_class: type, options: dict) -> None:
+    """Refuse options that do not shape the index a method builds (its `index_key`, and `kv_reuse`, which stores
+    its nodes' KV): `nodekv index` would drop them silently, and `ask` takes them per question. (`index-corpus`
+    keeps taking them: its indexes are read by an `eval` that gives its own.)"""
+    method_class.configure(**options)  # bad options first, with their own message
+    shaping = set(method_class(None, **options).index_key()) | {"kv_reuse"}
+    dropped = sorted(set(options) - shaping)
+    if dropped:
+        raise ValueError(f"{method_class.title} option{'s' if len(dropped) > 1 else ''} {', '.join(dropped)} "
+                         f"{'do' if len(dropped) > 1 else 'does'} not change the index: give "
+                         f"{'them' if len(dropped) > 1 else 'it'} to `nodekv ask` (or `nodekv eval`)")
+
+
 def _check_exports(method_class: type, paths: list[str]) -> None:
     """Each --export file in a format the method writes, in a folder that exists (before any model work)."""
     for path in paths:
@@ -105,7 +118,7 @@ def index(args: argparse.Namespace) -> int:
         problem = "name a --method" if name is None else f"{name} cannot save an index"
         raise ValueError(f"{problem}; methods that can: {', '.join(n for n in names() if get(n).can_save)}")
     method_class, options = get(name), dict(args.option)
-    method_class.configure(**options)  # bad options, exports and paths fail before the model loads
+    _check_index_options(method_class, options)  # bad options, exports and paths fail before the model loads
     _check_exports(method_class, args.export)
     doc = Path(args.document)
     text = _read_document(doc)
