@@ -11,7 +11,7 @@ from typing import Sequence
 from ..engine.engine import Engine
 from ..engine.node_store import NodeStore, StoredNode
 from .base import Answer, Method
-from .index_file import read_index_file, read_kv_beside, write_index_files
+from .index_file import IndexFileError, read_index_file, read_kv_beside, write_index_files
 from .options import Option
 from .prompts import PromptSpec
 from .reader import KV_REUSE_OPTIONS, Repair, kv_index_key, store_kv_nodes
@@ -68,6 +68,7 @@ class TopK(Method):
     file with the chunks and, with `kv_reuse`, a node store beside it (FILE.kv) holding their KV."""
 
     can_save, index_file_format = True, _FORMAT
+    search_class: type  # what `search_index` builds: a ChunkIndex searched otherwise is another Top-k method's
 
     options = (Option("k", int, 5, "chunks retrieved", low=1),
                Option("chunk_tokens", int, 300, "tokens per chunk", low=1),
@@ -93,13 +94,20 @@ class TopK(Method):
         return {"chunk_tokens": self.config.chunk_tokens, "kv_dtype": None, **kv_index_key(self.config)}
 
     def save_index(self, index: ChunkIndex, path: str | Path) -> None:
-        write_index_files(path, _FORMAT, _VERSION, self.engine, {"chunks": index.chunks},
+        write_index_files(path, _FORMAT, _VERSION, self.engine,
+                          {"chunks": index.chunks, "chunk_tokens": self.config.chunk_tokens},
                           None if index.stored is None else dict(enumerate(index.stored)), self.config.kv_dtype)
 
     def load_index(self, path: str | Path) -> ChunkIndex:
-        """The saved index; its node store is opened (header checked, nodes read when used) only with `kv_reuse`,
-        so an index whose store is missing or bad still serves `kv_reuse=off`."""
+        """The saved index (by either Top-k method: the chunks are shared, the search is built again) unless it was
+        cut at another chunk_tokens (recorded since 2026-11-29); its node store is opened (header checked, nodes
+        read when used) only with `kv_reuse`, so an index whose store is missing or bad still serves
+        `kv_reuse=off`."""
         data = read_index_file(path, _FORMAT, _VERSION, self.engine, "Top-k index")
+        if data.get("chunk_tokens", self.config.chunk_tokens) != self.config.chunk_tokens:
+            raise IndexFileError(f"{path} holds chunks of {data['chunk_tokens']} tokens, this {self.name} cuts "
+                                 f"{self.config.chunk_tokens}: load it with chunk_tokens={data['chunk_tokens']}, or "
+                                 "index again")
         stored = read_kv_beside(path, self.engine, data["stored_kv"]) if self.config.kv_reuse != "off" else None
         return ChunkIndex(data["chunks"], self.search_index(data["chunks"]), stored)
 
@@ -109,6 +117,9 @@ class TopK(Method):
         return "\n\n".join(index.chunks[i].strip() for i in sorted(i for i, _ in hits)), hits
 
     def answer(self, index: ChunkIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
+        if not isinstance(index.search, self.search_class):
+            raise ValueError(f"this index searches its chunks by {type(index.search).__name__}, {self.name} by "
+                             f"{self.search_class.__name__}: index with {self.name}, or load the saved file with it")
         context, hits = self.context(index, question)
         trace = [{"chunk": i, "score": round(s, 4)} for i, s in hits]
         chosen = sorted(i for i, _ in hits)
@@ -121,12 +132,16 @@ class TopK(Method):
 class BM25TopK(TopK, name="bm25"):
     """The k chunks that score best for the question by BM25, in one prompt."""
 
+    search_class = BM25Index
+
     def search_index(self, chunks: list[str]) -> BM25Index:
         return BM25Index(chunks)
 
 
 class DenseTopK(TopK, name="dense"):
     """The k chunks closest to the question by all-MiniLM-L6-v2 cosine similarity, in one prompt."""
+
+    search_class = DenseIndex
 
     def __init__(self, engine: Engine, prompt: PromptSpec | None = None, progress: bool = False, embedder=None,
                  **options):

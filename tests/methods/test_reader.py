@@ -316,6 +316,34 @@ def test_top_k_index_saved_with_its_kv_answers_as_the_one_built(hf_tiny, tmp_pat
         method.load_index(tmp_path / "off.bm25")
 
 
+def test_top_k_indexes_are_shared_as_files_not_as_searches(hf_tiny, tmp_path):
+    """A saved Top-k file is chunks: dense loads bm25's and searches them its own way, but neither method answers
+    from the other's index in memory (it would search by the other's retriever), and a file cut at another
+    chunk_tokens is refused by load_index (the CLI refuses that option on a saved index before loading)."""
+    from nodekv.methods.baselines import DenseTopK
+    from nodekv.methods.index_file import IndexFileError
+    from nodekv.methods.retrieval import DenseIndex
+
+    class Letters:  # an embedder of letter counts: dense retrieval without MiniLM
+        def encode(self, texts, batch_size=64):
+            return torch.tensor([[t.count(c) + 0.1 for c in "abcdefghijklmnopqrstuvwxyz"] for t in texts])
+
+    _, path = hf_tiny
+    eng = char_engine(path)
+    spec = PromptSpec("{context}|{question}", 4)
+    bm25 = BM25TopK(eng, spec, k=1, chunk_tokens=12)
+    dense = DenseTopK(eng, spec, embedder=Letters(), k=1, chunk_tokens=12)
+    bm25.save_index(bm25.index("the mill was built in 1821. it burned down in 1900."), tmp_path / "doc.bm25")
+    loaded = dense.load_index(tmp_path / "doc.bm25")
+    assert isinstance(loaded.search, DenseIndex) and dense.answer(loaded, "when did it burn?").nodes
+    with pytest.raises(ValueError, match="^this index searches its chunks by DenseIndex, bm25 by BM25Index: index "
+                                         "with bm25, or load the saved file with it$"):
+        bm25.answer(loaded, "when did it burn?")
+    with pytest.raises(IndexFileError, match="doc.bm25 holds chunks of 12 tokens, this bm25 cuts 6: load it with "
+                                             "chunk_tokens=12, or index again"):
+        BM25TopK(eng, spec, chunk_tokens=6).load_index(tmp_path / "doc.bm25")
+
+
 def test_a_store_is_read_only_with_the_index_it_was_written_with(hf_tiny, tmp_path, monkeypatch):
     """Another index's store beside an index is refused (its nodes would be read for passages they do not hold); a
     save that dies before its files are renamed leaves the previous index and store as they were; an index saved
