@@ -163,12 +163,15 @@ class Session:
         logprobs = torch.log_softmax(torch.cat([first, rest]), dim=-1)
         return logprobs.gather(1, torch.tensor(ids)[:, None])[:, 0]
 
-    def probe(self, choices: Sequence[str] = ("Yes", "No"), tokens: Sequence[int] | None = None) -> dict[str, float]:
+    def probe(self, choices: Sequence[str] = ("Yes", "No"),
+              tokens: Sequence[int] | str | None = None) -> dict[str, float]:
         """Probabilities of single-token answers, normalised over `choices`, at the end of the session or after
-        temporary `tokens` (e.g. a question) that are rolled back afterwards: the cache returns to the same
-        length and the same pages."""
+        temporary `tokens` (e.g. a question; text is encoded as `score` encodes it) that are rolled back
+        afterwards: the cache returns to the same length and the same pages."""
         if isinstance(choices, str) or not choices:  # a string would be probed character by character
             raise ValueError(f"choices must be a non-empty list of strings, got {choices!r}")
+        if isinstance(tokens, str):
+            tokens = self.engine.tokenizer.encode(tokens)
         ids = [self.engine.tokenizer.token_id(c) for c in choices]
         if len(set(ids)) != len(ids):
             raise ValueError(f"choices {list(choices)} map to repeated token ids {ids}")

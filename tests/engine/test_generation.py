@@ -65,6 +65,7 @@ def test_probe_is_score_normalised_over_choices(tiny):
     p = s.probe(["<4>", "<9>"], tokens=[7, 7])
     lp = torch.tensor([s.score([7, 7, 4])[-1], s.score([7, 7, 9])[-1]]).double()
     assert abs(p["<4>"] - float(torch.softmax(lp, 0)[0])) < 1e-5
+    assert s.probe(["<4>", "<9>"], tokens="<7><7>") == p  # text is encoded by the tokenizer, as score's
 
 
 def test_generation_logprobs_flops_and_node(tiny):
