@@ -251,11 +251,11 @@ def test_index_and_ask_on_smollm2(tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC * 3)
     opts = ["--option", "chunk_tokens=60", "--option", "synopsis_tokens=24", "--option", "atom_tokens=24",
-            "--option", "element_tokens=12", "--option", "iterations=5"]
+            "--option", "element_tokens=12"]
     assert cli_main(["index", str(doc), "--method", "jerr", "--model", "smollm2-135m", *opts,
                      "--export", str(tmp_path / "graph.html"), "--export", str(tmp_path / "graph.graphml")]) == 0
     assert "<svg" in (tmp_path / "graph.html").read_text() and "<graphml" in (tmp_path / "graph.graphml").read_text()
     assert cli_main(["ask", str(doc) + ".jerr", "Who was held in a cell?", "--model", "smollm2-135m", "--trace",
-                     "--max-new-tokens", "8"]) == 0
+                     "--max-new-tokens", "8", "--option", "iterations=5"]) == 0  # a search option: ask's, not index's
     out = capsys.readouterr().out
     assert "A:" in out and '"keywords"' in out and '"nodes"' in out
