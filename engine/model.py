@@ -371,7 +371,6 @@ class Llama:
         n, end = tokens.shape[0], int(positions.max()) + 1
         positions = positions.to(self.device)
         cos, sin = self.rope(positions)
-        table = torch.tensor(cache.pages, dtype=torch.int32, device=self.device)
         cast = _identity if self.dtype == torch.float32 else lambda t: t.to(self.dtype)
         x = self._embed_rows(tokens)
         h = self.ops.rms_norm(x, self.layers[0].attn_norm, c.norm_eps)
@@ -389,8 +388,9 @@ class Llama:
                         cache.write(j, k_old, v_old, positions)
                     return ((k - old).flatten(1).norm(dim=1) / old.flatten(1).norm(dim=1).clamp_min(1e-30))
             cache.write(i, k, qkv[:, n_qk * c.head_dim:].view(n, c.n_kv_heads, c.head_dim), positions)
-            keys = reference.gather_kv(cache.pool.k, i, table, end)
-            values = reference.gather_kv(cache.pool.v, i, table, end)
+            # the table after the write: the first one copies pages shared with a fork, and only the copies hold it
+            keys = reference.gather_kv(cache.pool.k, i, cache.block_table, end)
+            values = reference.gather_kv(cache.pool.v, i, cache.block_table, end)
             attn = reference.attention_at(q, keys, values, positions, *cache.collector)
             h = self.ops.add_rms_norm_(x, layer.wo(attn), layer.ffn_norm, c.norm_eps)
             next_norm = self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm

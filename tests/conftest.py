@@ -119,8 +119,8 @@ def bare_engine(**attributes):
 
 
 def tiny_hf_model(kind: str = "llama", *, tied: bool = False, rope_scaling: bool = False, n_kv_heads: int = 2,
-                  seed: int = 0, max_positions: int = 256):
-    """A random-weight HF model: 2 layers, d=64, 4 query heads (GQA 4:2 by default)."""
+                  seed: int = 0, max_positions: int = 256, layers: int = 2):
+    """A random-weight HF model: 2 layers by default, d=64, 4 query heads (GQA 4:2 by default)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -128,7 +128,7 @@ def tiny_hf_model(kind: str = "llama", *, tied: bool = False, rope_scaling: bool
     if rope_scaling:
         rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-    common = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=n_kv_heads, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
                   tie_word_embeddings=tied, rope_parameters=rope)
     if kind == "qwen2":

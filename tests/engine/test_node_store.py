@@ -377,6 +377,35 @@ def test_key_deviation_finds_the_tokens_that_missed_their_context_and_changes_no
     assert charged == per_layer + 24 * 2 * c.dim * (c.q_dim + 2 * c.kv_dim)  # layer 0 whole, layer 1's Q/K/V
 
 
+@pytest.mark.parametrize("forked", [False, True])
+def test_a_repair_gives_a_prefill_in_a_fork_that_shares_the_placed_pages(tmp_path, forked):
+    """Three layers, so that a layer's attention over keys the repair has not rewritten would show in the next
+    layer's keys (two layers hide it: layer 0's keys need no context, and the last layer's attention feeds none):
+    repairing in a fork, whose first write copies the shared pages, reads the copies from then on; so does the key
+    deviation in layer 2, which is the repaired key's distance from the placed one."""
+    hf = tiny_hf_model("qwen2", seed=6, layers=3)
+    write_tiny_gguf(hf, tmp_path / "three.gguf", "f32", arch="qwen2")
+    engine = tiny_engine(tmp_path / "three.gguf", pages=64, page_size=8)
+    prefix, node = ids(11, 40), ids(21, 41)
+    with engine.session() as placed:
+        placed.append(prefix)
+        placed.append_stored(engine.store_node(node))
+        s = placed.fork() if forked else placed
+        placed_k = cached_kv(s, 0, len(s))[0][2, len(prefix):]
+        deviation = s.key_deviation(range(len(prefix), len(s)), layer=2)
+        s.repair(range(len(prefix), len(s)))
+        got_k, got_v = cached_kv(s, 0, len(s))
+        repaired_k = got_k[2, len(prefix):]
+        want_deviation = (repaired_k - placed_k).flatten(1).norm(dim=1) / placed_k.flatten(1).norm(dim=1)
+        if forked:
+            s.release()
+    with engine.session() as s:
+        s.append(prefix + node)
+        want_k, want_v = cached_kv(s, 0, len(s))
+    assert rel(got_k, want_k) <= 1e-5 and rel(got_v, want_v) <= 1e-5
+    assert torch.allclose(deviation, want_deviation, rtol=1e-4, atol=1e-6)
+
+
 def test_repair_copies_pages_shared_with_a_fork_before_writing(pair):
     _, engine = pair
     with engine.session() as s:
