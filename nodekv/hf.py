@@ -14,10 +14,10 @@ forward, the kernel also adds each query token's attention on every node's keys,
 — O(T·N) memory, never the T×T attention maps `output_attentions` returns. Keys past the last boundary (tokens
 generated after the prompt) count as one more node.
 
-Limits, each refused with a message: causal self-attention without padding (a padding or custom mask, an encoder's
-or a cross-attention layer are refused), inference only (no gradients, no dropout, no attention maps), the
-1/√head_dim scale (Llama, Qwen2, Mistral), no sliding window or soft-capping. A collector passed to a forward that
-failed holds nothing. Needs transformers' AttentionInterface and AttentionMaskInterface; tested with transformers
+Limits, each refused with a message: causal self-attention without padding (a padding or custom mask, a static
+cache, an encoder's or a cross-attention layer are refused; queries over a dynamic cache attend from its end),
+inference only (no gradients, no dropout, no attention maps), the 1/√head_dim scale (Llama, Qwen2, Mistral), no
+sliding window or soft-capping. A collector passed to a forward that failed holds nothing. Needs transformers' AttentionInterface and AttentionMaskInterface; tested with transformers
 5.24, the version installed.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def nodekv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     bounds, mass = (None, None) if collector is None else \
         collector._layer(module, batch, queries, key.shape[2], heads, query.device)
     try:
-        _check(module, query, attention_mask, dropout, scaling, kwargs)
+        _check(module, query, key.shape[2], attention_mask, dropout, scaling, kwargs)
         return _attention(query, key, value, bounds, mass)
     except BaseException as e:
         if collector is not None:
@@ -148,7 +148,7 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boun
     return torch.stack(outs), None
 
 
-def _check(module, query: torch.Tensor, attention_mask, dropout: float, scaling: float | None,
+def _check(module, query: torch.Tensor, keys: int, attention_mask, dropout: float, scaling: float | None,
            kwargs: dict) -> None:
     dim = query.shape[-1]
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
@@ -169,7 +169,15 @@ def _check(module, query: torch.Tensor, attention_mask, dropout: float, scaling:
         raise ValueError("nodekv attention does not support sliding-window or soft-capped attention")
     if attention_mask is not None:
         raise ValueError("nodekv attention is causal attention without padding; this forward has an attention mask "
-                         "(padded batch or a custom mask): run unpadded sequences, one per row of equal length")
+                         "(padded batch, a custom mask or a static cache's unfilled tail): run unpadded sequences, one "
+                         "per row of equal length, over a dynamic cache")
+    # HF builds no mask for a static cache's first forward (SDPA's is_causal aligns queries to the keys' start), so
+    # its unfilled tail shows only in the positions: the kernel aligns queries to the keys' end
+    positions = kwargs.get("position_ids")
+    last = int(positions[..., -1].max()) if isinstance(positions, torch.Tensor) else keys - 1
+    if last + 1 < keys:
+        raise ValueError(f"nodekv attention takes the queries for the last of the keys; this forward's last query is "
+                         f"at position {last} of {keys} keys (a static cache's unfilled tail): use a dynamic cache")
 
 
 def register() -> None:
@@ -181,5 +189,16 @@ def register() -> None:
         raise ImportError(f"nodekv.hf needs transformers with AttentionInterface and AttentionMaskInterface "
                           f"(tested with 5.24): {e}") from None
 
+    def causal_or_mask(*args, **kwargs) -> torch.Tensor | None:
+        """sdpa_mask's mask, or None (no mask) where it is plain causal attention of the last q of the kv positions
+        with nothing padded: the kernel aligns queries to the end of the keys, as SDPA's is_causal cannot, so
+        sdpa_mask builds one whenever 1 < q < kv (a prompt continued over HF's cache)."""
+        mask = sdpa_mask(*args, **kwargs)
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape[-2] <= mask.shape[-1]:
+            q, kv = mask.shape[-2:]
+            if bool((mask == torch.ones(q, kv, dtype=torch.bool, device=mask.device).tril(kv - q)).all()):
+                return None
+        return mask
+
     AttentionInterface.register(NAME, nodekv_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)  # None for plain causal attention: no mask is built
+    AttentionMaskInterface.register(NAME, causal_or_mask)  # None for plain causal attention: no mask is built

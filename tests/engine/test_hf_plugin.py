@@ -72,6 +72,23 @@ def test_a_decode_step_through_the_cache_counts_new_keys_as_one_more_node():
     torch.testing.assert_close(mass.mean(), want, atol=1e-5, rtol=0)
 
 
+def test_a_prompt_continued_over_the_cache_is_causal_from_its_end():
+    """Queries 25..39 over HF's cache of 0..24: HF builds an explicit mask there (SDPA's is_causal aligns queries to
+    the keys' start), which the plugin reads as plain causal attention from the end of the keys."""
+    model = tiny_hf_model()
+    ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(5))
+    model.set_attn_implementation("nodekv")
+    with torch.no_grad():
+        name = hf_cache_name(model)
+        past = model(ids[:, :25], use_cache=True)[name]
+        mass = nodekv_hf.NodeMassCollector(BOUNDS)
+        rest = model(ids[:, 25:], use_cache=True, node_mass=mass, **{name: past}).logits
+    full = _run(model, "eager", ids, output_attentions=True)
+    torch.testing.assert_close(rest, full.logits[:, 25:], atol=1e-5, rtol=0)
+    want = _per_node(torch.stack(full.attentions).mean(dim=(0, 2))[:, 25:], BOUNDS)
+    torch.testing.assert_close(mass.mean(), want, atol=1e-5, rtol=0)
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="increase strictly"):
         nodekv_hf.NodeMassCollector([0, 5, 5])
@@ -83,6 +100,11 @@ def test_refusals():
     padded[1, :3] = 0
     with pytest.raises(ValueError, match="without padding"):
         _run(model, "nodekv", ids, attention_mask=padded)
+    from transformers import StaticCache
+
+    static = {hf_cache_name(model): StaticCache(config=model.config, max_cache_len=32)}
+    with pytest.raises(ValueError, match="last query is at position 11 of 32 keys"):  # no mask, keys past the queries
+        _run(model, "nodekv", ids, use_cache=True, **static)
     mass = nodekv_hf.NodeMassCollector([0, 6, 12])
     _run(model, "nodekv", ids, node_mass=mass)
     with pytest.raises(ValueError, match="reset"):
