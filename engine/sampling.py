@@ -56,11 +56,15 @@ class SamplingParams:
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
-    """A ValueError for a temperature that is not a finite number >= 0 or a top_p outside (0, 1]."""
-    if not (isinstance(temperature, (int, float)) and 0.0 <= temperature < math.inf):  # NaN fails the bounds too
+    """A ValueError for a temperature that is not a finite number >= 0 or a top_p outside (0, 1] (a bool is
+    neither)."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if not (number(temperature) and 0.0 <= temperature < math.inf):  # NaN fails the bounds too
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not (number(top_p) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
 def check_penalty(penalty: float) -> None:

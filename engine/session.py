@@ -172,10 +172,11 @@ class Session:
             raise ValueError(f"choices must be a non-empty list of strings, got {choices!r}")
         if isinstance(tokens, str):
             tokens = self.engine.tokenizer.encode(tokens)
+        tokens = None if tokens is None or not len(tokens) else tokens  # a tensor's truth is ambiguous
         ids = [self.engine.tokenizer.token_id(c) for c in choices]
         if len(set(ids)) != len(ids):
             raise ValueError(f"choices {list(choices)} map to repeated token ids {ids}")
-        logits = self._logits_after(tokens, "last")[-1] if tokens else self._last_logits()
+        logits = self._logits_after(tokens, "last")[-1] if tokens is not None else self._last_logits()
         probs = torch.softmax(logits[ids].double(), dim=0)
         return {c: float(p) for c, p in zip(choices, probs)}
 
@@ -201,11 +202,12 @@ class Session:
     def token_mass(self, node_id: Hashable) -> torch.Tensor:
         """float32 [tokens of the node, nodes up to and including it]: each token's attention mass per key node,
         averaged over heads and layers (rows sum to 1). Only for nodes appended or generated with collect=True, or
-        repaired with `repair(positions, collect=True)`, which gives one row per repaired token of the node."""
+        repaired with `repair(positions, collect=True)`, which gives one row per repaired token of the node. A copy:
+        the session's own is shared with its forks."""
         self._node_index(node_id, "no attention mass for")
         if node_id not in self._mass:
             raise ValueError(f"no attention mass for node {node_id!r}: it was not collected")
-        return self._mass[node_id]
+        return self._mass[node_id].clone()
 
     def node_mass(self, exclude_self: bool = False) -> NodeMass:
         """Mass from every collected node to every node (zero for later nodes, which it cannot see).

@@ -66,6 +66,7 @@ def test_probe_is_score_normalised_over_choices(tiny):
     lp = torch.tensor([s.score([7, 7, 4])[-1], s.score([7, 7, 9])[-1]]).double()
     assert abs(p["<4>"] - float(torch.softmax(lp, 0)[0])) < 1e-5
     assert s.probe(["<4>", "<9>"], tokens="<7><7>") == p  # text is encoded by the tokenizer, as score's
+    assert s.probe(["<4>", "<9>"], tokens=torch.tensor([7, 7])) == p
 
 
 def test_generation_logprobs_flops_and_node(tiny):
@@ -199,6 +200,8 @@ def test_sampling_params_is_one_value_for_every_generate_call(tiny):
                      (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
                      (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
                      (dict(temperature="0.5"), "temperature must be a finite number >= 0, got '0.5'"),
+                     (dict(temperature=True), "temperature must be a finite number >= 0, got True"),
+                     (dict(top_p="0.5", temperature=1.0), r"top_p must be in \(0, 1\], got '0.5'"),
                      (dict(stop=("",)), "stop strings"), (dict(repetition_penalty=0.0), "repetition_penalty")]:
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**bad)

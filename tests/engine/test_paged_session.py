@@ -166,6 +166,8 @@ def test_node_mass_matches_hf_attention(hf_tiny, backend):
     for k in (0, 2, 3, 4):
         want = per_node(att[bounds[k]:bounds[k + 1]], bounds[: k + 2])
         torch.testing.assert_close(s.token_mass(f"c{k}").double(), want, atol=1e-5, rtol=0)
+    s.token_mass("c0").zero_()  # a copy: the session's mass (and its forks') stays
+    torch.testing.assert_close(s.token_mass("c0").double(), per_node(att[:10], bounds[:2]), atol=1e-5, rtol=0)
     m = s.node_mass()
     assert m.query_nodes == ["c0", "c2", "c3", "c4"] and m.key_nodes == [f"c{k}" for k in range(5)]
     want = torch.stack([torch.cat([per_node(att[bounds[k]:bounds[k + 1]], bounds[: k + 2]).mean(0),
