@@ -150,8 +150,8 @@ def score(record, prediction: str) -> dict[str, float]:
     summary: rouge1, rouge2, rougeL (each max over references).
     variables: em, f1, recall (`variables_score`).
     multiple_choice: accuracy (parsed letter vs the reference letter) and, for comparability with QA,
-    f1 = max qa_f1_score of the prediction against the letter, the correct option's text, and
-    "(<letter>) <text>" (L-Eval's answer format).
+    f1 = max qa_f1_score of the prediction against the letter (where "a" is the letter A, not an article), the
+    correct option's text, and "(<letter>) <text>" (L-Eval's answer format).
     """
     refs = record.references
     if record.task == "qa":
@@ -163,11 +163,11 @@ def score(record, prediction: str) -> dict[str, float]:
     if record.task == "multiple_choice":
         letter = refs[0].strip().upper()
         idx = ord(letter) - ord("A")
-        targets = [letter]
-        if 0 <= idx < len(record.options):
-            targets += [record.options[idx], f"({letter}) {record.options[idx]}"]
+        targets = [record.options[idx], f"({letter}) {record.options[idx]}"] if 0 <= idx < len(record.options) else []
+        # the letter itself: "A" is no article here (SQuAD's rule would normalise an answer "A" to nothing, and score 0)
+        f1_letter = _token_f1(normalize_answer(prediction, keep_a=letter == "A").split(), [letter.lower()])
         return {"accuracy": choice_accuracy(prediction, letter, len(record.options) or 4),
-                "f1": max(qa_f1_score(prediction, t) for t in targets)}
+                "f1": max([f1_letter] + [qa_f1_score(prediction, t) for t in targets])}
     if record.task == "variables":
         return variables_score(prediction, refs)
     raise ValueError(f"record {record.id!r}: unknown task {record.task!r}")

@@ -156,3 +156,8 @@ def test_score_multiple_choice():
     assert score(rec, "Cannons") == {"accuracy": 0.0, "f1": 1.0}  # right text, no letter: f1 only
     s = score(rec, "The answer is (C) Catapults")
     assert s["accuracy"] == 0.0 and s["f1"] == 0.0
+    a = _rec("multiple_choice", ["A"], ["Hunting rifles", "Cannons", "Catapults", "Spears"])
+    for answer in ("A", "(A)", "a."):  # the letter A is no article: it scores as B does
+        assert score(a, answer) == {"accuracy": 1.0, "f1": 1.0}, answer
+    assert score(a, "A. The rifles")["f1"] == score(rec, "B. The rifles")["f1"] == 2 / 3  # "the" goes, the letter stays
+    assert score(a, "B")["f1"] == 0.0 and score(rec, "A")["f1"] == 0.0
