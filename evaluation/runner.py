@@ -184,6 +184,18 @@ def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bo
                          "it, or give this run another --label:" + "".join(f"\n  {line}" for line in changes.values()))
 
 
+def check_answered_records(path: Path, lines: list[dict], loaded: LoadResult) -> None:
+    """Refuse (ValueError, before any work) to resume a run file that holds answers to records this run does not
+    load: written from another data file (--data-dir, $NODEKV_DATA_DIR) or with a larger --limit, it would end
+    holding more records than asked for, some of them from another file, under one label."""
+    loaded_ids = {r.id for r in loaded.records}
+    foreign = [r["id"] for r in lines if r.get("id") not in loaded_ids]
+    if foreign:
+        raise ValueError(f"{path} holds answers to {len(foreign)} record(s) that this run does not load (e.g. "
+                         f"{foreign[0]!r}): it was written from another data file or with a larger --limit; resume it "
+                         "with the data and --limit that wrote it, or give this run another --label")
+
+
 def _differences(old: dict, new: dict) -> dict[str, str]:
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     return {k: f"{k}={old.get(k, '(unset)')} now {new.get(k, '(unset)')}" for k in keys}
@@ -211,18 +223,20 @@ def check_run(cfg: RunConfig, model: str | None, precision: str, dtype: str = "f
               kv_dtype: str | None = None) -> None:
     """Refuse (ValueError) before `model` (as `load_engine` takes it, with `kv_dtype` as it does: None for the
     model's dtype) loads what `run` would refuse after: a run file
-    that does not read as JSON lines, that another eval is writing, or that was written under other settings
-    (`check_resumable`); a Top-X reference run without answers. A Top-X run (--match) picks its k on the model, so
+    that does not read as JSON lines, that another eval is writing, that was written under other settings
+    (`check_resumable`) or holds records this run does not load (`check_answered_records`); a Top-X reference run
+    without answers. A Top-X run (--match) picks its k on the model, so
     its settings are checked only then."""
     lines = read_json_lines(cfg.path)
     if cfg.path.is_file():
         with cfg.path.open("a") as run_file:  # the lock is let go at once: `run` takes it for the run
             _lock(run_file, cfg.path)
+    loaded = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit)
+    check_answered_records(cfg.path, lines, loaded)
     if cfg.match is not None:
         _answered(Path(cfg.match), cfg.dataset, str(resolve_model(model)))
     else:
-        meta = _run_meta(cfg, str(resolve_model(model)), precision, dtype, kv_dtype or dtype,
-                         load_dataset(cfg.dataset, cfg.data_dir, cfg.limit))
+        meta = _run_meta(cfg, str(resolve_model(model)), precision, dtype, kv_dtype or dtype, loaded)
         check_resumable(cfg.path, meta, bool(lines), get(cfg.method).learns_across_documents)
 
 
@@ -246,6 +260,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
         _lock(out, cfg.path)
         lines = current_lines(read_json_lines(cfg.path, cut_torn_tail=True))
         check_resumable(cfg.path, meta, bool(lines), method_class.learns_across_documents)
+        check_answered_records(cfg.path, lines, loaded)
         write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
         for rid, why in loaded.problems:
             print(f"skipped record {rid}: {why}", file=sys.stderr)

@@ -253,6 +253,13 @@ def test_files_written_under_other_settings_are_refused_before_the_model_loads(f
     assert capsys.readouterr().err.startswith(f"error: {sweeps.relative_to(files)} holds sweeps made under another "
                                               "config and model")
     assert {path: path.read_bytes() for path in written} == written
+    meta.write_text(json.dumps({"options": {"k": config["k"]}, "config": config}))
+    run.write_text('{"id": "q1", "error": "ValueError: x"}\n{"id": "q9", "prediction": "x"}\n')
+    assert main([*EVAL, "--model", "smollm2-135m"]) == 2  # q9: from another data file, or a larger --limit
+    assert capsys.readouterr().err == (f"error: {run.relative_to(files)} holds answers to 1 record(s) that this run "
+                                       "does not load (e.g. 'q9'): it was written from another data file or with a "
+                                       "larger --limit; resume it with the data and --limit that wrote it, or give "
+                                       "this run another --label\n")
 
 
 @pytest.mark.parametrize("name", names())
