@@ -15,8 +15,9 @@ from ..paths import atomic_path, read_json_lines, write_atomic
 
 
 # a retrieval run's label (`RunConfig.label`): fixed k (bm25-top5) or matched to a method's FLOPs (bm25-topx-pecan),
-# which picks one k for the whole run, so both are points of the retriever's Top-X curve over k
-TOP_K_RUN = re.compile(r"(bm25|dense)-top(\d+|x-.+)")
+# which picks one k for the whole run, so both are points of the retriever's Top-X curve over k; a label with other
+# options or an answer budget (key=value) is a point of its own, not to be joined with the defaults' runs
+TOP_K_RUN = re.compile(r"(bm25|dense)-top(\d+|x-[^=]+)")
 SWEEPS_SUFFIX = ".sweeps.jsonl"  # `nodekv calibrate`'s log of its dev records' sweeps, beside the runs: not a run
 
 

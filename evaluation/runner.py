@@ -63,10 +63,11 @@ class RunConfig:
         if self.name:
             return self.name
         budget = [] if self.max_new_tokens is None else [f"max_new_tokens={self.max_new_tokens}"]
-        if self.match is not None:  # named after the reference: runs matched to two methods keep two files
-            return "-".join([f"{self.method}-topx-{Path(self.match).stem.removesuffix(f'-{self.dataset}')}", *budget])
-        parts = [f"top{v}" if k == "k" else f"{k}={v}" for k, v in sorted(self.options.items())]
-        return "-".join([self.method, *parts, *budget])
+        options = sorted(self.options.items())
+        if self.match is not None:  # named after the reference (runs matched to two methods keep two files) and the
+            reference = Path(self.match).stem.removesuffix(f"-{self.dataset}")  # options but k, which the match picks
+            return "-".join([f"{self.method}-topx-{reference}", *(f"{k}={v}" for k, v in options if k != "k"), *budget])
+        return "-".join([self.method, *(f"top{v}" if k == "k" else f"{k}={v}" for k, v in options), *budget])
 
     def __post_init__(self):
         n = self.max_new_tokens

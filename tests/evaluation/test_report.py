@@ -136,11 +136,12 @@ def test_the_top_x_curve_joins_fixed_and_matched_runs_by_k_leaving_out_partial_o
     """Matched Top-X runs fix one k for the run, so they join the fixed-k runs on the curve, read from their meta:
     one run per k (the fixed-k one where both exist), in order of k, and a run with fewer records than the others
     (still in progress) left off; a retriever with a single point draws no line; a fixed-k run without a meta is
-    placed by its label."""
+    placed by its label; runs under other options or an answer budget are points of their own."""
     from nodekv.evaluation.report import summarize, top_x_curves
 
     runs = {"bm25-top1": (1, 4), "bm25-top3": (3, 4), "bm25-topx-pecan": (3, 4), "bm25-topx-jerr": (7, 4),
-            "bm25-topx-gor": (9, 2), "dense-topx-pecan": (5, 4), "full": (None, 4)}
+            "bm25-topx-gor": (9, 2), "dense-topx-pecan": (5, 4), "full": (None, 4),
+            "bm25-top5-chunk_tokens=200": (5, 4), "bm25-topx-pecan-max_new_tokens=16": (6, 4)}
     for label, (k, n) in runs.items():
         lines = [json.dumps(_record(f"r{i}", [])) for i in range(n)]
         (tmp_path / f"{label}-quality.jsonl").write_text("\n".join(lines) + "\n")

@@ -77,6 +77,8 @@ def test_run_resume_and_report(tmp_path, capsys):
     (["--method", "bm25", "--k", "3", "--max-new-tokens", "16"], "bm25-top3-max_new_tokens=16", {"k": 3}),
     (["--method", "bm25", "--match", "runs/pecan-hotpotqa.jsonl", "--max-new-tokens", "16"],
      "bm25-topx-pecan-max_new_tokens=16", {}),
+    (["--method", "bm25", "--match", "runs/pecan-hotpotqa.jsonl", "--option", "chunk_tokens=200"],
+     "bm25-topx-pecan-chunk_tokens=200", {"chunk_tokens": 200}),  # two chunkings matched: two files
 ])
 def test_options_and_labels(argv, label, options):
     from nodekv.cli import build_parser
