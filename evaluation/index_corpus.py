@@ -88,7 +88,9 @@ def index_corpus(engine: Engine, method: str, options: dict, directory: Path, st
             pending.remove(doc)
             built(doc, store.build_cost(store_method, todo[doc]))
     store_root.mkdir(parents=True, exist_ok=True)
-    manifest = store_root / f"{store.key}-{directory.resolve().name}.corpus.jsonl"
+    # named by the folder and a hash of its path: two corpora whose folders share a name keep two manifests
+    folder = directory.resolve()
+    manifest = store_root / f"{store.key}-{folder.name}-{document_hash(str(folder))[:8]}.corpus.jsonl"
     rows = []
     for name, text in texts.items():
         doc = document_hash(text)

@@ -174,10 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--kv-dtype", default=None, choices=KV_DTYPE_CHOICES, help=KV_DTYPE_HELP)
     ev.add_argument("--data-dir", default=None, help="default ../shared/data (or $NODEKV_DATA_DIR)")
     ev.add_argument("--out", default="runs", help="directory of run files (and of the report)")
-    ev.add_argument("--reference", default=None, help="report: method the TFLOPs ratio is taken against")
-    ev.add_argument("--paired", action="append", default=[], metavar="METHOD",
-                    help="report: every run's paired difference from this method's runs, with a bootstrap interval "
-                         "(repeatable)")
+    ev.add_argument("--reference", default=None, metavar="LABEL",
+                    help="report: the run label (e.g. full) the TFLOPs ratio is taken against")
+    ev.add_argument("--paired", action="append", default=[], metavar="LABEL",
+                    help="report: every run's paired difference from the runs of this label, with a bootstrap "
+                         "interval (repeatable)")
     ev.add_argument("--threads", type=int, default=None, help="torch threads (with --ray: per worker, default 1)")
     _ray_arguments(ev, "records")
     ev.set_defaults(func=commands.evaluate)

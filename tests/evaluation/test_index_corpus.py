@@ -55,6 +55,11 @@ def test_each_text_once_failures_apart_and_a_rerun_resumes(tmp_path, engine, sav
 
     assert cli_main([*argv, "--option", "width=2"]) == 0  # an option of the index key: a store key of its own
     assert saver.built == 6 and len(list(store.glob("*.corpus.jsonl"))) == 2
+    other = tmp_path / "elsewhere" / "corpus"  # a folder of the same name: a manifest of its own
+    other.mkdir(parents=True)
+    (other / "pond.txt").write_text("six")
+    assert cli_main(["index-corpus", str(other), "--method", "test-saver", "--out", str(store)]) == 0
+    assert len(list(store.glob("*.corpus.jsonl"))) == 3
 
 
 def test_a_document_another_process_is_building_is_left_to_it_till_last(tmp_path, engine, saver, monkeypatch):
