@@ -1,6 +1,6 @@
 """attn_implementation="nodekv" in unmodified HF models: logits against HF's sdpa, node mass against HF eager's
-output_attentions aggregated per node and against nodekv's own session node mass, a decode step through HF's cache,
-and the inputs it refuses."""
+output_attentions aggregated per node and against nodekv's own session node mass, a decode step and a continued
+prompt through HF's cache, and the inputs it refuses."""
 from __future__ import annotations
 
 import pytest
@@ -56,36 +56,23 @@ def test_mass_equals_nodekv_session_node_mass(tmp_path):
     torch.testing.assert_close(mass.mean()[0], torch.cat(rows), atol=1e-5, rtol=0)
 
 
-def test_a_decode_step_through_the_cache_counts_new_keys_as_one_more_node():
+@pytest.mark.parametrize("batch, cached, total", [(1, 40, 41), (2, 25, 40)])
+def test_forwards_over_hfs_cache_attend_from_its_end(batch, cached, total):
+    """A decode step, or a prompt continued (queries 25..39 over a cache of 0..24, where HF builds an explicit mask:
+    SDPA's is_causal aligns queries to the keys' start), over HF's cache: logits and node mass as eager's over the
+    whole sequence; keys past the last bound (token 40) count as one more node."""
     model = tiny_hf_model()
-    ids = torch.randint(0, 101, (1, 41), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 101, (batch, total), generator=torch.Generator().manual_seed(3))
     model.set_attn_implementation("nodekv")
     with torch.no_grad():
         name = hf_cache_name(model)
-        past = model(ids[:, :40], use_cache=True)[name]
+        past = model(ids[:, :cached], use_cache=True)[name]
         mass = nodekv_hf.NodeMassCollector(BOUNDS)
-        step = model(ids[:, 40:], use_cache=True, node_mass=mass, **{name: past}).logits
+        rest = model(ids[:, cached:], use_cache=True, node_mass=mass, **{name: past}).logits
     full = _run(model, "eager", ids, output_attentions=True)
-    torch.testing.assert_close(step[:, -1], full.logits[:, -1], atol=1e-5, rtol=0)
-    want = _per_node(torch.stack(full.attentions).mean(dim=(0, 2))[:, -1:], BOUNDS)  # the last query row
-    assert mass.mean().shape == (1, 1, len(BOUNDS))  # 4 prompt nodes + the new token's
-    torch.testing.assert_close(mass.mean(), want, atol=1e-5, rtol=0)
-
-
-def test_a_prompt_continued_over_the_cache_is_causal_from_its_end():
-    """Queries 25..39 over HF's cache of 0..24: HF builds an explicit mask there (SDPA's is_causal aligns queries to
-    the keys' start), which the plugin reads as plain causal attention from the end of the keys."""
-    model = tiny_hf_model()
-    ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(5))
-    model.set_attn_implementation("nodekv")
-    with torch.no_grad():
-        name = hf_cache_name(model)
-        past = model(ids[:, :25], use_cache=True)[name]
-        mass = nodekv_hf.NodeMassCollector(BOUNDS)
-        rest = model(ids[:, 25:], use_cache=True, node_mass=mass, **{name: past}).logits
-    full = _run(model, "eager", ids, output_attentions=True)
-    torch.testing.assert_close(rest, full.logits[:, 25:], atol=1e-5, rtol=0)
-    want = _per_node(torch.stack(full.attentions).mean(dim=(0, 2))[:, 25:], BOUNDS)
+    torch.testing.assert_close(rest, full.logits[:, cached:], atol=1e-5, rtol=0)
+    want = _per_node(torch.stack(full.attentions).mean(dim=(0, 2))[:, cached:], BOUNDS)
+    assert mass.mean().shape == (batch, total - cached, len(BOUNDS) - (total == BOUNDS[-1]))
     torch.testing.assert_close(mass.mean(), want, atol=1e-5, rtol=0)
 
 
