@@ -223,11 +223,10 @@ def _run_meta(cfg: RunConfig, model: str, precision: str, dtype: str, kv_dtype: 
 def check_run(cfg: RunConfig, model: str | None, precision: str, dtype: str = "float32",
               kv_dtype: str | None = None) -> None:
     """Refuse (ValueError) before `model` (as `load_engine` takes it, with `kv_dtype` as it does: None for the
-    model's dtype) loads what `run` would refuse after: a run file
-    that does not read as JSON lines, that another eval is writing, that was written under other settings
-    (`check_resumable`) or holds records this run does not load (`check_answered_records`); a Top-X reference run
-    without answers. A Top-X run (--match) picks its k on the model, so
-    its settings are checked only then."""
+    model's dtype) loads what `run` would refuse after: a run file that does not read as JSON lines, that another
+    eval is writing, that was written under other settings (`check_resumable`) or that holds records this run does
+    not load (`check_answered_records`); a Top-X reference run without answers. A Top-X run (--match) picks its k on
+    the model, so its settings are checked only then."""
     lines = read_json_lines(cfg.path)
     if cfg.path.is_file():
         with cfg.path.open("a") as run_file:  # the lock is let go at once: `run` takes it for the run

@@ -17,8 +17,8 @@ generated after the prompt) count as one more node.
 Limits, each refused with a message: causal self-attention without padding (a padding or custom mask, a static
 cache, an encoder's or a cross-attention layer are refused; queries over a dynamic cache attend from its end),
 inference only (no gradients, no dropout, no attention maps), the 1/√head_dim scale (Llama, Qwen2, Mistral), no
-sliding window or soft-capping. A collector passed to a forward that failed holds nothing. Needs transformers' AttentionInterface and AttentionMaskInterface; tested with transformers
-5.24, the version installed.
+sliding window or soft-capping. A collector passed to a forward that failed holds nothing. Needs transformers'
+AttentionInterface and AttentionMaskInterface; tested with transformers 5.24, the version installed.
 """
 from __future__ import annotations
 
