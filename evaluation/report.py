@@ -388,11 +388,18 @@ def report(runs: list[Path], out_dir: Path, reference: str | None = None, agains
             raise FileNotFoundError(f"{p} does not exist")
         if p.is_file() and p.suffix != ".jsonl":
             raise ValueError(f"{p} is not a run file (a .jsonl; its .meta.json sits beside it)")
-    files = sorted({f for p in runs for f in ([p] if p.is_file() else p.glob("*.jsonl"))
-                    if not f.name.endswith(SWEEPS_SUFFIX)})
+    found = {f.resolve(): f for p in runs for f in ([p] if p.is_file() else p.glob("*.jsonl"))
+             if not f.name.endswith(SWEEPS_SUFFIX)}  # a file named twice (by two paths) is one run
+    files = sorted(found.values())
     if not files:
         raise FileNotFoundError(f"no run files (*.jsonl) in {', '.join(map(str, runs))}")
     summaries = [summarize(f) for f in files]
+    seen: dict[tuple, Path] = {}
+    for f, s in zip(files, summaries):  # rows, references and pairs are found by label: one run per label and dataset
+        if (key := (s["dataset"], s["method"])) in seen:
+            raise ValueError(f"{seen[key]} and {f} are both runs of {s['method']} on {s['dataset']} (other models, "
+                             "precisions or folders): report them apart, or give one another --label")
+        seen[key] = f
     methods = sorted({s["method"] for s in summaries})
     if reference is not None and reference not in methods:  # else its ratio column would be blank, unexplained
         raise ValueError(f"no run of {reference} to take the TFLOPs ratio against (runs: {', '.join(methods)})")

@@ -1,6 +1,7 @@
 """`nodekv eval report`'s search table from hand-written run files: stop reasons, how often z changed the pick,
 the ranges of z and similarity, and where a defaulted setting came from."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,20 @@ def test_a_calibration_log_beside_the_runs_is_not_read_as_a_run(tmp_path):
         json.dumps({"id": "9", "points": [{"nodes": 1, "p_yes": 0.7, "f1": 1.0}]}) + "\n")
     text = report([tmp_path], tmp_path / "out")
     assert "| hotpotqa | pecan | 1 |" in text and "calibration" not in text
+
+
+def test_runs_of_one_label_are_refused_apart_and_one_file_named_twice_is_one_run(tmp_path, monkeypatch):
+    """Rows, the TFLOPs reference and pairs are found by label: two runs of one label on one dataset (two models,
+    say, in two folders) would print two rows no one can tell apart and pair one of them silently."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "full-hotpotqa.jsonl").write_text(json.dumps(_record("1", [])) + "\n")
+    with pytest.raises(ValueError, match="full-hotpotqa.jsonl and .*b/full-hotpotqa.jsonl are both runs of full on "
+                                         "hotpotqa"):
+        report([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    monkeypatch.chdir(tmp_path)
+    text = report([tmp_path / "a" / "full-hotpotqa.jsonl", Path("a/full-hotpotqa.jsonl")], tmp_path / "out")
+    assert text.count("| hotpotqa | full | 1 |") == 1
 
 
 def test_an_index_without_a_projected_cost_is_left_out_of_the_8b_mean(tmp_path):
