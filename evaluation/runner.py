@@ -232,12 +232,12 @@ def check_run(cfg: RunConfig, model: str | None, precision: str, dtype: str = "f
         with cfg.path.open("a") as run_file:  # the lock is let go at once: `run` takes it for the run
             _lock(run_file, cfg.path)
     loaded = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit)
-    check_answered_records(cfg.path, lines, loaded)
     if cfg.match is not None:
         _answered(Path(cfg.match), cfg.dataset, str(resolve_model(model)))
     else:
         meta = _run_meta(cfg, str(resolve_model(model)), precision, dtype, kv_dtype or dtype, loaded)
         check_resumable(cfg.path, meta, bool(lines), get(cfg.method).learns_across_documents)
+    check_answered_records(cfg.path, lines, loaded)  # after: a cross-fitted run's own refusal says more
 
 
 def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | None = None) -> Path:

@@ -253,7 +253,7 @@ def test_files_written_under_other_settings_are_refused_before_the_model_loads(f
     assert capsys.readouterr().err.startswith(f"error: {sweeps.relative_to(files)} holds sweeps made under another "
                                               "config and model")
     assert {path: path.read_bytes() for path in written} == written
-    meta.write_text(json.dumps({"options": {"k": config["k"]}, "config": config}))
+    meta.write_text(json.dumps({"options": {}, "config": config}))  # the settings this eval runs under
     run.write_text('{"id": "q1", "error": "ValueError: x"}\n{"id": "q9", "prediction": "x"}\n')
     assert main([*EVAL, "--model", "smollm2-135m"]) == 2  # q9: from another data file, or a larger --limit
     assert capsys.readouterr().err == (f"error: {run.relative_to(files)} holds answers to 1 record(s) that this run "
