@@ -63,6 +63,8 @@ def methods_help(which: str = "all") -> str:
 class _Parser(argparse.ArgumentParser):
     """A parser whose errors are one line naming the problem (argparse's usage block buries it; --help has it)."""
 
+    commands: dict[str, argparse.ArgumentParser]  # the top-level parser's subcommand parsers, by name
+
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
@@ -96,8 +98,8 @@ def _ray_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                         help=f"run the {what} as Ray tasks: on the cluster at ADDRESS, or (no address) on a local "
                              "Ray runtime started for the command; needs the ray extra")
-    parser.add_argument("--workers", type=int, default=2,
-                        help="with --ray: engine processes (one task per document)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="with --ray: engine processes, one task per document (default 2)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("--assemble", metavar="NAME", default=None, choices=MODELS,
                     help="assemble (and verify) a registered model now and print its path")
     mo.set_defaults(func=commands.models)
+    p.commands = sub.choices
     return p
 
 
@@ -240,6 +243,25 @@ def check_counts(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+# `nodekv eval` runs a method, and `nodekv eval report RUN...` reports runs: the flags only a report reads; every
+# other flag but --out only a run reads
+EVAL_REPORT_FLAGS = ("reference", "paired")
+EVAL_SHARED_FLAGS = ("help", "runs", "out")
+
+
+def check_eval_flags(args: argparse.Namespace, eval_parser: argparse.ArgumentParser) -> None:
+    """A ValueError naming the flags given to `nodekv eval` that its mode would ignore: a run's flags under
+    `eval report`, a report's under a run (a `--limit 5` on a report would otherwise pass for a filter)."""
+    report = bool(args.runs) and args.runs[0] == "report"
+    ignored = [max(a.option_strings, key=len) for a in eval_parser._actions  # argparse lists them nowhere public
+               if a.dest not in EVAL_SHARED_FLAGS and (a.dest in EVAL_REPORT_FLAGS) != report
+               and getattr(args, a.dest) != a.default]
+    if ignored:
+        raise ValueError(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} "
+                         + ("a run's, not `eval report`'s: the report reads the run files as they are" if report
+                            else "`eval report`'s, not a run's: report the run with `nodekv eval report RUN...`"))
+
+
 def check_options(args: argparse.Namespace) -> None:
     """A ValueError naming an --option given twice (one would silently win)."""
     keys = [key for key, _ in getattr(args, "option", [])]
@@ -249,10 +271,13 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         check_counts(args)
         check_options(args)
+        if args.command == "eval":
+            check_eval_flags(args, parser.commands["eval"])
         return args.func(args)
     except ValueError as e:  # nodekv's input errors are ValueErrors with a message naming the problem
         print(f"error: {e}", file=sys.stderr)

@@ -145,11 +145,14 @@ def _ray_plan(args: argparse.Namespace):
     from nodekv.evaluation.ray_tasks import RayPlan, check_address
 
     if args.ray is None:
+        if args.workers is not None:
+            raise ValueError("--workers counts --ray's engine processes: give --ray too, or drop --workers")
         return None
-    if args.workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    workers = 2 if args.workers is None else args.workers
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
     check_address(args.ray or None)
-    return RayPlan(args.ray or None, args.workers, args.threads or 1)
+    return RayPlan(args.ray or None, workers, args.threads or 1)
 
 
 def index_corpus(args: argparse.Namespace) -> int:
