@@ -11,9 +11,10 @@
 # (results/gpu_h100.md).
 # Each step has its own timeout, so that one that hangs leaves the others' logs.
 #
-# The machine has PyTorch, Triton and transformers but not gguf, which the loader imports: fetch its wheel here first
+# The machine has PyTorch, Triton and transformers but not gguf, which the loader imports, and its setuptools may
+# predate pyproject's SPDX license (>= 77): fetch both wheels here first
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 -d .whl gguf==0.19.0      # (.whl/ is git-ignored via .git/info/exclude)
+#       --platform manylinux_2_28_x86_64 -d .whl gguf==0.19.0 'setuptools>=77'   # (.whl/: git-ignored)
 # then: run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=590), and give_back.
 set -o pipefail
 out=${OUT:-/tmp/gpu-out}
