@@ -45,7 +45,10 @@ the block's last visible key. With split-KV each split stores its mass normalise
 [splits, n, H, N] fp32 buffer and `_attn_combine` merges it with the output's weights 2^(lse_s - lse) before adding
 it. Extra memory: the registers of mass_acc, BLOCK_M × N_PAD / (32 × num_warps) fp32 a thread (16 for a decode tile at
 N_PAD = 128, 16 for a 64-row tile at N_PAD = 32; offline at the default tiles 255 registers with mass against 188
-without), and with splits the buffer; no log-sum-exp, no node-id array and no extra kernel launch.
+without, but that count is ptxas's choice more than the kernel's need: storing the log-sum-exp alone takes the
+kernel without mass to 254, none spilled), and with splits the buffer; no log-sum-exp, no node-id array and no extra
+kernel launch. Tried offline and not kept: the open node's sum carried like l_i and each node's log-sum stored when it
+ends (no accumulator per node) spilled 72-528 bytes a thread at every tile of `bench triton_compiled`.
 
 Two passes (`_attn_mass`, N > ONE_PASS_MAX_NODES, whose accumulator would not fit registers, or mass_pass="two"):
 a second pass over the key blocks using the final log-sum-exp from the attention pass, so p = 2^(s·scale - lse) is
