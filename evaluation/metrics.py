@@ -78,11 +78,12 @@ def rouge(prediction: str, references: str | Iterable[str]) -> dict[str, float]:
 
 # A letter token: "(B)", "[B]", a capital standing alone ("B", "B." "B,"), or a lower-case letter followed by
 # punctuation or the end of the text ("b.", "b)", "b") -- so the article in "the answer is a cat" is no letter.
-_LETTER = r"(?:\(\s*([A-Za-z])\s*\)|\[\s*([A-Za-z])\s*\]|\b([A-Z])\b|\b([a-z])(?=\s*(?:[.,;:!?)]|$)))"
+# Markdown emphasis and quotes may close a lower-case letter ("'b'.") and wrap a cue's separator or letter.
+_LETTER = r"(?:\(\s*([A-Za-z])\s*\)|\[\s*([A-Za-z])\s*\]|\b([A-Z])\b|\b([a-z])(?=[*\"'`]*\s*(?:[.,;:!?)]|$)))"
 # Cue words match in any case ((?i:...)); the letter token keeps its case rules.
 _CUE = re.compile(
     r"(?i:\b(?:answer|(?:correct|right|best)\s+(?:option|choice))\b"
-    r"(?:\s+(?:is|was|would\s+be|will\s+be|should\s+be))?\s*[:=\-]?\s*(?:(?:option|choice)\s*)?)"
+    r"(?:\s+(?:is|was|would\s+be|will\s+be|should\s+be))?[\s*\"'`]*[:=\-]?[\s*\"'`]*(?:(?:option|choice)\s*)?)"
     + _LETTER)
 _LEADING = re.compile(r"^[\s*\"'`]*(?:\(\s*([A-Za-z])\s*\)|\[\s*([A-Za-z])\s*\]|([A-Za-z])(?=\s*(?:[.,;:)\-*\"`]|$)))")
 _MENTION = re.compile(r"\(\s*([A-Za-z])\s*\)|(?i:\b(?:option|choice)\s+)" + _LETTER)
@@ -101,8 +102,9 @@ def parse_choice(text: str, n_options: int = 4) -> str | None:
 
     Tiers, tried in order; the first that yields a valid letter (A up to the n_options-th) wins:
       1. an answer statement -- "answer", "correct/right/best option|choice", optionally followed by
-         is/was/would be/should be, ":", "=" or "-", optionally "option"/"choice", then a letter token
-         ("Answer: B", "the answer is (c)", "The correct option is D"). If there are several, the LAST
+         is/was/would be/should be, ":", "=" or "-", optionally "option"/"choice", then a letter token, with
+         markdown "*" and quotes allowed around the separator ("Answer: B", "the answer is (c)", "The correct
+         option is D", "**Answer:** C", 'The answer is "D"'). If there are several, the LAST
          wins: a final statement overrides earlier reasoning ("answer is A... no, the answer is C" -> C).
       2. a leading letter: the text (after spaces, quotes and markdown "*") starts with "(B)", "[B]", or
          a letter followed by . , ; : ) - * " ` or the end ("B", "B.", "b) ...", "**C**", '"D"');
@@ -150,8 +152,8 @@ def score(record, prediction: str) -> dict[str, float]:
     summary: rouge1, rouge2, rougeL (each max over references).
     variables: em, f1, recall (`variables_score`).
     multiple_choice: accuracy (parsed letter vs the reference letter) and, for comparability with QA,
-    f1 = max qa_f1_score of the prediction against the letter (where "a" is the letter A, not an article), the
-    correct option's text, and "(<letter>) <text>" (L-Eval's answer format).
+    f1 = max qa_f1_score of the prediction against the letter (where the prediction chooses A, its "a" is that
+    letter, not an article), the correct option's text, and "(<letter>) <text>" (L-Eval's answer format).
     """
     refs = record.references
     if record.task == "qa":
@@ -164,9 +166,12 @@ def score(record, prediction: str) -> dict[str, float]:
         letter = refs[0].strip().upper()
         idx = ord(letter) - ord("A")
         targets = [record.options[idx], f"({letter}) {record.options[idx]}"] if 0 <= idx < len(record.options) else []
-        # the letter itself: "A" is no article here (SQuAD's rule would normalise an answer "A" to nothing, and score 0)
-        f1_letter = _token_f1(normalize_answer(prediction, keep_a=letter == "A").split(), [letter.lower()])
-        return {"accuracy": choice_accuracy(prediction, letter, len(record.options) or 4),
+        # the letter itself: in an answer that chooses A, "a" is no article (SQuAD's rule would normalise an answer
+        # "A" to nothing, and score it 0); in any other answer it is one, or "C, a" would score against A
+        n_options = len(record.options) or 4
+        keep_a = letter == "A" and parse_choice(prediction, n_options) == "A"
+        f1_letter = _token_f1(normalize_answer(prediction, keep_a=keep_a).split(), [letter.lower()])
+        return {"accuracy": choice_accuracy(prediction, letter, n_options),
                 "f1": max([f1_letter] + [qa_f1_score(prediction, t) for t in targets])}
     if record.task == "variables":
         return variables_score(prediction, refs)

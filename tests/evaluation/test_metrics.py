@@ -99,6 +99,12 @@ def test_rouge_stemming_empty_and_max_over_references():
     ("The answer is B. Option A is wrong.", "B"),
     ("Option A is wrong; the answer is C", "C"),
     ("The answer is A, no wait, the answer is D", "D"),
+    # markdown and quotes around the cue or the letter
+    ("Answer: **C**", "C"),
+    ("**Answer:** C", "C"),
+    ("The correct answer is: **B**", "B"),
+    ('The answer is "D"', "D"),
+    ("The answer is 'b'.", "B"),
     # no statement, no leading letter: the first parenthesised letter / option mention wins
     ("I think (A) or maybe (B)", "A"),
     ("the answer is E, so (C)", "C"),   # E is out of range: ignored
@@ -161,3 +167,6 @@ def test_score_multiple_choice():
         assert score(a, answer) == {"accuracy": 1.0, "f1": 1.0}, answer
     assert score(a, "A. The rifles")["f1"] == score(rec, "B. The rifles")["f1"] == 2 / 3  # "the" goes, the letter stays
     assert score(a, "B")["f1"] == 0.0 and score(rec, "A")["f1"] == 0.0
+    # an "a" in an answer that does not choose A stays an article: no credit against the letter A
+    for wrong in ("(C) green fish, a fish", "C, a", "(D) It was a white horse"):
+        assert score(a, wrong) == {"accuracy": 0.0, "f1": 0.0}, wrong
