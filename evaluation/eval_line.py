@@ -17,6 +17,15 @@ def _reader_of(method: Method) -> str:
     return getattr(method.config, "reader", "shared")
 
 
+def scored(record, prediction: str, calibrated: str | None = None, read: list[bool] | None = None) -> dict:
+    """A line's `metrics` for `prediction` (`score`, and the accuracy of the `calibrated` letter where the reader
+    chose one), and with the supporting passages `read`, its `miss` kind: what `rescore` recomputes too."""
+    metrics = score(record, prediction)
+    if calibrated is not None:
+        metrics["accuracy_calibrated"] = float(calibrated == record.references[0].strip().upper())
+    return {"metrics": metrics, **({} if read is None else {"miss": miss(record.task, metrics, read)})}
+
+
 def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store: IndexStore) -> dict:
     """One record's eval line (an "error" line if its index or answer fails); `indexes` keeps the last document's
     index alive between calls."""
@@ -37,16 +46,16 @@ def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store
         wall = time.perf_counter() - t
     except Exception as e:  # one bad record never stops the run; the report counts it
         return {**line, "error": f"{type(e).__name__}: {e}"}
-    metrics, diagnostics = score(record, answer.text), {}
+    diagnostics, calibrated, read = {}, None, None
     if answer.choice_probs is not None:
         calibrated = LETTERS[calibrated_choice(answer.choice_probs, answer.choice_prior)]
-        metrics["accuracy_calibrated"] = float(calibrated == record.references[0].strip().upper())
         diagnostics = {"choice_probs": answer.choice_probs, "choice_prior": answer.choice_prior,
                        "calibrated": calibrated}
     if record.supports:
         read = support_read(record.supports, answer.context)
-        diagnostics.update(support=read, support_recall=sum(read) / len(read), miss=miss(record.task, metrics, read))
-    return {**line, "prediction": answer.text, "metrics": metrics, **diagnostics, "nodes": answer.nodes,
+        diagnostics.update(support=read, support_recall=sum(read) / len(read))
+    return {**line, "prediction": answer.text, **scored(record, answer.text, calibrated, read), **diagnostics,
+            "nodes": answer.nodes,
             "query_flops": acc.total - before, "query_flops_8b": acc.projected[PROJECT_TO] - before_8b,
             "query_flops_saved": acc.saved - saved, "query_tokens": processed_tokens(acc) - tokens,
             "index_flops": built.flops, "index_flops_8b": built.flops_8b, "index_s": round(built.seconds, 3),

@@ -32,7 +32,7 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def _meta(path: Path) -> tuple[str, str, dict]:
+def run_meta(path: Path) -> tuple[str, str, dict]:
     """A run file's (method, dataset, meta): from its meta file, else from its name (METHOD-DATASET.jsonl)."""
     meta_path = path.with_suffix(".meta.json")
     meta = read_meta(meta_path) if meta_path.exists() else {}
@@ -64,7 +64,7 @@ def current_lines(rows: list[dict]) -> list[dict]:
 def _summarize(path: Path) -> dict:
     rows = current_lines(read_json_lines(path))
     ok = [r for r in rows if "error" not in r]
-    method, dataset, meta = _meta(path)
+    method, dataset, meta = run_meta(path)
     docs: dict[str, tuple[int, int]] = {}
     index_s: dict[str, float] = {}
     index_tokens: dict[str, int] = {}
@@ -354,7 +354,7 @@ def paired(files: list[Path], against: list[str]) -> str:
     records it won, tied and lost. An interval that holds 0 is no evidence either way."""
     scores: dict[tuple[str, str], dict[str, float]] = {}  # (dataset, method) -> {record id: metric}
     for f in files:
-        method, dataset, _ = _meta(f)
+        method, dataset, _ = run_meta(f)
         ok = [r for r in read_json_lines(f) if "error" not in r]
         if ok:
             key = primary_metric({k: 0 for r in ok for k in r["metrics"]})
@@ -380,19 +380,26 @@ def paired(files: list[Path], against: list[str]) -> str:
     return "\n".join(lines)
 
 
-def report(runs: list[Path], out_dir: Path, reference: str | None = None, against: list[str] | None = None) -> str:
-    """Summaries of run files (or directories of them) as Markdown, written to out_dir/report.md (+ report.png);
-    with `against`, each run's paired differences from those methods' runs."""
-    for p in runs:  # each named path is read, or refused by name: a typo never passes unseen beside a good one
+def run_files(runs: list[Path]) -> list[Path]:
+    """The run files that `runs` name, files or directories of them, each once and sorted; a FileNotFoundError or
+    ValueError naming a path that is missing or no run file, before any is read (a typo never passes unseen beside
+    a good one)."""
+    for p in runs:
         if not p.exists():
             raise FileNotFoundError(f"{p} does not exist")
         if p.is_file() and p.suffix != ".jsonl":
             raise ValueError(f"{p} is not a run file (a .jsonl; its .meta.json sits beside it)")
     found = {f.resolve(): f for p in runs for f in ([p] if p.is_file() else p.glob("*.jsonl"))
              if not f.name.endswith(SWEEPS_SUFFIX)}  # a file named twice (by two paths) is one run
-    files = sorted(found.values())
-    if not files:
+    if not found:
         raise FileNotFoundError(f"no run files (*.jsonl) in {', '.join(map(str, runs))}")
+    return sorted(found.values())
+
+
+def report(runs: list[Path], out_dir: Path, reference: str | None = None, against: list[str] | None = None) -> str:
+    """Summaries of run files (or directories of them) as Markdown, written to out_dir/report.md (+ report.png);
+    with `against`, each run's paired differences from those methods' runs."""
+    files = run_files(runs)
     summaries = [summarize(f) for f in files]
     seen: dict[tuple, Path] = {}
     for f, s in zip(files, summaries):  # rows, references and pairs are found by label: one run per label and dataset

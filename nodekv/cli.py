@@ -156,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.set_defaults(func=commands.ask)
 
     ev = sub.add_parser("eval", methods="all",
-                        help="evaluate a method on a dataset (resumable), or `eval report RUN...`")
-    ev.add_argument("runs", nargs="*", help="`report` followed by run files or directories")
+                        help="evaluate a method on a dataset (resumable), or `eval report RUN...`, or `eval rescore "
+                             "RUN...` (the answers scored again by the current metrics, no model)")
+    ev.add_argument("runs", nargs="*", help="`report` or `rescore` followed by run files or directories")
     ev.add_argument("--method", help="a registered method (listed below)")
     ev.add_argument("--dataset", help="a file stem under the data directory, e.g. hotpotqa")
     ev.add_argument("--limit", type=int, default=None, help="first N good records")
@@ -243,22 +244,22 @@ def check_counts(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-# `nodekv eval` runs a method, and `nodekv eval report RUN...` reports runs: the flags only a report reads; every
-# other flag but --out only a run reads
-EVAL_REPORT_FLAGS = ("reference", "paired")
-EVAL_SHARED_FLAGS = ("help", "runs", "out")
+# `nodekv eval` runs a method; `eval report RUN...` and `eval rescore RUN...` read run files and take these flags
+# alone. A run takes every flag but the report's own.
+EVAL_FILE_MODES = {"report": ("out", "reference", "paired"), "rescore": ("data_dir",)}
 
 
 def check_eval_flags(args: argparse.Namespace, eval_parser: argparse.ArgumentParser) -> None:
     """A ValueError naming the flags given to `nodekv eval` that its mode would ignore: a run's flags under
-    `eval report`, a report's under a run (a `--limit 5` on a report would otherwise pass for a filter)."""
-    report = bool(args.runs) and args.runs[0] == "report"
+    `eval report` or `eval rescore`, a report's under a run (a `--limit 5` on a report would otherwise pass for a
+    filter)."""
+    mode = args.runs[0] if args.runs and args.runs[0] in EVAL_FILE_MODES else None
+    takes = (lambda dest: dest in EVAL_FILE_MODES[mode]) if mode else (lambda dest: dest not in ("reference", "paired"))
     ignored = [max(a.option_strings, key=len) for a in eval_parser._actions  # argparse lists them nowhere public
-               if a.dest not in EVAL_SHARED_FLAGS and (a.dest in EVAL_REPORT_FLAGS) != report
-               and getattr(args, a.dest) != a.default]
+               if a.dest not in ("help", "runs") and not takes(a.dest) and getattr(args, a.dest) != a.default]
     if ignored:
         raise ValueError(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} "
-                         + ("a run's, not `eval report`'s: the report reads the run files as they are" if report
+                         + (f"not `eval {mode}`'s: it reads the run files as they are" if mode
                             else "`eval report`'s, not a run's: report the run with `nodekv eval report RUN...`"))
 
 

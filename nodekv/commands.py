@@ -269,11 +269,14 @@ def evaluate(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.runs and args.runs[0] == "rescore":
+        return _rescore([Path(r) for r in args.runs[1:]], args.data_dir)
     if args.runs:
         print(f"error: unexpected arguments {args.runs}; did you mean `nodekv eval report RUN...`?", file=sys.stderr)
         return 2
     if not args.method or not args.dataset:
-        print("error: nodekv eval needs --method and --dataset (or `report RUN...`)", file=sys.stderr)
+        print("error: nodekv eval needs --method and --dataset (or `report RUN...`, `rescore RUN...`)",
+              file=sys.stderr)
         return 2
     from nodekv import load_engine
     from nodekv.methods import get
@@ -304,6 +307,22 @@ def evaluate(args: argparse.Namespace) -> int:
     print(f"wrote {path}" + (f"; {failed} record(s) failed (their lines say why), a rerun tries them again"
                              if failed else ""))
     return 1 if failed else 0
+
+
+def _rescore(runs: list[Path], data_dir: str | None) -> int:
+    from nodekv.evaluation.datasets import DataNotFoundError
+    from nodekv.evaluation.report import run_files
+    from nodekv.evaluation.rescore import rescore
+
+    try:
+        files = run_files(runs)
+        for f in files:
+            changed = rescore(f, data_dir)
+            print(f"{f}: {changed} line(s) rescored" if changed else f"{f}: unchanged")
+    except (DataNotFoundError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run_config(args: argparse.Namespace):
