@@ -52,13 +52,12 @@ def summarize(path: Path) -> dict:
 
 
 def current_lines(rows: list[dict]) -> list[dict]:
-    """A run file's lines, one per record: its answer, or its last error line while it has none. A resumed run
+    """A run file's lines, one per record: its last answer, or its last error line while it has none. A resumed run
     appends its retry of a failed record at once (so a kill loses none of it) and drops the lines it replaced when
-    it ends."""
-    answered = {r.get("id") for r in rows if "error" not in r}
+    it ends; a record answered twice (two runs appended to one file by hand) counts once, as in a pair."""
+    last_answer = {r.get("id"): i for i, r in enumerate(rows) if "error" not in r}
     last_error = {r.get("id"): i for i, r in enumerate(rows) if "error" in r}
-    return [r for i, r in enumerate(rows)
-            if "error" not in r or (r.get("id") not in answered and last_error[r.get("id")] == i)]
+    return [r for i, r in enumerate(rows) if i == last_answer.get(r.get("id"), last_error.get(r.get("id")))]
 
 
 def _summarize(path: Path) -> dict:

@@ -168,3 +168,12 @@ def test_the_top_x_curve_joins_fixed_and_matched_runs_by_k_leaving_out_partial_o
     assert list(curves) == ["bm25"]
     assert [(r["method"], r["top_k"]) for r in curves["bm25"]] == [
         ("bm25-top1", ("bm25", 1)), ("bm25-top3", ("bm25", 3)), ("bm25-topx-jerr", ("bm25", 7))]
+
+
+def test_a_record_answered_twice_counts_once_in_the_summary_as_in_a_pair(tmp_path):
+    """Two runs appended to one file answer a record twice: its mean and its pair both take the last answer."""
+    first, last = {**_record("1", []), "metrics": {"f1": 0.0}}, {**_record("1", []), "metrics": {"f1": 1.0}}
+    rows = (first, _record("2", []), last)
+    (tmp_path / "full-hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report([tmp_path], tmp_path / "out")
+    assert "| hotpotqa | full | 2 | 0 | 0 | 100.0 |" in text

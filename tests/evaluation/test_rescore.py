@@ -7,7 +7,8 @@ from nodekv.cli import main
 def _setup(tmp_path, lines):
     data = tmp_path / "data" / "multihop"
     data.mkdir(parents=True)
-    records = [{"_id": "q1", "question": "Who built it?", "answer": "Ann Lee", "context": [["Mill", ["Ann built it."]]]},
+    records = [{"_id": "q1", "question": "Who built it?", "answer": "Ann Lee",
+                "context": [["Mill", ["Ann built it."]]]},
                {"_id": "q2", "question": "When?", "answer": "1821", "context": [["Mill", ["In 1821."]]]}]
     (data / "hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     run = tmp_path / "full-hotpotqa.jsonl"
