@@ -531,7 +531,9 @@ class Tokenizer:
         quotes ``<|im_end|>`` cannot end the user's turn. (transformers and llama.cpp parse it; the ids differ from
         theirs only for such content.)"""
         hidden: list[str] = []
-        mark = f"\x00{secrets.randbelow(10 ** 12)}\x00"  # digits and NUL: no template filter changes it
+        # ASCII letters and digits, which no escaping filter touches (`tojson` writes NUL as \u0000, `e` rewrites
+        # < and >), matched in any case (`upper`); random, so that no content spells it
+        mark = f"nodekvmark{secrets.token_hex(6)}z"
 
         def hide(match: re.Match) -> str:
             hidden.append(match.group(0))
@@ -548,7 +550,7 @@ class Tokenizer:
         if not hidden:  # the common case: one encode, exactly transformers' ids
             return self._tok.encode(text, add_special_tokens=False).ids
         # the text between the template's control tokens, content's own written back, is encoded with them as text
-        hidden_at = re.compile(re.escape(mark) + r"(\d+)" + re.escape(mark))
+        hidden_at = re.compile(re.escape(mark) + r"(\d+)" + re.escape(mark), re.IGNORECASE)
         ids: list[int] = []
         for k, piece in enumerate(specials.split(text)):
             if k % 2:
