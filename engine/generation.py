@@ -15,7 +15,7 @@ import torch
 
 from .cache_batch import check_distinct
 from .runner import DecodingSession, ModelRunner
-from .sampling import RepetitionPenalty, SamplingParams, sample
+from .sampling import RepetitionPenalty, SamplingParams, sample, seeded_generator
 
 # fn(ids generated so far, logits [vocab]) -> logits: steers the next token (it may modify logits in place)
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
@@ -80,7 +80,7 @@ class GenerationState:
                  collect: bool = False):
         self.session, self.params, self.settle = session, params, settle
         self.max_new_tokens, self.stops = params.max_new_tokens, list(params.stop)
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.generator = seeded_generator(params.seed) if params.seed is not None else None
         tok, vocab = session.engine.tokenizer, session.engine.config.vocab_size
         seen = session.tokens if params.penalize_prompt else ()
         penalty = [] if params.repetition_penalty == 1.0 else [RepetitionPenalty(params.repetition_penalty, seen,

@@ -55,6 +55,13 @@ class SamplingParams:
         return cls(max_new_tokens=params, **changes)
 
 
+def seeded_generator(seed: int) -> torch.Generator:
+    """A CPU generator for `seed` in [0, 2**64). torch's CPU generator keeps the low 32 bits of a seed only, so seeds
+    that differ by 2**32 would draw one stream: a seed of 2**32 or more is folded to 32 bits (the xor of its halves)
+    first, and one below 2**32 is torch's own."""
+    return torch.Generator().manual_seed((seed ^ (seed >> 32)) & 0xFFFFFFFF)
+
+
 def check_sampling(temperature: float, top_p: float) -> None:
     """A ValueError for a temperature that is not a finite number >= 0 or a top_p outside (0, 1] (a bool is
     neither)."""

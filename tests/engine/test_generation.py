@@ -435,3 +435,22 @@ def test_a_failed_batch_gives_back_the_page_a_finished_fork_copied(tiny):
         eng.generate_batch(forks, 5, logits_processors=[eos_then_fail])
     assert ([f.cache.state() for f in forks], eng.pool.refcount, eng.pool.n_free) == before
     assert [f.tokens for f in forks] == [PROMPT[:5]] * 2 and all(f._generation is None for f in forks)
+
+
+def test_seeds_that_differ_by_2_to_the_32_draw_apart_and_small_seeds_are_torchs(tiny):
+    """torch's CPU generator keeps a seed's low 32 bits: seed 7 and 7 + 2**32 drew one stream (and GoR's derived
+    seeds, seed * 1_000_003 + n, met other runs' streams). A seed below 2**32 stays torch's own: its first draw is
+    a multinomial from torch.Generator().manual_seed(seed) on the same probabilities."""
+    from nodekv.engine.sampling import seeded_generator
+
+    _, eng = tiny
+    runs = {}
+    for seed in (7, 7 + 2 ** 32):
+        s = eng.session()
+        s.append(PROMPT)
+        runs[seed] = s.generate(12, temperature=1.5, seed=seed).ids
+    assert runs[7] != runs[7 + 2 ** 32]
+    probs = torch.softmax(torch.randn(101, generator=torch.Generator().manual_seed(1)), 0)
+    for seed in (0, 7, 2 ** 32 - 1):
+        assert torch.multinomial(probs, 1, generator=seeded_generator(seed)).item() == torch.multinomial(
+            probs, 1, generator=torch.Generator().manual_seed(seed)).item()
