@@ -83,7 +83,8 @@ def _forward_of(shape: tuple[int, int, int, bool], config: ModelConfig) -> int:
 class FlopAccount:
     """Running totals of FLOPs and tokens, also per named scope (scopes may nest; each level is charged).
 
-    `saved`: FLOPs not run because a cached prompt prefix was forked instead of prefilled again (`PrefixCache`).
+    `saved`: FLOPs not run because a cached prompt prefix was forked instead of prefilled again (`PrefixCache`), and
+    those of a prefix prefilled again inside `uncharged` (one an earlier process of the same run paid for).
     `project_to` names other configs (e.g. the llama-3.1-8b preset) whose FLOPs for the same forwards (same token
     counts) are accumulated alongside: `projected[name]` and `projected_scopes[name][scope]`."""
 
@@ -96,11 +97,15 @@ class FlopAccount:
     projected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     projected_scopes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     _active: list[str] = field(default_factory=list)
+    _uncharged: int = 0
 
     def add(self, flops: int, n_new: int, decode: bool = False, shape: tuple[int, int, int, bool] | None = None,
             count: Callable[[ModelConfig], int] | None = None):
         """Charge one forward of n_new tokens; for the projections, `shape` = (n_new, n_past, n_logits, collect) of a
         forward, or `count`(config), the FLOPs of another kind of step."""
+        if self._uncharged:
+            self.saved += flops
+            return
         if count is None and shape is not None:
             count = partial(_forward_of, shape)
         self.total += flops
@@ -126,6 +131,16 @@ class FlopAccount:
             yield self
         finally:
             self._active.pop()
+
+    @contextlib.contextmanager
+    def uncharged(self) -> Iterator["FlopAccount"]:
+        """Book every forward inside the block as `saved`: work that is run again but was paid for already (a
+        resumed run's shared prefix), so that it costs no scope, total, token count or projection twice."""
+        self._uncharged += 1
+        try:
+            yield self
+        finally:
+            self._uncharged -= 1
 
     def reset(self) -> None:
         self.total = self.prefill_tokens = self.decode_tokens = self.saved = 0

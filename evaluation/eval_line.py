@@ -40,6 +40,7 @@ def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store
         if record.options:  # the content-free letter prior is calibration, not the query's cost
             method.reader.letter_prior(record.question, record.options)
         before, before_8b, saved, tokens = acc.total, acc.projected[PROJECT_TO], acc.saved, processed_tokens(acc)
+        paid = len(engine.prefixes.paid)
         t = time.perf_counter()
         with acc.scope("query"):
             answer = method.answer(built.index, record.question, record.options)
@@ -57,7 +58,8 @@ def evaluate_record(engine: Engine, method: Method, record, indexes: dict, store
     return {**line, "prediction": answer.text, **scored(record, answer.text, calibrated, read), **diagnostics,
             "nodes": answer.nodes,
             "query_flops": acc.total - before, "query_flops_8b": acc.projected[PROJECT_TO] - before_8b,
-            "query_flops_saved": acc.saved - saved, "query_tokens": processed_tokens(acc) - tokens,
+            "query_flops_saved": acc.saved - saved, "prefixes_paid": engine.prefixes.paid[paid:],
+            "query_tokens": processed_tokens(acc) - tokens,
             "index_flops": built.flops, "index_flops_8b": built.flops_8b, "index_s": round(built.seconds, 3),
             "index_tokens": built.tokens,
             "wall_s": round(wall, 3), "prompt_s": None if answer.prompt_s is None else round(answer.prompt_s, 3),

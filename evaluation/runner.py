@@ -264,6 +264,8 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
         write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
         for rid, why in loaded.problems:
             print(f"skipped record {rid}: {why}", file=sys.stderr)
+        # the shared prefixes an earlier process paid for are not charged again (`PrefixCache.prepaid`)
+        engine.prefixes.prepaid.update(d for r in lines for d in r.get("prefixes_paid", ()))
         done = {r["id"] for r in lines if "error" not in r}
         todo = [r for r in loaded.records if r.id not in done]
         errored = {r["id"] for r in lines if "error" in r} & {r.id for r in todo}

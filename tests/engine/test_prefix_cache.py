@@ -52,3 +52,25 @@ def test_the_cache_keeps_at_most_capacity_tokens_evicting_the_least_recently_for
     assert sum(eng.pool.refcount) == 2 * 2  # the two cached 10-token prefixes, two 8-token pages each
     eng.prefixes.clear()
     assert sum(eng.pool.refcount) == 0
+
+
+def test_a_prefix_an_earlier_process_paid_for_is_prefilled_but_booked_as_saved_once(hf_tiny):
+    """A resumed evaluation's new engine is told the digests its earlier lines paid for (`prepaid`): the first fork
+    prefills the prefix as usual but charges nothing (the prefill goes to saved, by the formula), the next forks
+    are the cache's ordinary saved forks, and the KV is the same as a charged prefill's."""
+    _, path = hf_tiny
+    prefix = list(range(1, 21))
+    first = tiny_engine(path)
+    paid = first.prefixes.fork(prefix)
+    assert first.prefixes.paid == [first.prefixes.digest((tuple(prefix), "prefix"))]
+    later = tiny_engine(path)
+    later.prefixes.prepaid.update(first.prefixes.paid)
+    again = later.prefixes.fork(prefix)
+    cost = forward_flops(later.config, len(prefix))
+    assert (later.flops.total, later.flops.prefill_tokens, later.flops.saved) == (0, 0, cost)
+    assert later.prefixes.paid == [] and later.prefixes.prepaid == set()
+    later.prefixes.fork(prefix).release()
+    assert (later.flops.total, later.flops.saved) == (0, 2 * cost)
+    torch.testing.assert_close(again.probe(["<5>"], tokens=[7]), paid.probe(["<5>"], tokens=[7]), rtol=0, atol=0)
+    for s in (paid, again):
+        s.release()

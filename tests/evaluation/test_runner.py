@@ -68,6 +68,25 @@ def test_run_resume_and_report(tmp_path, capsys):
     assert (tmp_path / "rep" / "report.png").stat().st_size > 1000  # matplotlib comes with the bench extra
 
 
+def test_a_resumed_run_charges_a_shared_prefix_as_the_uninterrupted_run_did(tmp_path):
+    """Full context forks the prompt up to the question for q2 from the prefix q1 paid for. A run stopped after q1
+    starts a new process whose prefix cache is empty: it prefills that prefix again, but q2 is charged as it was in
+    the uninterrupted run (the prefill booked as saved), so a resumed run costs what an uninterrupted one does."""
+    data = tmp_path / "data"
+    _write_data(data)
+    argv = ["eval", "--method", "full", "--dataset", "hotpotqa", "--data-dir", str(data), "--model", "smollm2-135m"]
+    assert cli_main([*argv, "--out", str(tmp_path / "a")]) == 0
+    whole = [json.loads(x) for x in (tmp_path / "a" / "full-hotpotqa.jsonl").read_text().splitlines()]
+    assert whole[0]["prefixes_paid"] and whole[1]["prefixes_paid"] == [] and whole[1]["query_flops_saved"] > 0
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "full-hotpotqa.jsonl").write_text(json.dumps(whole[0]) + "\n")
+    (tmp_path / "b" / "full-hotpotqa.meta.json").write_text((tmp_path / "a" / "full-hotpotqa.meta.json").read_text())
+    assert cli_main([*argv, "--out", str(tmp_path / "b")]) == 0
+    resumed = [json.loads(x) for x in (tmp_path / "b" / "full-hotpotqa.jsonl").read_text().splitlines()]
+    cost = ("query_flops", "query_flops_8b", "query_flops_saved", "query_tokens", "prefixes_paid")
+    assert [[r[k] for k in cost] for r in resumed] == [[r[k] for k in cost] for r in whole]
+
+
 @pytest.mark.parametrize("argv, label, options", [
     (["--method", "bm25", "--k", "3"], "bm25-top3", {"k": 3}),
     (["--method", "pecan", "--option", "attention=false"], "pecan-attention=False", {"attention": False}),
