@@ -65,7 +65,7 @@ class ReadsGiven:
 
 
 def _line(method, record):
-    engine = SimpleNamespace(flops=FlopAccount())
+    engine = SimpleNamespace(flops=FlopAccount(), prefixes=SimpleNamespace(paid=[]))
     engine.flops.projected["llama-3.1-8b"] = 0
     store = SimpleNamespace(build_or_load=lambda m, doc: BuiltIndex(None, 0, 0, 0.0, 0))
     return evaluate_record(engine, method, record, {}, store)
@@ -79,11 +79,11 @@ def _record(**kw):
 
 
 def test_eval_lines_carry_support_and_the_miss(tmp_path):
-    rec = _record(supports=(SUPPORT, "Gamma is a lake near Beta town."))
-    lines = [_line(ReadsGiven("Mara Quill", SUPPORT), rec),   # right, half the support read
-             _line(ReadsGiven("Tom Reed", SUPPORT), rec),     # wrong, a passage missing
-             _line(ReadsGiven("Tom Reed", SUPPORT + " Gamma is a lake near Beta town."), rec),  # wrong, all read
-             _line(ReadsGiven("Tom", None), _record())]       # nothing marked: no diagnostics
+    rec = lambda i: _record(id=f"r{i}", supports=(SUPPORT, "Gamma is a lake near Beta town."))  # noqa: E731
+    lines = [_line(ReadsGiven("Mara Quill", SUPPORT), rec(0)),   # right, half the support read
+             _line(ReadsGiven("Tom Reed", SUPPORT), rec(1)),     # wrong, a passage missing
+             _line(ReadsGiven("Tom Reed", SUPPORT + " Gamma is a lake near Beta town."), rec(2)),  # wrong, all read
+             _line(ReadsGiven("Tom", None), _record(id="r3"))]   # nothing marked: no diagnostics
     assert [(x.get("support"), x.get("support_recall"), x.get("miss")) for x in lines] == [
         ([True, False], 0.5, None), ([True, False], 0.5, "retrieval"), ([True, True], 1.0, "reader"),
         (None, None, None)]
@@ -102,7 +102,7 @@ def test_multiple_choice_lines_are_scored_raw_and_calibrated(tmp_path):
     assert line["metrics"]["accuracy"] == 0.0 and line["metrics"]["accuracy_calibrated"] == 1.0
     assert line["calibrated"] == "B" and line["choice_prior"] == prior
     other = _line(ReadsGiven("C", "story", [0.2, 0.2, 0.5, 0.1], prior), _record(
-        dataset="quality", task="multiple_choice", references=("C",), options=("w", "x", "y", "z")))
+        id="r2", dataset="quality", task="multiple_choice", references=("C",), options=("w", "x", "y", "z")))
     path = tmp_path / "m-quality.jsonl"
     path.write_text(json.dumps(line) + "\n" + json.dumps(other) + "\n")
     s = summarize(path)
