@@ -11,6 +11,9 @@ GGUF conventions follow llama.cpp, which wrote the file:
   llama.cpp (and the original SmolLM ``tokenizer.json``) first isolate every digit. The two differ on text like
   ``"a  1"`` (``['a', 'ĠĠ', '1']`` here and in llama.cpp, ``['a', 'Ġ', 'Ġ', '1']`` in transformers' GGUF loader).
 * token types: 3 (control) are special tokens, 4 (user-defined) are added tokens matched whole in any text.
+* no Unicode normalisation, as llama.cpp and transformers' GGUF loader: Qwen2's own ``tokenizer.json`` first
+  normalises to NFC, so text in decomposed form (an accent as a combining mark, as macOS and some PDFs write it)
+  gets other ids here than from Qwen's tokenizer; `unicodedata.normalize("NFC", text)` before encoding gives its ids.
 """
 from __future__ import annotations
 
