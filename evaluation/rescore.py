@@ -4,6 +4,7 @@ it read, against its record in the run's dataset (`nodekv eval rescore RUN...`).
 field stay as the run wrote them."""
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
 
@@ -20,16 +21,21 @@ def rescore(path: Path, data_dir: str | Path | None = None) -> int:
     written."""
     _, dataset, _ = run_meta(path)
     records = {r.id: r for r in load_dataset(dataset, data_dir).records}
-    lines = read_json_lines(path)
-    try:
-        new = [line if "error" in line else _rescored(line, records.get(line["id"]), dataset) for line in lines]
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{path} does not read as a nodekv run file ({type(e).__name__}: {e})") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    changed = sum(a != b for a, b in zip(lines, new))
-    if changed:
-        write_atomic(path, "".join(json.dumps(line) + "\n" for line in new))
+    with path.open("a") as held:  # the lock a run takes to append to it: lines it appends meanwhile are not lost
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{path} is being written by a nodekv eval: rescore it when that run ends") from None
+        lines = read_json_lines(path)
+        try:
+            new = [line if "error" in line else _rescored(line, records.get(line["id"]), dataset) for line in lines]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path} does not read as a nodekv run file ({type(e).__name__}: {e})") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        changed = sum(a != b for a, b in zip(lines, new))
+        if changed:
+            write_atomic(path, "".join(json.dumps(line) + "\n" for line in new))
     return changed
 
 

@@ -1,4 +1,5 @@
 """`nodekv eval rescore`: a run's answers scored again by the current metrics against its dataset, no model."""
+import fcntl
 import json
 
 from nodekv.cli import main
@@ -43,3 +44,13 @@ def test_a_run_of_other_data_is_refused_before_anything_is_written(tmp_path, cap
     assert main(["eval", "rescore", str(run), "--data-dir", str(tmp_path / "data")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {run}: record 'q2' is another question in hotpotqa")
     assert run.read_bytes() == before
+
+
+def test_a_run_being_written_is_refused(tmp_path, capsys):
+    run = _setup(tmp_path, [{"id": "q1", "question": "Who built it?", "references": ["Ann Lee"], "prediction": "x",
+                             "metrics": {"f1": 1.0}}])
+    before = run.read_bytes()
+    with run.open("a") as writer:  # what a running `nodekv eval` holds
+        fcntl.flock(writer, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(["eval", "rescore", str(run), "--data-dir", str(tmp_path / "data")]) == 2
+    assert "is being written by a nodekv eval" in capsys.readouterr().err and run.read_bytes() == before
