@@ -14,11 +14,11 @@ from .eval_line import scored
 from .report import run_meta
 
 
-def rescore(path: Path, data_dir: str | Path | None = None) -> int:
+def rescore(path: Path, data_dir: str | Path | None = None, write: bool = True) -> int:
     """Rescore the answered lines of run file `path` against its dataset (named by its meta file) under
-    `data_dir`, and rewrite the file whole (atomically) if any line changed; returns how many did. A ValueError
-    naming the first answered record the dataset no longer holds, or whose question differs, before anything is
-    written."""
+    `data_dir`, and rewrite the file whole (atomically) if any line changed and `write`; returns how many did. A
+    ValueError naming the first answered record the dataset no longer holds, or whose question differs, before
+    anything is written."""
     _, dataset, _ = run_meta(path)
     records = {r.id: r for r in load_dataset(dataset, data_dir).records}
     with path.open("a") as held:  # the lock a run takes to append to it: lines it appends meanwhile are not lost
@@ -34,7 +34,7 @@ def rescore(path: Path, data_dir: str | Path | None = None) -> int:
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         changed = sum(a != b for a, b in zip(lines, new))
-        if changed:
+        if changed and write:
             write_atomic(path, "".join(json.dumps(line) + "\n" for line in new))
     return changed
 

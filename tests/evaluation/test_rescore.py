@@ -40,10 +40,13 @@ def test_a_run_of_other_data_is_refused_before_anything_is_written(tmp_path, cap
             "metrics": {"f1": 1.0}}
     other = {**good, "id": "q2", "question": "Who owns it?"}
     run = _setup(tmp_path, [good, other])
-    before = run.read_bytes()
-    assert main(["eval", "rescore", str(run), "--data-dir", str(tmp_path / "data")]) == 2
+    first = tmp_path / "a-hotpotqa.jsonl"  # a good run named first: not rewritten either
+    first.write_text(json.dumps(good) + "\n")
+    (tmp_path / "a-hotpotqa.meta.json").write_text(json.dumps({"method": "a", "dataset": "hotpotqa"}))
+    before = run.read_bytes(), first.read_bytes()
+    assert main(["eval", "rescore", str(first), str(run), "--data-dir", str(tmp_path / "data")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {run}: record 'q2' is another question in hotpotqa")
-    assert run.read_bytes() == before
+    assert (run.read_bytes(), first.read_bytes()) == before
 
 
 def test_a_run_being_written_is_refused(tmp_path, capsys):
