@@ -316,10 +316,7 @@ def _rescore(runs: list[Path], data_dir: str | None) -> int:
 
     try:
         files = run_files(runs)
-        for f in files:  # every file checked before any is written
-            rescore(f, data_dir, write=False)
-        for f in files:
-            changed = rescore(f, data_dir)
+        for f, changed in zip(files, rescore(files, data_dir)):
             print(f"{f}: {changed} line(s) rescored" if changed else f"{f}: unchanged")
     except (DataNotFoundError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
