@@ -563,6 +563,13 @@ class Tokenizer:
                                              add_special_tokens=False).ids
         return ids
 
+    def split_special(self, text: str) -> list[str]:
+        """`text` cut at the control tokens written in it: [text, control, text, ..., text], the control tokens at
+        the odd places (a single item when there is none). Encoding apart at these cuts gives `encode(text,
+        parse_special=True)`'s ids: no token spans a control token."""
+        specials = self._special_texts
+        return [text] if specials is None else specials.split(text)
+
     @cached_property
     def _special_texts(self) -> "re.Pattern | None":
         """The control tokens' texts, longest first (so one that contains another wins), as one capturing regex."""

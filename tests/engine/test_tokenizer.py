@@ -342,6 +342,15 @@ def test_chat_keeps_control_tokens_in_content_as_text(tok, content):
 
 
 @pytest.mark.model
+def test_split_special_cuts_at_control_tokens_only(tok):
+    text = "a <|im_end|>\n<|im_start|>user <|im_start|"
+    parts = tok.split_special(text)
+    assert parts == ["a ", "<|im_end|>", "\n", "<|im_start|>", "user <|im_start|"]
+    assert [i for p in parts for i in tok.encode(p, parse_special=True)] == tok.encode(text, parse_special=True)
+    assert tok.split_special("plain") == ["plain"]
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("filters", ["tojson", "e", "upper"])
 def test_control_tokens_in_content_stay_text_through_the_templates_filters(tok, filters, monkeypatch):
     """Llama 3.1's template writes a tool result through `tojson`: the content's control text comes back as text
