@@ -26,17 +26,18 @@ QUESTION = "Who is Korvin, and where is he held?"
 def prompt_pieces(method, index, question: str, visited: list[int]) -> dict[str, list]:
     """The token ids of the search prompt's pieces: the first turn ("prefix": head, query, info), the visited
     nodes, the probe and the second turn."""
-    from nodekv.methods.base import chat_pieces
+    from nodekv.methods.chat_prompt import SLOT, ChatPrompt
     from nodekv.methods.pecan.pecan import FIRST_TURN, SECOND_TURN
 
-    eng = method.search_engine
-    tok = eng.tokenizer
-    head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
-    second = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
-                               {"role": "user", "content": SECOND_TURN}])[-1]
-    return {"prefix": [tok.encode(head, parse_special=True), tok.encode(question), tok.encode(info)],
+    tok = method.search_engine.tokenizer
+    first = ChatPrompt(tok, [{"role": "user", "content": FIRST_TURN}])
+    turns = ChatPrompt(tok, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
+                             {"role": "user", "content": SLOT}])
+    before, query, after = first.fill_parts(0, question)
+    info, probe = first.around(1)
+    return {"prefix": [first.head + before, query, after + info],
             "nodes": [tok.encode("* " + index.graph.nodes[i].text.strip() + "\n") for i in visited],
-            "probe": tok.encode(probe_tail, parse_special=True), "second": tok.encode(second, parse_special=True)}
+            "probe": probe, "second": turns.around(1)[1] + turns.fill(2, SECOND_TURN)}
 
 
 def naive_search(method, pieces: dict[str, list], probed: list[bool]) -> tuple[dict, str]:

@@ -1,5 +1,5 @@
 """What every method shares: the `Method` base class (its declared options, the registry it joins by declaring a
-name, its optional hooks), the Answer it returns (`reader`), and chat pieces for prompts appended node by node."""
+name, its optional hooks) and the Answer it returns (`reader`)."""
 from __future__ import annotations
 
 import functools
@@ -261,12 +261,3 @@ class Method(ABC):
     def trace_lines(self, index: Any, trace: list[dict]) -> list[str]:
         """An answer's trace for a person, one line per step."""
         return [json.dumps(step) for step in trace]
-
-
-def chat_pieces(engine: Engine, messages: list[dict], add_generation_prompt: bool = True) -> list[str]:
-    """The rendered chat prompt of `messages`, split at each "{}" in their contents: pieces[0] is the text before
-    the first "{}", pieces[-1] the text after the last one (end of turn, assistant header). Lets a method append a
-    prompt to a session node by node (encode each piece with parse_special=True)."""
-    mark = "\x00\x01\x00"
-    filled = [dict(m, content=m["content"].replace("{}", mark)) for m in messages]
-    return engine.tokenizer.render_chat(filled, add_generation_prompt).split(mark)

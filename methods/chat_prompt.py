@@ -20,6 +20,7 @@ import re
 from typing import Mapping, Sequence
 
 from ..engine.tokenizer import Tokenizer
+from .reader import common_prefix
 
 SLOT = "{}"
 _MARK = "nodekvslot"  # letters, which no chat template escapes or trims, to find the slots after rendering
@@ -64,6 +65,17 @@ class ChatPrompt:
         tok = self.tokenizer
         return tok.encode(self._lead[slot] + text + plain) + tok.encode(rest, parse_special=True)
 
+    def fill_parts(self, slot: int, text: str) -> tuple[list[int], list[int], list[int]]:
+        """`fill(slot, text)` in three: the tokens that hold template text only before `text`, the tokens that hold
+        any of `text` (a token the pre-tokeniser joins across its edge, such as "?" and the line breaks after it,
+        included), the tokens that hold template text only after it: for a method that wants the fill as a node of
+        its own (attention to the question alone)."""
+        ids = self.fill(slot, text)
+        before, after = self.around(slot)
+        first = common_prefix(ids, before)
+        last = len(ids) - common_prefix(ids[first:][::-1], after[::-1])
+        return ids[:first], ids[first:last], ids[last:]
+
     def around(self, slot: int) -> tuple[list[int], list[int]]:
         """(before, after): the ids of `slot`'s template text before and after a fill placed as ids of its own (a
         stored passage's KV), each encoded apart."""
@@ -76,3 +88,4 @@ class ChatPrompt:
         if len(fills) != self.slots:
             raise ValueError(f"the prompt has {self.slots} slots, got {len(fills)} fills")
         return self.head + [i for k, text in enumerate(fills) for i in self.fill(k, text)]
+

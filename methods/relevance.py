@@ -9,7 +9,7 @@ from typing import Sequence
 
 from ..engine.engine import Engine
 from ..engine.node_store import StoredNode
-from .base import chat_pieces
+from .chat_prompt import ChatPrompt
 from .reader import Repair
 
 QUESTION = ("Is this passage relevant to the question? Answer \"Yes\" or \"No\" in one word.\n\n"
@@ -21,9 +21,7 @@ class RelevanceProbe:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        tok = engine.tokenizer
-        self._head, self._between, self._tail = (
-            tok.encode(p, parse_special=True) for p in chat_pieces(engine, [{"role": "user", "content": QUESTION}]))
+        self._prompt = ChatPrompt(engine.tokenizer, [{"role": "user", "content": QUESTION}])
 
     def __call__(self, question: str, passages: Sequence[str], stored: Sequence[StoredNode] | None = None,
                  repair: Repair = Repair()) -> list[float]:
@@ -31,19 +29,20 @@ class RelevanceProbe:
         (`repair`: the placed tokens recomputed with the question before them)."""
         if not passages:
             return []
-        encode = self.engine.tokenizer.encode
-        with self.engine.prefixes.fork(self._head, node_id="relevance") as s:
-            s.append(encode(question) + self._between, node_id="question")
+        prompt = self._prompt
+        before, after = prompt.around(1)  # a stored passage's neighbours
+        with self.engine.prefixes.fork(prompt.head, node_id="relevance") as s:
+            s.append(prompt.fill(0, question) + (before if stored is not None else []), node_id="question")
             forks = [s.fork() for _ in passages]
             try:
                 if stored is None:
-                    self.engine.append_batch(forks, [encode(p) + self._tail for p in passages])
+                    self.engine.append_batch(forks, [prompt.fill(1, p) for p in passages])
                 else:
                     for f, node in zip(forks, stored):
                         worst = repair.positions(f, [f.append_stored(node)])
                         if worst:
                             f.repair(worst)
-                    self.engine.append_batch(forks, [self._tail] * len(forks))
+                    self.engine.append_batch(forks, [after] * len(forks))
                 probs = [f.probe(["Yes", "No"])["Yes"] for f in forks]
             finally:
                 for f in forks:

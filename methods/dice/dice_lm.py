@@ -9,7 +9,7 @@ from typing import Hashable, Sequence
 from ...engine.engine import Engine
 from ...engine.node_store import StoredNode
 from ...engine.session import Session
-from ..base import chat_pieces
+from ..chat_prompt import SLOT, ChatPrompt
 from .dice_prompts import EXTRACT_FACT, planning_turn
 from ..reader import Repair, check_prompt_fits
 from ..relevance import RelevanceProbe
@@ -19,9 +19,9 @@ class Thought:
     """One question's reasoning T as a KV-cached session: the planning turn with its examples, the question, then
     the lines the algorithm writes and the model generates, each a node that can be rolled back."""
 
-    def __init__(self, session: Session, next_turn: tuple[list[int], list[int]]):
+    def __init__(self, session: Session, next_turn: ChatPrompt):
         self.session = session
-        self._next_turn = next_turn  # chat tokens closing the reply and opening a user turn; closing that turn
+        self._next_turn = next_turn  # user, assistant and user turns, each one slot: the reply, then the user's text
 
     def choose(self, labels: Sequence[str]) -> str:
         """The label the model puts next, constrained to `labels` (its tokens stay in T)."""
@@ -45,8 +45,8 @@ class Thought:
 
     def ask(self, text: str) -> None:
         """End the model's turn with T and add a user turn `text`; the model's reply comes next."""
-        open_turn, close_turn = self._next_turn
-        self.session.append(open_turn + self._encode(text) + close_turn)
+        turns = self._next_turn
+        self.session.append(turns.around(1)[1] + turns.fill(2, text))
 
     def mark(self) -> Hashable:
         return self.session.nodes[-1].node_id
@@ -75,23 +75,20 @@ class EngineLM:
 
     def __init__(self, engine: Engine, examples: str = "multihop", repair: Repair = Repair()):
         self.engine, self.repair = engine, repair
-        tok = engine.tokenizer
-        user = lambda text: chat_pieces(engine, [{"role": "user", "content": text}])  # noqa: E731
-        self._planning = {a: [tok.encode(p, parse_special=True) for p in user(planning_turn(a, examples))]
-                          for a in (1, 2)}
+        user = lambda text: ChatPrompt(engine.tokenizer, [{"role": "user", "content": text}])  # noqa: E731
+        self._planning = {a: user(planning_turn(a, examples)) for a in (1, 2)}
         self._relevance = RelevanceProbe(engine)
-        self._extract = [tok.encode(p, parse_special=True) for p in user(EXTRACT_FACT)]
-        turns = [{"role": "user", "content": "{}"}, {"role": "assistant", "content": "{}"},
-                 {"role": "user", "content": "{}"}]
-        self._next_turn = tuple(tok.encode(p, parse_special=True) for p in chat_pieces(engine, turns)[2:])
+        self._extract = user(EXTRACT_FACT)
+        self._next_turn = ChatPrompt(engine.tokenizer, [{"role": role, "content": SLOT}
+                                                        for role in ("user", "assistant", "user")])
 
     def thought(self, algorithm: int, question: str, opening: str = "") -> Thought:
         """T for `question`: the algorithm's planning turn (shared prefix), the question, the reply's `opening`."""
-        head, tail = self._planning[algorithm]
-        rest = self._encode(question) + tail + self._encode(opening)
-        check_prompt_fits(len(head) + len(rest), self.engine.config.max_seq_len,
+        turn = self._planning[algorithm]
+        rest = turn.fill(0, question) + self._encode(opening)
+        check_prompt_fits(len(turn.head) + len(rest), self.engine.config.max_seq_len,
                           "DICE's planning turn with this question")
-        s = self.engine.prefixes.fork(head, node_id=f"dice-plan-{algorithm}")
+        s = self.engine.prefixes.fork(turn.head, node_id=f"dice-plan-{algorithm}")
         try:
             s.append(rest, node_id="question")
         except BaseException:
@@ -108,20 +105,22 @@ class EngineLM:
     def extract(self, question: str, reference: str, max_tokens: int, stored: Sequence[StoredNode] = ()) -> str:
         """P_e's reply: the fact in `reference` that answers `question`, up to the first line break. `stored`: the
         KV of the passages `reference` joins with line breaks, placed with those line breaks between them."""
-        head, between, tail = self._extract
-        with self.engine.prefixes.fork(head, node_id="dice-extract") as s:
+        prompt = self._extract
+        with self.engine.prefixes.fork(prompt.head, node_id="dice-extract") as s:
             if stored:
+                before, after = prompt.around(0)
                 spans = []
                 for j, node in enumerate(stored):
-                    if j:
-                        s.append(self._encode("\n"))
+                    separator = self._encode("\n") if j else before
+                    if separator:
+                        s.append(separator)
                     spans.append(s.append_stored(node))
                 worst = self.repair.positions(s, spans)
                 if worst:
                     s.repair(worst)
-                s.append(between + self._encode(question) + tail)
+                s.append(after + prompt.fill(1, question))
             else:
-                s.append(self._encode(reference) + between + self._encode(question) + tail)
+                s.append(prompt.fill(0, reference) + prompt.fill(1, question))
             return s.generate(max_tokens, stop="\n").text.strip()
 
     def _encode(self, text: str) -> list[int]:

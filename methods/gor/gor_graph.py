@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from ...engine.engine import Engine
-from ..base import chat_pieces
+from ..chat_prompt import ChatPrompt
 from ..text import normalize_answer
 
 SIMULATION_PROMPT = (
@@ -106,14 +106,12 @@ def build_records(graph: RecordGraph, respond: Responder, embed: Embed, k: int) 
 def engine_sampler(engine: Engine, max_tokens: int = 64, temperature: float = 0.5) -> Sampler:
     """Draws on the engine: the D.1 prompt's fixed part prefilled once (`Engine.prefixes`), the chunks appended in
     one batched forward, then decode steps for all draws together, each sampling with its own seed."""
-    tok = engine.tokenizer
-    head, tail = (tok.encode(p, parse_special=True)
-                  for p in chat_pieces(engine, [{"role": "user", "content": SIMULATION_PROMPT}]))
+    prompt = ChatPrompt(engine.tokenizer, [{"role": "user", "content": SIMULATION_PROMPT}])
 
     def sample(draws: Sequence[tuple[str, int]]) -> list[str]:
-        sessions = [engine.prefixes.fork(head, node_id="gor-simulation") for _ in draws]
+        sessions = [engine.prefixes.fork(prompt.head, node_id="gor-simulation") for _ in draws]
         try:
-            engine.append_batch(sessions, [tok.encode(text) + tail for text, _ in draws])
+            engine.append_batch(sessions, [prompt.fill(0, text) for text, _ in draws])
             gens = engine.generate_batch(sessions, max_tokens, stop="\n", temperature=temperature,
                                          seed=[seed for _, seed in draws])
             return [g.text for g in gens]
@@ -126,13 +124,11 @@ def engine_sampler(engine: Engine, max_tokens: int = 64, temperature: float = 0.
 
 def engine_responder(engine: Engine, max_tokens: int = 128) -> Responder:
     """RAG responses on the engine (D.2 prompt, greedy, the retrieved texts in retrieval order)."""
-    tok = engine.tokenizer
-    head, between, tail = (tok.encode(p, parse_special=True)
-                           for p in chat_pieces(engine, [{"role": "user", "content": RAG_PROMPT}]))
+    prompt = ChatPrompt(engine.tokenizer, [{"role": "user", "content": RAG_PROMPT}])
 
     def respond(question: str, materials: Sequence[str]) -> str:
-        with engine.prefixes.fork(head, node_id="gor-rag") as s:
-            s.append(tok.encode("\n\n".join(materials)) + between + tok.encode(question) + tail)
+        with engine.prefixes.fork(prompt.head, node_id="gor-rag") as s:
+            s.append(prompt.fill(0, "\n\n".join(materials)) + prompt.fill(1, question))
             return s.generate(max_tokens).text.strip()
 
     return respond

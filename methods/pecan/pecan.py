@@ -22,7 +22,8 @@ from typing import Iterator
 from ...engine.engine import Engine
 from ...engine.node_store import StoredNode
 from ...paths import write_atomic
-from ..base import Answer, Method, chat_pieces
+from ..base import Answer, Method
+from ..chat_prompt import SLOT, ChatPrompt
 from ..options import Option
 from .pecan_build import BUILD_VERSION, GraphBuilder
 from .pecan_graph import Z_SCALES, next_node, positional_relevance
@@ -186,13 +187,14 @@ class Pecan(Method, name="pecan", title="PECAN"):
         eng, cfg, graph = self.search_engine, self.config, index.graph
         tok = eng.tokenizer
         question = _with_options(question, options)
-        head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
-        probe_ids = tok.encode(probe_tail, parse_special=True)
+        turn = ChatPrompt(tok, [{"role": "user", "content": FIRST_TURN}])
+        before, query, after = turn.fill_parts(0, question)
+        info, probe_ids = turn.around(1)  # the nodes go between
         if cfg.prompt_style == "restate":
             probe_ids = tok.encode(RESTATED_PROBE.format(question)) + probe_ids
         room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids(question, options))
                                             + self._answer_budget())
-        first = [tok.encode(head, parse_special=True), tok.encode(question), tok.encode(info)]
+        first = [turn.head + before, query, after + info]
         check_prompt_fits(sum(map(len, first)), eng.config.max_seq_len, "PECAN's first turn with this question")
         sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
         s.append(first[0], node_id="head")
@@ -269,9 +271,9 @@ class Pecan(Method, name="pecan", title="PECAN"):
             turn = self.prompt.instruction(question, options)
         else:
             turn = RESTATED_SECOND_TURN.replace("{}", _with_options(question, options))
-        tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
-                                 {"role": "user", "content": turn}])[-1]
-        return eng.tokenizer.encode(tail, parse_special=True)
+        turns = ChatPrompt(eng.tokenizer, [{"role": "user", "content": FIRST_TURN},
+                                           {"role": "assistant", "content": "Yes"}, {"role": "user", "content": SLOT}])
+        return turns.around(1)[1] + turns.fill(2, turn)
 
     def _answer_budget(self) -> int:
         return self.config.answer_tokens if self.prompt is None else self.prompt.max_new_tokens

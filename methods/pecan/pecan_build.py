@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from ...engine.engine import Engine
-from ..base import chat_pieces
+from ..chat_prompt import ChatPrompt
 from .pecan_graph import Graph, edge_weights, looping, parse_ips
 from ..retrieval import text_chunk_spans
 
@@ -48,7 +48,7 @@ class GraphBuilder:
         ids = tok.encode(document)
         graph, log = Graph(), []
         level = [graph.add(1, tok.decode(ids[a:b])).id for a, b in text_chunk_spans(ids, tok, cfg.chunk_tokens)]
-        overhead = sum(len(tok.encode(p, parse_special=True)) for p in self._summary_pieces())
+        overhead = sum(map(len, self._summary_pieces()))
         budget = min(cfg.batch_tokens, self.engine.config.max_seq_len - overhead - cfg.summary_tokens)
         for depth in range(2, cfg.max_levels + 1):
             batches = self._batches(graph, level, budget)
@@ -75,8 +75,11 @@ class GraphBuilder:
                        f"{len(self._batches(graph, level, budget))} batches")
         return graph, log
 
-    def _summary_pieces(self) -> list[str]:
-        return chat_pieces(self.engine, [{"role": "user", "content": SUMMARY_PROMPT}])
+    def _summary_pieces(self) -> tuple[list[int], list[int]]:
+        """The summary prompt's ids before and after its input nodes."""
+        prompt = ChatPrompt(self.engine.tokenizer, [{"role": "user", "content": SUMMARY_PROMPT}])
+        before, after = prompt.around(0)
+        return prompt.head + before, after
 
     def _input_ids(self, graph: Graph, i: int) -> list[int]:
         """Node i as an input of a summary: one bullet, as Table A1 shows them."""
@@ -103,11 +106,11 @@ class GraphBuilder:
         lengths = []
         where = f"level {depth} batch of nodes {batch[0]}..{batch[-1]}"
         with eng.session() as s:
-            s.append(tok.encode(head, parse_special=True), node_id="head")
+            s.append(head, node_id="head")
             for i in batch:
                 lengths.append(len(s.append(self._input_ids(graph, i), node_id=i)))
             # priming the answer with the first bullet keeps small models from answering in prose or with a preamble
-            s.append(tok.encode(tail + PRIMER if cfg.prime_summary else tail, parse_special=True), node_id="tail")
+            s.append(tail + tok.encode(PRIMER) if cfg.prime_summary else tail, node_id="tail")
             summary = s.generate(cfg.summary_tokens, node_id="summary", collect=True)
             text, generated = summary.text, summary.ids
             mass = s.token_mass("summary")[:, 1:1 + len(batch)] if generated else None

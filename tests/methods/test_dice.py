@@ -328,13 +328,20 @@ def test_a_question_the_planning_turn_cannot_hold_is_refused_before_any_forward(
 
 
 @pytest.mark.model
-def test_stored_chunks_fully_repaired_give_the_prefilled_run():
+def test_stored_chunks_fully_repaired_give_the_prefilled_run(monkeypatch):
     """kv_reuse: the chunks' KV stored at indexing, placed in the re-rank, the fact extraction and the reader, and
     with every placed token recomputed (blend, repair=1) the run of kv_reuse=off: the same re-rank scores, facts
     and answer; pure reuse (no recompute) charges the query less. One chunk a step, so that the extraction's
-    reference is one chunk and its ids the same as prefilled."""
+    reference is one chunk, and every prompt's fills encoded apart from the template around them, as a placed
+    chunk is: so that the prefilled run reads the placed run's tokens."""
     import nodekv
+    from nodekv.methods.chat_prompt import ChatPrompt
 
+    def fill_apart(prompt, slot, text):
+        before, after = prompt.around(slot)
+        return before + prompt.tokenizer.encode(text) + after
+
+    monkeypatch.setattr(ChatPrompt, "fill", fill_apart)
     eng = nodekv.load_engine("smollm2-135m")
     question = "Where was Marie Curie's husband born?"
     runs = {}

@@ -139,7 +139,7 @@ def test_search_flops_are_one_prefill_plus_probes_and_answer(built, style):
     after each probed node and one forward per answer token: no recomputation. prompt_style="restate" adds the
     restated question to every probe and to the answer turn, and nothing else."""
     from nodekv.engine.flops import forward_flops
-    from nodekv.methods.base import chat_pieces
+    from nodekv.methods.chat_prompt import SLOT, ChatPrompt
     from nodekv.methods.pecan.pecan import FIRST_TURN, RESTATED_PROBE, RESTATED_SECOND_TURN, SECOND_TURN, Pecan
 
     eng, method, index = built
@@ -147,21 +147,23 @@ def test_search_flops_are_one_prefill_plus_probes_and_answer(built, style):
     question = "Who kept the lamps burning?"
     answer = method.answer(index, question)
     tok, c = eng.tokenizer, eng.config
-    head, info, probe_tail = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}])
+    first = ChatPrompt(tok, [{"role": "user", "content": FIRST_TURN}])
     turn = SECOND_TURN if style == "paper" else RESTATED_SECOND_TURN.format(question)
-    second = chat_pieces(eng, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
-                               {"role": "user", "content": turn}])[-1]
-    probe_len = len(tok.encode(probe_tail, parse_special=True))
+    turns = ChatPrompt(tok, [{"role": "user", "content": FIRST_TURN}, {"role": "assistant", "content": "Yes"},
+                             {"role": "user", "content": SLOT}])
+    second = turns.around(1)[1] + turns.fill(2, turn)
+    info, probe = first.around(1)
+    probe_len = len(probe)
     if style == "restate":
         probe_len += len(tok.encode(RESTATED_PROBE.format(question)))
-    pieces = [(len(tok.encode(head, parse_special=True)), False), (len(tok.encode(question)), False),
-              (len(tok.encode(info)), False)]
+    before, query, after = first.fill_parts(0, question)
+    pieces = [(len(first.head + before), False), (len(query), False), (len(after + info), False)]
     expected, end, probes = 0, 0, 0
     steps = [s for s in answer.trace if "node" in s]
     assert [s["node"] for s in steps] == answer.nodes
     for step in steps:
         pieces.append((len(tok.encode("* " + index.graph.nodes[step["node"]].text.strip() + "\n")), True))
-    pieces.append((len(tok.encode(second, parse_special=True)), False))
+    pieces.append((len(second), False))
     probed = {3 + k for k, s in enumerate(steps) if "p_yes" in s}
     for k, (n, collected) in enumerate(pieces):
         expected += forward_flops(c, n, end, 1, collected)
