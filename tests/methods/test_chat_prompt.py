@@ -81,6 +81,20 @@ def test_parts_apart_differ_where_the_prompt_is_not_cut(tok):
     assert prompt.ids(*fills) == whole
 
 
+@pytest.mark.parametrize("name", ["relevance", "pecan first turn"])
+def test_fill_parts_hold_the_fill_in_the_middle_and_template_text_around_it(tok, name):
+    prompt = ChatPrompt(tok, PROMPTS[name])
+    lead, follow = map(tok.decode, prompt.around(0))  # the template's text before and after the slot
+    for text in FILLS[:6]:
+        before, middle, after = prompt.fill_parts(0, text)
+        assert before + middle + after == prompt.fill(0, text)
+        assert lead.startswith(tok.decode(before)) and follow.endswith(tok.decode(after))  # template text only
+        assert text.strip() in tok.decode(middle)
+        # and the middle's end tokens hold some of the fill
+        assert len(tok.decode(before + middle[:1])) > len(lead)
+        assert len(tok.decode(middle[-1:] + after)) > len(follow)
+
+
 def test_around_a_placed_fill_is_the_same_text(tok):
     prompt = ChatPrompt(tok, PROMPTS["dice extract"])
     before, after = prompt.around(0)
