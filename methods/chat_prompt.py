@@ -10,9 +10,10 @@ control token. Each fill is encoded with the template text that follows it up to
 
     prompt.head + prompt.fill(0, a) + prompt.fill(1, b) == tokenizer.chat(the messages with a and b filled in)
 
-for the byte-level BPE pre-tokenisers (GPT-2's, Llama 3's, Qwen2's): every such pre-token ends at a letter or digit
-followed by punctuation or space, or at a control token. Only a fill that is itself cut (a passage whose KV is
-stored and placed, `around`) is read apart from its neighbours.
+for the byte-level BPE pre-tokenisers (GPT-2's, Llama 3's, Qwen2's), none of whose pre-tokens runs on from a letter or
+digit into punctuation or space, or across a control token (tests/methods/test_chat_prompt.py checks every method
+prompt on two vocabularies; SentencePiece merges are not bound so). Only a fill that is itself cut (a passage whose
+KV is stored and placed, `around`) is read apart from its neighbours.
 """
 from __future__ import annotations
 
@@ -88,4 +89,3 @@ class ChatPrompt:
         if len(fills) != self.slots:
             raise ValueError(f"the prompt has {self.slots} slots, got {len(fills)} fills")
         return self.head + [i for k, text in enumerate(fills) for i in self.fill(k, text)]
-
