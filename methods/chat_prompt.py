@@ -36,6 +36,8 @@ class ChatPrompt:
     def __init__(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]],
                  add_generation_prompt: bool = True):
         self.tokenizer = tokenizer
+        if not all(isinstance(m, Mapping) and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': text} dicts")
         marked = [dict(m, content=m["content"].replace(SLOT, _MARK)) for m in messages]
         pieces = tokenizer.render_chat(marked, add_generation_prompt).split(_MARK)
         if len(pieces) < 2:
@@ -62,7 +64,7 @@ class ChatPrompt:
     def fill(self, slot: int, text: str) -> list[int]:
         """The ids of `text` in `slot`, with the template text around it up to the next slot's cut (or the prompt's
         end): control tokens written in `text` stay text, as `Tokenizer.chat` leaves them."""
-        plain, rest = self._follow[slot]
+        plain, rest = self._follow[self._check(slot)]
         tok = self.tokenizer
         return tok.encode(self._lead[slot] + text + plain) + tok.encode(rest, parse_special=True)
 
@@ -80,7 +82,7 @@ class ChatPrompt:
     def around(self, slot: int) -> tuple[list[int], list[int]]:
         """(before, after): the ids of `slot`'s template text before and after a fill placed as ids of its own (a
         stored passage's KV), each encoded apart."""
-        plain, rest = self._follow[slot]
+        plain, rest = self._follow[self._check(slot)]
         tok = self.tokenizer
         return tok.encode(self._lead[slot]), tok.encode(plain) + tok.encode(rest, parse_special=True)
 
@@ -89,3 +91,8 @@ class ChatPrompt:
         if len(fills) != self.slots:
             raise ValueError(f"the prompt has {self.slots} slots, got {len(fills)} fills")
         return self.head + [i for k, text in enumerate(fills) for i in self.fill(k, text)]
+
+    def _check(self, slot: int) -> int:
+        if not isinstance(slot, int) or not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot!r} of a prompt with {self.slots} slots (0..{self.slots - 1})")
+        return slot

@@ -102,8 +102,12 @@ def test_around_a_placed_fill_is_the_same_text(tok):
     assert text == tok.decode(prompt.ids(FILLS[1], FILLS[0]))
 
 
-def test_a_prompt_without_slots_or_with_other_fill_counts_is_refused(tok):
+def test_bad_prompts_slots_and_fill_counts_are_refused(tok):
     with pytest.raises(ValueError, match="no '{}' slot"):
         ChatPrompt(tok, [{"role": "user", "content": "no slot"}])
     with pytest.raises(ValueError, match="2 slots, got 1"):
         ChatPrompt(tok, PROMPTS["relevance"]).ids("one")
+    with pytest.raises(IndexError, match="slot 2 of a prompt with 2 slots"):
+        ChatPrompt(tok, PROMPTS["relevance"]).fill(2, "text")
+    with pytest.raises(ValueError, match="messages must be a list"):
+        ChatPrompt(tok, [{"role": "user", "content": ["{}"]}])
