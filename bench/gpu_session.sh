@@ -6,7 +6,8 @@
 # shapes on an H100), then the CUDA tests and the kernel bench; every log lands in $OUT. A session has 15 minutes of
 # device time, the machine's start included, so this is one call of about 8 minutes (on an H100, 2026-11-26: build
 # ~40 s, 1.5B engine bench ~2.5 min, 8B ~2 min, tests 103 s, triton_gpu ~40 s). Still open: node mass at 1.38x an 8K
-# prefill on 1.5B shapes (target 1.25x); `triton_ops.FRESH_PREFILL_MASS` (and `MASS_TILES`) then take the faster way
+# prefill on 1.5B shapes (target 1.25x), measured before the one pass stopped touching its accumulator in every key
+# block (2026-12-07); `triton_ops.FRESH_PREFILL_MASS` (and `MASS_TILES`) then take the faster way
 # that holds the bf16 mass error. The tile sweep (`triton_gpu --tiles`) is left out: it ran on the H100
 # (results/gpu_h100.md).
 # Each step has its own timeout, so that one that hangs leaves the others' logs.

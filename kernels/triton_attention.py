@@ -25,30 +25,32 @@ its own denominator and its log-sum-exp; `_attn_combine` then merges the splits 
 Node mass: mass[i, j] += Σ_h Σ_{k in node j} p_h[i, k], p the softmax probabilities, i.e. softmax(QKᵀ)·M with
 M[k, j] = 1 when key k is in node j: a second value matrix of N columns, computed in one pass or in two.
 
-One pass (N <= ONE_PASS_MAX_NODES, the default there): `_attn_fwd` keeps mass_acc [BLOCK_M, N_PAD] fp32 (N_PAD =
-max(16, next_power_of_2(N))) next to acc and treats it like acc: rescaled by alpha = 2^(m_old - m_new) whenever the
-running max moves, gets the block's fp32 probabilities p summed per node, and is divided by l at the end, so
-mass[i, j] = Σ_blocks 2^(m_block - m) Σ_{k in node j, block} 2^(s_k - m_block) / l. Nodes are contiguous runs of keys,
-so a key block touches only nodes j0..j1 (found by counting node starts <= its first and last key). A block inside one
-node (j0 = j1: every block but those that cross a bound, where nodes are longer than a key block) adds the row sum
-that l already took into column j0, with a select: no reduction beyond the softmax's own. A block that crosses a bound
-takes one masked row sum over the [BLOCK_M, BLOCK_N] tile per touched node: the sums for j0 and j0 + 1 are written out
-and the rest (j1 > j0 + 1, only where a node is shorter than a key block) run in a loop behind a branch: a loop of
-data-dependent length in the key loop itself made Triton's software pipeliner leave the key loop alone (compiled for
-sm_90 by `bench triton_compiled`, default tiles, bf16, hd 128: no asynchronous copies of the next key block, 10
-without mass; now 10 with mass too, 255 registers, none spilled; neither the branch nor the row-sum reuse timed on a
-GPU yet). A one-hot product p · M_block also kept the loop pipelined, but was measured slower on an H100 even with
-M_block in bf16 (p split into three bf16 parts for fp32 mass): 2.44x the time without mass on a 512-row chunk at 8K
-keys, against 1.77x for the masked sums in a loop (results/gpu_h100.md). A single split atomically adds each row's
-mass to mass[i, :] (the G heads of a query in a tile and the other KV heads add to the same row), skipping nodes after
-the block's last visible key. With split-KV each split stores its mass normalised by its own l into a
+One pass (N <= ONE_PASS_MAX_NODES, the default there): `_attn_fwd` carries the open node's mass (the node of the
+last key seen) like l: a [BLOCK_M] fp32 sum rescaled by alpha = 2^(m_old - m_new) whenever the running max moves, to
+which a key block inside that node (every block but those that cross a bound, where nodes are longer than a key
+block) adds the row sum of p that l already took: one compare of the block's end with the node's end, no reduction
+beyond the softmax's own. The nodes that are finished sit in mass_acc [BLOCK_M, N_PAD] fp32 (N_PAD =
+max(16, next_power_of_2(N))), scaled by 2^-m_ref with m_ref the running max when a node last ended, so mass_acc is
+touched only in a block where nodes end: rescaled to the new max by 2^(m_ref - m), it takes each ended node's open sum
+plus its masked row sum over the [BLOCK_M, BLOCK_N] tile, and the node holding the block's last key opens. At the end
+the open node closes the same way and mass_acc / l is the mass, so mass[i, j] = Σ_blocks 2^(m_block - m)
+Σ_{k in node j, block} 2^(s_k - m_block) / l, every rescale by a factor <= 1. Over K keys in blocks of BLOCK_N with
+nodes longer than a block, mass_acc is rescaled and selected into about N times instead of K / BLOCK_N (the previous
+kernel did both in every block: 1.38x the time of an 8K prefill without mass on qwen2.5-1.5b's shapes, H100,
+results/gpu_h100.md; this one is untimed on a GPU). The loop over ended nodes is a while behind the branch: a loop of
+data-dependent length in the key loop itself made Triton's software pipeliner leave the key loop alone, and behind
+the branch it does not (sm_90 offline by `bench triton_compiled`, bf16, hd 128: 10 asynchronous copies at 3 stages
+with mass as without). A one-hot product p · M_block also kept the loop pipelined, but was measured slower on an
+H100 even with M_block in bf16 (p split into three bf16 parts for fp32 mass): 2.44x the time without mass on a
+512-row chunk at 8K keys, against 1.77x for masked sums (results/gpu_h100.md). A single split atomically adds each
+row's mass to mass[i, :] (the G heads of a query in a tile and the other KV heads add to the same row), skipping nodes
+after the block's last visible key. With split-KV each split stores its mass normalised by its own l into a
 [splits, n, H, N] fp32 buffer and `_attn_combine` merges it with the output's weights 2^(lse_s - lse) before adding
 it. Extra memory: the registers of mass_acc, BLOCK_M × N_PAD / (32 × num_warps) fp32 a thread (16 for a decode tile at
-N_PAD = 128, 16 for a 64-row tile at N_PAD = 32; offline at the default tiles 255 registers with mass against 188
-without, but that count is ptxas's choice more than the kernel's need: storing the log-sum-exp alone takes the
-kernel without mass to 254, none spilled), and with splits the buffer; no log-sum-exp, no node-id array and no extra
-kernel launch. Tried offline and not kept: the open node's sum carried like l_i and each node's log-sum stored when it
-ends (no accumulator per node) spilled 72-528 bytes a thread at every tile of `bench triton_compiled`.
+N_PAD = 128, 16 for a 64-row tile at N_PAD = 32) and two [BLOCK_M] vectors; offline (Triton 3.9) 255 registers with a
+16-byte spill at the default tiles for GQA 6 and 32 nodes (0 at (64, 32, 4, 2) and with 8 warps), fewer registers and
+spills than before at GQA 4 or 128 nodes; with splits the buffer; no log-sum-exp, no node-id array and no extra
+kernel launch.
 
 Two passes (`_attn_mass`, N > ONE_PASS_MAX_NODES, whose accumulator would not fit registers, or mass_pass="two"):
 a second pass over the key blocks using the final log-sum-exp from the attention pass, so p = 2^(s·scale - lse) is
@@ -232,7 +234,11 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
     if MASS:
         cols = tl.arange(0, N_PAD)
         starts = tl.load(NB + cols, mask=cols < n_nodes, other=end)  # padding is > every key position
-        mass_acc = tl.zeros([BLOCK_M, N_PAD], tl.float32)
+        j_open = _node_of(starts, tl.minimum(lo, end - 1))  # the node of the last key seen (first: the split's)
+        b_next = tl.load(NB + j_open + 1)  # where it ends
+        open_mass = tl.zeros([BLOCK_M], tl.float32)  # its mass so far, scaled like l_i
+        mass_acc = tl.zeros([BLOCK_M, N_PAD], tl.float32)  # the ended nodes' mass, scaled by 2^-m_ref
+        m_ref = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the running max when a node last ended
     for start in range(lo, hi, BLOCK_N):
         qk, s, kmask, page = _scores(q, KP, BT, kp_base, stride_kpp, stride_kpr, start, hi, qpos, qk_scale,
                                      HD, PAGE, BLOCK_N, BLOCK_D, DOT_PRECISION)
@@ -248,29 +254,27 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
         if MASS:
-            # p in fp32 (the l_i it is normalised by), rescaled like acc. Nodes are runs of keys, so the block
-            # touches nodes j0..j1 only. A block inside one node (every block but those that cross a bound,
-            # where nodes are longer than a block) adds the row sum l_i already took; one that crosses takes a
-            # masked row sum per touched node, the first two unrolled and the rest (j1 > j0 + 1 only where nodes
-            # are shorter than a block) behind a branch, so that the key loop holds no loop of data-dependent
-            # length
-            mass_acc = mass_acc * alpha[:, None]
-            j0 = _node_of(starts, start)
-            j1 = _node_of(starts, tl.minimum(start + BLOCK_N, hi) - 1)
-            if j1 == j0:
-                mass_acc = tl.where(cols[None, :] == j0, mass_acc + p_sum[:, None], mass_acc)
+            # p in fp32 (the l_i it is normalised by). The open node's sum is kept like l_i: a block inside it adds
+            # the row sum l_i took. Only a block where nodes end touches mass_acc (see the module docstring)
+            open_mass = open_mass * alpha
+            last = tl.minimum(start + BLOCK_N, hi)  # one past the block's last key
+            if last <= b_next:
+                open_mass += p_sum
             else:
-                b1 = tl.load(NB + j0 + 1)
-                in1 = (s >= b1) & (s < tl.load(NB + tl.minimum(j0 + 2, n_nodes)))
-                part0 = tl.sum(tl.where((s < b1)[None, :], p, 0.0), 1)
-                part1 = tl.sum(tl.where(in1[None, :], p, 0.0), 1)
-                mass_acc = tl.where(cols[None, :] == j0, mass_acc + part0[:, None],
-                                    tl.where(cols[None, :] == j0 + 1, mass_acc + part1[:, None], mass_acc))
-                if j1 > j0 + 1:
-                    for j in range(j0 + 2, j1 + 1):
-                        in_j = (s >= tl.load(NB + j)) & (s < tl.load(NB + j + 1))
-                        part = tl.sum(tl.where(in_j[None, :], p, 0.0), 1)
-                        mass_acc = tl.where(cols[None, :] == j, mass_acc + part[:, None], mass_acc)
+                mass_acc = mass_acc * tl.exp2(m_ref - m_safe)[:, None]  # 0 while m_ref is -inf: nothing added yet
+                m_ref = m_new
+                b_prev = start
+                while b_next < last:  # node j_open ends inside the block
+                    part = tl.sum(tl.where(((s >= b_prev) & (s < b_next))[None, :], p, 0.0), 1)
+                    mass_acc = tl.where(cols[None, :] == j_open, mass_acc + (open_mass + part)[:, None], mass_acc)
+                    open_mass = tl.zeros([BLOCK_M], tl.float32)
+                    j_open += 1
+                    b_prev = b_next
+                    b_next = tl.load(NB + j_open + 1)
+                open_mass += tl.sum(tl.where((s >= b_prev)[None, :], p, 0.0), 1)
+    if MASS:  # the open node closes: everything scaled like l_i
+        mass_acc = mass_acc * tl.exp2(m_ref - tl.where(m_i == float("-inf"), 0.0, m_i))[:, None]
+        mass_acc = tl.where(cols[None, :] == j_open, mass_acc + open_mass[:, None], mass_acc)
 
     empty = l_i == 0.0
     denom = tl.where(empty, 1.0, l_i)
@@ -286,9 +290,9 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
             + head[:, None] * stride_mh + cols[None, :] * stride_mj
         if MASS_SPLITS:  # every node, zeros included: the buffer is uninitialised
             tl.store(m_ptr, mass_acc / denom[:, None], mask=row_ok[:, None] & (cols[None, :] < n_nodes))
-        else:  # nodes after the block's last visible key got nothing: skip their atomics
+        else:  # nodes after the block's last visible key (j_open's) got nothing: skip their atomics
             tl.atomic_add(m_ptr, mass_acc / denom[:, None], sem="relaxed",
-                          mask=row_ok[:, None] & (cols[None, :] <= _node_of(starts, hi - 1)))
+                          mask=row_ok[:, None] & (cols[None, :] <= j_open))
 
 
 @triton.jit(do_not_specialize=["n_splits", "n_nodes"])

@@ -30,7 +30,8 @@ _MAX_ROW_BLOCK = 4096  # columns a norm program holds at once; longer rows loop
 
 
 # How a bf16/fp16 prefill on CUDA from an empty cache sums node mass: "kernel", the Triton kernel's one pass (node
-# mass 1.06x / 1.38x of a 2K / 8K prefill without it on qwen2.5-1.5b's shapes, H100), or "sdpa", SDPA's output and
+# mass 1.06x / 1.38x of a 2K / 8K prefill without it on qwen2.5-1.5b's shapes, H100, before its accumulator was
+# touched only where nodes end; untimed since), or "sdpa", SDPA's output and
 # log-sum-exp then the Triton mass pass (`triton_attention.sdpa_prefill`; not yet timed on a GPU:
 # `bench gpu_engine --fresh-mass kernel,sdpa` times both, and this follows the measurement)
 FRESH_PREFILL_MASS = "kernel"
