@@ -25,32 +25,31 @@ its own denominator and its log-sum-exp; `_attn_combine` then merges the splits 
 Node mass: mass[i, j] += Σ_h Σ_{k in node j} p_h[i, k], p the softmax probabilities, i.e. softmax(QKᵀ)·M with
 M[k, j] = 1 when key k is in node j: a second value matrix of N columns, computed in one pass or in two.
 
-One pass (N <= ONE_PASS_MAX_NODES, the default there): `_attn_fwd` carries the open node's mass (the node of the
-last key seen) like l: a [BLOCK_M] fp32 sum rescaled by alpha = 2^(m_old - m_new) whenever the running max moves, to
-which a key block inside that node (every block but those that cross a bound, where nodes are longer than a key
-block) adds the row sum of p that l already took: one compare of the block's end with the node's end, no reduction
-beyond the softmax's own. The nodes that are finished sit in mass_acc [BLOCK_M, N_PAD] fp32 (N_PAD =
-max(16, next_power_of_2(N))), scaled by 2^-m_ref with m_ref the running max when a node last ended, so mass_acc is
-touched only in a block where nodes end: rescaled to the new max by 2^(m_ref - m), it takes each ended node's open sum
-plus its masked row sum over the [BLOCK_M, BLOCK_N] tile, and the node holding the block's last key opens. At the end
-the open node closes the same way and mass_acc / l is the mass, so mass[i, j] = Σ_blocks 2^(m_block - m)
-Σ_{k in node j, block} 2^(s_k - m_block) / l, every rescale by a factor <= 1. Over K keys in blocks of BLOCK_N with
-nodes longer than a block, mass_acc is rescaled and selected into about N times instead of K / BLOCK_N (the previous
-kernel did both in every block: 1.38x the time of an 8K prefill without mass on qwen2.5-1.5b's shapes, H100,
-results/gpu_h100.md; this one is untimed on a GPU). The loop over ended nodes is a while behind the branch: a loop of
-data-dependent length in the key loop itself made Triton's software pipeliner leave the key loop alone, and behind
-the branch it does not (sm_90 offline by `bench triton_compiled`, bf16, hd 128: 10 asynchronous copies at 3 stages
-with mass as without). A one-hot product p · M_block also kept the loop pipelined, but was measured slower on an
-H100 even with M_block in bf16 (p split into three bf16 parts for fp32 mass): 2.44x the time without mass on a
-512-row chunk at 8K keys, against 1.77x for masked sums (results/gpu_h100.md). A single split atomically adds each
-row's mass to mass[i, :] (the G heads of a query in a tile and the other KV heads add to the same row), skipping nodes
-after the block's last visible key. With split-KV each split stores its mass normalised by its own l into a
-[splits, n, H, N] fp32 buffer and `_attn_combine` merges it with the output's weights 2^(lse_s - lse) before adding
-it. Extra memory: the registers of mass_acc, BLOCK_M × N_PAD / (32 × num_warps) fp32 a thread (16 for a decode tile at
-N_PAD = 128, 16 for a 64-row tile at N_PAD = 32) and two [BLOCK_M] vectors; offline (Triton 3.9) 255 registers with a
-16-byte spill at the default tiles for GQA 6 and 32 nodes (0 at (64, 32, 4, 2) and with 8 warps), fewer registers and
-spills than before at GQA 4 or 128 nodes; with splits the buffer; no log-sum-exp, no node-id array and no extra
-kernel launch.
+One pass (N <= ONE_PASS_MAX_NODES, the default there): `_attn_fwd` carries the open node's mass (the node of the last
+key seen) like l: a [BLOCK_M] fp32 sum rescaled by alpha = 2^(m_old - m_new) whenever the running max moves, to which a
+key block inside that node (every block but those that cross a bound, where nodes are longer than a key block) adds the
+row sum of p that l already took: one compare of the block's end with the node's end, no reduction beyond the softmax's
+own. The nodes that are finished sit in mass_acc [BLOCK_M, N_PAD] fp32 (N_PAD = max(16, next_power_of_2(N))), scaled by
+2^-m_ref with m_ref the running max when a node last ended (the factor 2^(m_ref - m) is carried like l, rescaled by
+alpha), so mass_acc is touched only in a block where nodes end: rescaled by that factor, it takes each ended node's open
+sum plus its masked row sum over the [BLOCK_M, BLOCK_N] tile, and the node holding the block's last key opens. At the
+end the open node closes the same way and mass_acc / l is the mass, so mass[i, j] = Σ_blocks 2^(m_block - m) Σ_{k in
+node j, block} 2^(s_k - m_block) / l, every rescale by a factor <= 1. Over K keys in blocks of BLOCK_N with nodes longer
+than a block, mass_acc is rescaled and selected into about N times instead of K / BLOCK_N (the previous kernel did both
+in every block: 1.38x the time of an 8K prefill without mass on qwen2.5-1.5b's shapes, H100, results/gpu_h100.md; this
+one is untimed on a GPU). The loop over ended nodes is a while behind the branch: a loop of data-dependent length in the
+key loop itself made Triton's software pipeliner leave the key loop alone, and behind the branch it does not (sm_90
+offline by `bench triton_compiled`, bf16, hd 128: 10 asynchronous copies at 3 stages with mass as without). A one-hot
+product p · M_block also kept the loop pipelined, but was measured slower on an H100 even with M_block in bf16 (p split
+into three bf16 parts for fp32 mass): 2.44x the time without mass on a 512-row chunk at 8K keys, against 1.77x for
+masked sums (results/gpu_h100.md). A single split atomically adds each row's mass to mass[i, :] (the G heads of a query
+in a tile and the other KV heads add to the same row), skipping nodes after the block's last visible key. With split-KV
+each split stores its mass normalised by its own l into a [splits, n, H, N] fp32 buffer and `_attn_combine` merges it
+with the output's weights 2^(lse_s - lse) before adding it. Extra memory: the registers of mass_acc, BLOCK_M × N_PAD /
+(32 × num_warps) fp32 a thread (16 for a decode tile at N_PAD = 128, 16 for a 64-row tile at N_PAD = 32) and two
+[BLOCK_M] vectors; offline (Triton 3.9 and 3.6, sm_90, bf16, hd 128) no spill at the default tiles for 32 nodes (GQA 6
+or 4), and at 128 nodes a spill at 4 warps as before; with splits the buffer; no log-sum-exp, no node-id array and no
+extra kernel launch.
 
 Two passes (`_attn_mass`, N > ONE_PASS_MAX_NODES, whose accumulator would not fit registers, or mass_pass="two"):
 a second pass over the key blocks using the final log-sum-exp from the attention pass, so p = 2^(s·scale - lse) is
@@ -238,7 +237,7 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
         b_next = tl.load(NB + j_open + 1)  # where it ends
         open_mass = tl.zeros([BLOCK_M], tl.float32)  # its mass so far, scaled like l_i
         mass_acc = tl.zeros([BLOCK_M, N_PAD], tl.float32)  # the ended nodes' mass, scaled by 2^-m_ref
-        m_ref = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the running max when a node last ended
+        ref_scale = tl.full([BLOCK_M], 1.0, tl.float32)  # 2^(m_ref - m_i), m_ref the running max when a node last ended
     for start in range(lo, hi, BLOCK_N):
         qk, s, kmask, page = _scores(q, KP, BT, kp_base, stride_kpp, stride_kpr, start, hi, qpos, qk_scale,
                                      HD, PAGE, BLOCK_N, BLOCK_D, DOT_PRECISION)
@@ -257,23 +256,28 @@ def _attn_fwd(Q, KP, VP, BT, O, L, NB, MB, ENDS, layer, n, end, split_len, n_nod
             # p in fp32 (the l_i it is normalised by). The open node's sum is kept like l_i: a block inside it adds
             # the row sum l_i took. Only a block where nodes end touches mass_acc (see the module docstring)
             open_mass = open_mass * alpha
+            ref_scale = ref_scale * alpha
             last = tl.minimum(start + BLOCK_N, hi)  # one past the block's last key
             if last <= b_next:
                 open_mass += p_sum
             else:
-                mass_acc = mass_acc * tl.exp2(m_ref - m_safe)[:, None]  # 0 while m_ref is -inf: nothing added yet
-                m_ref = m_new
-                b_prev = start
-                while b_next < last:  # node j_open ends inside the block
+                mass_acc = mass_acc * ref_scale[:, None]
+                ref_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+                # node j_open ends in the block (or where it starts), then any node shorter than a block
+                part = tl.sum(tl.where((s < b_next)[None, :], p, 0.0), 1)
+                mass_acc = tl.where(cols[None, :] == j_open, mass_acc + (open_mass + part)[:, None], mass_acc)
+                j_open += 1
+                b_prev = b_next
+                b_next = tl.load(NB + j_open + 1)
+                while b_next < last:
                     part = tl.sum(tl.where(((s >= b_prev) & (s < b_next))[None, :], p, 0.0), 1)
-                    mass_acc = tl.where(cols[None, :] == j_open, mass_acc + (open_mass + part)[:, None], mass_acc)
-                    open_mass = tl.zeros([BLOCK_M], tl.float32)
+                    mass_acc = tl.where(cols[None, :] == j_open, mass_acc + part[:, None], mass_acc)
                     j_open += 1
                     b_prev = b_next
                     b_next = tl.load(NB + j_open + 1)
-                open_mass += tl.sum(tl.where((s >= b_prev)[None, :], p, 0.0), 1)
+                open_mass = tl.sum(tl.where((s >= b_prev)[None, :], p, 0.0), 1)
     if MASS:  # the open node closes: everything scaled like l_i
-        mass_acc = mass_acc * tl.exp2(m_ref - tl.where(m_i == float("-inf"), 0.0, m_i))[:, None]
+        mass_acc = mass_acc * ref_scale[:, None]
         mass_acc = tl.where(cols[None, :] == j_open, mass_acc + open_mass[:, None], mass_acc)
 
     empty = l_i == 0.0
