@@ -45,7 +45,7 @@ test: $(TEST_STAMP)
 
 bench: $(STAMP)
 	# one process per engine (nodekv, HF transformers, llama.cpp when installed) on qwen2.5-0.5b; BENCH_ARGS=--quick
-	$(PY) -m nodekv.bench.engine_speed $(BENCH_ARGS)
+	$(VENV)/bin/nodekv bench engine_speed $(BENCH_ARGS)
 
 clean:
 	rm -rf build *.egg-info $(VENV)

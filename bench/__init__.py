@@ -10,6 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from nodekv.paths import keep_checkout_off_sys_path
+
+# benchmarks run as `python -m nodekv.bench.NAME`, and start their children so, from the checkout
+keep_checkout_off_sys_path()
+
 
 def count(text: str) -> int:
     """An int >= 1: a count of tokens, rounds, repeats or threads (0 would measure nothing, or divide by it)."""

@@ -5,7 +5,7 @@ side by side in one run, one child process per round so that each peak RSS is it
 A round loads the model, prefills N tokens (timed), decodes 16 and reports its peak RSS. The bound printed beside it
 is the memory target: 1.3 x the GGUF file + the prompt's KV (fp32) + 300 MiB.
 
-    python -m nodekv.bench.answer_memory [--model qwen2.5-1.5b] [--tokens 2048] [--threads 2] [--rounds 2]
+    nodekv bench answer_memory [--model qwen2.5-1.5b] [--tokens 2048] [--threads 2] [--rounds 2]
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@
 EOS is masked (a logits processor) so every session generates exactly N tokens. Rounds alternate between the
 configurations and the table shows medians, since these machines are noisy.
 
-    python -m nodekv.bench.batch [--model qwen2.5-0.5b] [--batches 1,2,4,8] [--tokens 32] [--prompt-tokens 48]
+    nodekv bench batch [--model qwen2.5-0.5b] [--batches 1,2,4,8] [--tokens 32] [--prompt-tokens 48]
                                  [--precisions exact,int8] [--rounds 3] [--threads N] [--json FILE]
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ of 64 scattered in a pool; the torch side is `reference.paged_attention`).
 
 Each call is timed in batches of 30 (one per layer; attention cycles through a 30-layer cache, ~24 MB at S=512, so
 K/V come from the last-level cache or DRAM as in a forward pass, not from L1). Median and 10th percentile per call;
-a busy machine shows up as median >> p10. Run: python -m nodekv.bench.cpu_kernels [--threads N] [--seq 512]
+a busy machine shows up as median >> p10. Run: nodekv bench cpu_kernels [--threads N] [--seq 512]
 
 --decode N instead times whole decode steps of the embedded SmolLM2 GGUF after a prompt of --seq tokens: N greedy
 tokens with the fused one-token step (cpu_ops.Decoder, one C++ call per token) and op by op, alternating, best of

@@ -6,7 +6,7 @@ runs the new tokens through every layer's cache, so that K and V come from beyon
 from ones a single layer has warmed. Pages of 64 in random order; --mass adds node mass (nodes of --node-len keys).
 The levels take turns, once per round; best of --rounds, each round the mean of --reps passes over the layers.
 GFLOP/s counts QK^T and PV, 4 * queries * S * hd * H per layer; GB/s the K and V bytes read.
-Run: python -m nodekv.bench.decode_attention [--seq 512 2048 8192] [--queries 1 4 16] [--heads 12 2 128]
+Run: nodekv bench decode_attention [--seq 512 2048 8192] [--queries 1 4 16] [--heads 12 2 128]
 
 --model M instead times whole greedy decode steps of a registered model after each --seq context of random token ids
 (--decode tokens on a fork of the prefilled session, for each --kv-dtype), both levels in turn in one process, with

@@ -4,7 +4,7 @@ process per engine (so each gets a clean allocator, its own thread pools and an 
 another; the parent prints a Markdown table as each finishes, then the ratios, nodekv's prefill GFLOP/s against a
 torch.mm peak measured in the same run, and the targets. About 5 minutes on a quiet 2-core machine (--quick: 3).
 
-    python -m nodekv.bench.engine_speed [--model qwen2.5-0.5b] [--engines nodekv,hf,llama-cpp] [--threads 2]
+    nodekv bench engine_speed [--model qwen2.5-0.5b] [--engines nodekv,hf,llama-cpp] [--threads 2]
                                         [--rounds 512:512,2048:4096] [--quick] [--json FILE]
 
 Engines: nodekv, nodekv-avx2 (nodekv with its C++ kernels capped at AVX2: the same bits, and on a CPU with AVX-512

@@ -3,7 +3,7 @@ engine's sampler drawing 1 and then `--batch` chunks per round (one prefill of a
 decode step for all of them), side by side in one process; rounds alternate and the table shows medians. Both
 settings draw the same number of times from the same seeded chunks.
 
-    python -m nodekv.bench.gor_sampling [--model qwen2.5-0.5b] [--draws 8] [--batch 4] [--rounds 2] [--threads N]
+    nodekv bench gor_sampling [--model qwen2.5-0.5b] [--draws 8] [--batch 4] [--rounds 2] [--threads N]
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ units where the CPU has them) is measured the same way, in one forward, and so, 
 model with precision "bf16" (its prompts' projections multiplied in bf16, everything else exact), and the exact
 model over a KV cache of halves (kv_dtype "float16", llama.cpp's default cache type).
 
-    python -m nodekv.bench.int8_quality [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tokens 2048] [--threads 2]
+    nodekv bench int8_quality [--models qwen2.5-0.5b,qwen2.5-1.5b] [--tokens 2048] [--threads 2]
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ weights; halves halve those bytes (and add a conversion). The prompt is random t
 and context (with precision "bf16" where the CPU has bf16 matrix units: the same decode, a faster prefill), then
 `--decode` greedy tokens are timed on a fork of it, `--rounds` times.
 
-    python -m nodekv.bench.kv_dtype [--model qwen2.5-1.5b] [--contexts 512,2048,8192] [--decode 16] [--rounds 3]
+    nodekv bench kv_dtype [--model qwen2.5-1.5b] [--contexts 512,2048,8192] [--decode 16] [--rounds 3]
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ nodekv and HF each run in a fresh subprocess (peak RSS is per process). nodekv's
 alternately in one process after a plain warm-up that touches the KV pages, so the peak the first collecting run
 adds is the collection's own memory, and the time ratio is measured side by side.
 
-    python -m nodekv.bench.node_mass [--tokens 2048,8192] [--node 300] [--hf-max 2048] [--threads 2] [--json FILE]
+    nodekv bench node_mass [--tokens 2048,8192] [--node 300] [--hf-max 2048] [--threads 2] [--json FILE]
 """
 from __future__ import annotations
 

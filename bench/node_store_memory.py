@@ -8,7 +8,7 @@ temporary folder (never committed). A child process then reads /proc/self/statm'
 opening every store, and after reading `--read` nodes spread over the stores (as a query reads its k chunks), and
 compares the growth with the bytes of those nodes in the file and decoded to fp32.
 
-    python -m nodekv.bench.node_store_memory [--documents 100] [--tokens 2048] [--node-tokens 300] [--read 5]
+    nodekv bench node_store_memory [--documents 100] [--tokens 2048] [--node-tokens 300] [--read 5]
                                              [--dtype float16] [--layers 28] [--kv-heads 2] [--head-dim 128]
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ collected node, as a search without a cache would to read the new node's attenti
 factor is the closed-form ratio of the two FLOP counts (engine.flops.forward_flops) for that visit order; the
 measured one comes from the engine's account, and the wall times are measured side by side in one process.
 
-    python -m nodekv.bench.pecan_search [--model qwen2.5-0.5b] [--index X.pecan] [--question Q] [--budget 12]
+    nodekv bench pecan_search [--model qwen2.5-0.5b] [--index X.pecan] [--question Q] [--budget 12]
                                         [--threads 2]
 """
 from __future__ import annotations

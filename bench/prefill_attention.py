@@ -8,7 +8,7 @@ queries from empty, pages of 64 scattered in a pool twice the size, nodes of --n
 variants take turns, once per round; best of --reps rounds, and GFLOP/s counting the causal half:
 4 * T^2 / 2 * hd * H. On a busy machine the kernels' contention guard (csrc/cpu_common.h) may run them on one thread
 for a while: compare with --threads 1 when the numbers jump.
-Run: python -m nodekv.bench.prefill_attention [--threads 2] [--seq 512 2048 8192] [--node-len 32] [--heads 12 2 128]
+Run: nodekv bench prefill_attention [--threads 2] [--seq 512 2048 8192] [--node-len 32] [--heads 12 2 128]
 """
 from __future__ import annotations
 

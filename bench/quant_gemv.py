@@ -9,7 +9,7 @@ Models (their GGUFs' shapes and types):
   qwen2.5-1.5b   28 layers: fused qkv [2048x1536] = Q4_K (q|k, 1792 rows) | Q4_K or Q6_K (v, 256 rows), o [1536x1536]
                  Q4_K, gate/up [17920x1536] Q4_K, down [1536x8960] Q6_K or Q4_K; lm_head [151936x1536] Q6_K.
 Every layer gets its own random weights, so the bytes come from DRAM as in a real forward, not from the last-level
-cache. Run: python -m nodekv.bench.quant_gemv [--model qwen2.5-0.5b] [--threads N] [--tokens 1,2,4,8,16]
+cache. Run: nodekv bench quant_gemv [--model qwen2.5-0.5b] [--threads N] [--tokens 1,2,4,8,16]
 
 With one token count (--tokens, default 1: decode) it prints the per-projection table; with several, a sweep: the
 whole model's matmuls at each count on the quantised blocks and with dense fp32 F.linear on the dequantised weights,

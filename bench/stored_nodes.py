@@ -11,7 +11,7 @@ machine shared with other work slows them alike). Time to first token is `Answer
 prompt in the cache, the nodes placed and repaired included (for PECAN, its whole search with its probes). The store
 sizes are the bytes of the node store file (`write_node_store`) of each record's nodes, per stored token.
 
-    python -m nodekv.bench.stored_nodes [--method bm25] [--model qwen2.5-1.5b] [--dataset hotpotqa] [--records 5]
+    nodekv bench stored_nodes [--method bm25] [--model qwen2.5-1.5b] [--dataset hotpotqa] [--records 5]
                                         [--repair 0.05,0.15,0.3] [--repair-by deviation,boundary] [--k 5]
                                         [--kv-context document] [--indexes DIR] [--threads 2]
 """

@@ -8,7 +8,7 @@ mass. Needs CUDA.
 the prefill cases, without mass and with one-pass mass, and prints the default tiles' times beside the five fastest
 with mass and against the fastest without; a tile that does not compile or run on the device is listed as failed.
 
-    python -m nodekv.bench.triton_gpu [--dtype bfloat16] [--repeats 50] [--tiles]
+    nodekv bench triton_gpu [--dtype bfloat16] [--repeats 50] [--tiles]
 """
 from __future__ import annotations
 

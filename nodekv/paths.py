@@ -2,7 +2,7 @@
 evaluation data. Defaults resolve from the checkout, or from the current folder outside one; nothing is ever
 written inside the installed package. Also how nodekv reads and writes files: documents checked before any model
 work, every file written atomically (`atomic_path`, `write_atomic`), JSON-lines logs read back after a kill
-(`read_json_lines`)."""
+(`read_json_lines`); and the checkout's root kept off sys.path (`keep_checkout_off_sys_path`)."""
 from __future__ import annotations
 
 import glob
@@ -10,6 +10,7 @@ import json
 import os
 import re
 import secrets
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -32,6 +33,18 @@ def checkout() -> Path | None:
         return here
     cwd = Path.cwd().resolve()
     return next((p for p in (cwd, *cwd.parents) if _is_checkout(p)), None)
+
+
+def keep_checkout_off_sys_path() -> None:
+    """Take the source checkout's root off sys.path, in this process and (PYTHONSAFEPATH, Python >= 3.11) in the
+    Python children it starts. `python -m` and `python -c` run in the checkout put its root first on sys.path, where
+    its package folders (engine/, kernels/, ...: nodekv's subpackages through pyproject's package-dir) hide installed
+    packages of the same names, such as the `kernels` that transformers 5.x imports. nodekv is installed (editable in
+    a checkout), so the root is not needed."""
+    root = Path(__file__).resolve().parents[1]
+    if _is_checkout(root):
+        sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
+        os.environ["PYTHONSAFEPATH"] = "1"
 
 
 def base() -> Path:

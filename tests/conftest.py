@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from nodekv.paths import keep_checkout_off_sys_path
+
+keep_checkout_off_sys_path()  # `python -m pytest` and xdist's workers put the repository root first on sys.path
+
 # `make test` runs pytest-xdist workers side by side: the cores are shared among them, not oversubscribed
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 if not torch.cuda.is_available():  # Triton kernels run (slowly, single-threaded) in its interpreter on CPU tensors

@@ -1,9 +1,11 @@
 """The package's shape, read from its source with `ast`: no import cycles between its modules (imports under
-TYPE_CHECKING and inside functions included), methods never import the evaluation harness, and no module but
-engine/session.py reaches into a Session's private members."""
+TYPE_CHECKING and inside functions included), methods never import the evaluation harness, no module but
+engine/session.py reaches into a Session's private members, and the root's package folders hide no installed
+package."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -96,3 +98,14 @@ def test_only_the_session_module_touches_a_sessions_private_members():
                 if not code[:m.start()].endswith("self"):  # a class's own member of the same name
                     hits.append(f"{path.relative_to(ROOT)}:{k}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+def test_the_root_folders_hide_no_installed_package():
+    """The root's package folders are nodekv's subpackages (`nodekv.kernels` is kernels/); a top-level import of
+    their names must find an installed package or nothing, never the folder. `python -m pytest` puts the root first
+    on sys.path, and kernels/ then hid the `kernels` that transformers 5.x imports (tests/conftest.py takes the root
+    off again)."""
+    folders = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "nodekv")
+    hidden = [name for name in folders if (spec := importlib.util.find_spec(name)) is not None and spec.origin
+              and Path(spec.origin).resolve().is_relative_to(ROOT / name)]
+    assert folders and not hidden, f"found as top-level packages from the repository root: {hidden}"
