@@ -22,7 +22,7 @@ from .model import KVCache, Llama, check_precision
 from .node_store import StoredNode, check_fits, describe_model, same_model, unrotate
 from .page_pool import PagePool, default_pool_pages
 from .prefix_cache import PrefixCache
-from .models import resolve_model
+from .models import model_file_name, resolve_model
 from .generation import Generation, GenerationState, check_one_engine, generate, step
 from .sampling import SamplingParams
 from .session import NodeSpan, Session, append_batch
@@ -57,10 +57,12 @@ class Engine:
 
     @cached_property
     def model_id(self) -> dict:
-        """What stored KV and saved indexes are tied to (`same_model` compares two): the model file's name, a hash
-        of its config and, where the engine was loaded from a checkpoint, the checkpoint's weight fingerprint."""
+        """What stored KV and saved indexes are tied to (`same_model` compares two): the model file's name
+        (`model_file_name`), a hash of its config and, where the engine was loaded from a checkpoint, the checkpoint's
+        weight fingerprint."""
         config = json.dumps(asdict(self.config), sort_keys=True, default=str)
-        ident = {"name": self.path.name if self.path else None, "config": hashlib.sha256(config.encode()).hexdigest()}
+        ident = {"name": model_file_name(self.path) if self.path else None,
+                 "config": hashlib.sha256(config.encode()).hexdigest()}
         return ident | ({"weights": self.weights} if self.weights else {})
 
     @property

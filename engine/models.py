@@ -110,10 +110,17 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def model_file_name(path: str | os.PathLike) -> str:
+    """The name a model file is known by in indexes, stored KV and run files: its own, or a link's target's (the
+    file the weights are read from). A path that does not exist here (one a run file recorded on another machine)
+    keeps its name."""
+    return Path(path).resolve().name
+
+
 def model_name(path: str | os.PathLike) -> str:
-    """How reports name the model of a file: its registered name (by file name), else the file's stem."""
-    name = Path(path).name
-    return next((n for n, spec in MODELS.items() if spec.filename == name), Path(path).stem)
+    """How reports name the model of a file: its registered name (by `model_file_name`), else the file's stem."""
+    name = model_file_name(path)
+    return next((n for n, spec in MODELS.items() if spec.filename == name), Path(name).stem)
 
 
 def model_file(spec: ModelSpec) -> Path:

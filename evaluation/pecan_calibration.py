@@ -21,7 +21,7 @@ from typing import Iterable
 from tqdm import tqdm
 
 from ..engine.engine import Engine
-from ..engine.models import resolve_model
+from ..engine.models import model_file_name, resolve_model
 from .datasets import Record, load_dataset
 from .metrics import score
 from .index_store import IndexStore
@@ -43,9 +43,10 @@ def calibration_path(runs: str | Path, dataset: str, prompt_style: str) -> Path:
 def with_calibration(method_class: type, defaults: dict, dataset: str, runs: Path, options: dict,
                      model: str | None, ids: Iterable[str] = ()) -> dict:
     """A method's `defaults` for `dataset`, with PECAN's t_p taken from `nodekv calibrate`'s file in the run directory
-    `runs` when there is one made for this dataset, model, prompt style, patience and index options (explicit
-    options win over both, in the runner). A file made for other settings is named in the default's source, and so
-    are the run's record `ids` that were the calibration's dev records (t_p was chosen on them: not held out)."""
+    `runs` when there is one made for this dataset, model file (`model_file_name`), prompt style, patience and index
+    options (explicit options win over both, in the runner). A file made for other settings is named in the default's
+    source, and so are the run's record `ids` that were the calibration's dev records (t_p was chosen on them: not held
+    out)."""
     if not issubclass(method_class, Pecan):
         return defaults
     run = Pecan.configure(**{k: v for k, v in options.items() if k != "t_p"})
@@ -55,7 +56,8 @@ def with_calibration(method_class: type, defaults: dict, dataset: str, runs: Pat
     calibration = json.loads(path.read_text())
     made_for = Pecan.configure(**{k: v for k, v in calibration["options"].items() if k != "t_p"})
     differ = [k for k in (*INDEX_OPTIONS, "prompt_style", "t_n") if getattr(run, k) != getattr(made_for, k)]
-    if model is not None and calibration.get("model") != model:
+    made_with = calibration.get("model")
+    if model is not None and (made_with is None or model_file_name(made_with) != model_file_name(model)):
         differ.append("model")
     if differ:
         why = f"{path} was made for another {', '.join(differ)}"
@@ -167,7 +169,7 @@ def choose(rows: list[dict], objective: str, target_nodes: float | None = None) 
 def _sweep_settings(model: str | Path, config: object) -> dict:
     """What a calibration's sweeps are made under, as its log's header holds it: the model file's name and the PECAN
     config (tuples as lists, as written)."""
-    return json.loads(json.dumps({"model": Path(str(model)).name, "config": asdict(config)}))
+    return json.loads(json.dumps({"model": model_file_name(model), "config": asdict(config)}))
 
 
 def _logged(log: Path, settings: dict, cut_torn_tail: bool = False) -> list[dict]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..engine.engine import DTYPES, KV_DTYPES, Engine
-from ..engine.models import resolve_model
+from ..engine.models import model_file_name, resolve_model
 from ..methods.base import Method
 from ..methods.baselines import TopK
 from ..methods.prompts import PromptSpec, prompt_for
@@ -131,8 +131,8 @@ def _answered(reference: Path, dataset: str, model: str) -> list[dict]:
         raise ValueError(f"reference run {reference} has no answered records to match")
     meta_path = reference.with_suffix(".meta.json")
     meta = read_meta(meta_path) if meta_path.is_file() else {}
-    for key, ours in (("dataset", dataset), ("model", Path(model).name)):
-        theirs = meta.get(key) and (Path(meta[key]).name if key == "model" else meta[key])
+    for key, ours in (("dataset", dataset), ("model", model_file_name(model))):
+        theirs = meta.get(key) and (model_file_name(meta[key]) if key == "model" else meta[key])
         if theirs and theirs != ours:
             raise ValueError(f"reference run {reference} is a run on {key} {theirs}, not {ours}: match a run of "
                              "the same dataset and model")
@@ -160,7 +160,7 @@ def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bo
     settings. A method that learns across documents (`across_documents`) also keeps the run's record count: its
     folds are dealt over the run's documents, so a run extended from 10 records to 30 would mix answers fitted on 8
     other documents with answers fitted on 24. Keys an older meta file lacks are not checked; the model is compared
-    by file name, so a run moves between machines."""
+    by file name (`model_file_name`), so a run moves between machines."""
     meta_path = path.with_suffix(".meta.json")
     if not resuming:
         return
@@ -171,7 +171,7 @@ def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bo
     if "dtype" in old:  # written before the KV cache's dtype was kept: the cache held the model's dtype
         old.setdefault("kv_dtype", old["dtype"])
     if "model" in old:
-        old["model"], new["model"] = Path(old["model"]).name, Path(new["model"]).name
+        old["model"], new["model"] = model_file_name(old["model"]), model_file_name(new["model"])
     keys = RESUMED_AS_WRITTEN + (("records",) if across_documents else ())
     changes: dict[str, str] = {}  # one line per changed setting or option
     for key in (key for key in keys if key in old and old[key] != new[key]):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..engine.engine import Engine
+from ..engine.models import model_file_name
 from ..engine.node_store import NodeStore, NodeStoreError, StoredNode, describe_model, same_model, write_node_store
 from ..paths import atomic_path, write_atomic
 
@@ -39,11 +40,11 @@ def read_index_file(path: str | Path, fmt: str, version: int, engine: Engine, wh
 
 def check_index_file(path: str | Path, fmt: str, model: str | Path, what: str, kv: bool = False) -> None:
     """Before a model loads: an IndexFileError for an index file that `read_index_file` will refuse for being
-    unreadable, of another format than `fmt`, corrupt, or built with a model file of another name than `model`'s (a
-    model of the same name whose config or weights differ, or another format version, is refused at the read); kv: a
-    NodeStoreError for a node store beside it that `read_kv_beside` will refuse."""
+    unreadable, of another format than `fmt`, corrupt, or built with a model file of another name than the one
+    `model` is or links to (a model of the same name whose config or weights differ, or another format version, is
+    refused at the read); kv: a NodeStoreError for a node store beside it that `read_kv_beside` will refuse."""
     data = _read_checked(Path(path), fmt, None, what)
-    _check_model(Path(path), data, {"name": Path(model).name})
+    _check_model(Path(path), data, {"name": model_file_name(model)})
     if kv:  # the store must hold the index's model: the index's own model is checked against the engine at the read
         _open_kv_beside(path, data["model"], data.get("stored_kv"))
 

@@ -421,9 +421,10 @@ def test_repair_copies_pages_shared_with_a_fork_before_writing(pair):
 
 def test_nodes_and_indexes_of_other_weights_under_one_name_and_config_are_refused(tmp_path):
     """A fine-tune saved under the base model's file name has its config too: the weight fingerprint tells them
-    apart. A node or index recorded before fingerprints were (no "weights") is still checked by name and config."""
+    apart. A node or index recorded before fingerprints were (no "weights") is still checked by name and config. A
+    link to the model file names the file; another name is refused before a model loads."""
     from nodekv.engine.node_store import NodeStore, NodeStoreError, write_node_store
-    from nodekv.methods.index_file import IndexFileError, read_index_file, write_index_file
+    from nodekv.methods.index_file import IndexFileError, check_index_file, read_index_file, write_index_file
 
     engines = []
     for seed in (5, 6):
@@ -437,6 +438,9 @@ def test_nodes_and_indexes_of_other_weights_under_one_name_and_config_are_refuse
         {k: v for k, v in tuned.model_id.items() if k != "weights"}
     assert base.model_id["weights"] != tuned.model_id["weights"]
     assert tiny_engine(tmp_path / "seed5" / "model.gguf").model_id == base.model_id  # the same file: the same id
+    link = tmp_path / "current.gguf"
+    link.symlink_to(tmp_path / "seed5" / "model.gguf")
+    assert tiny_engine(link).model_id == base.model_id  # a link names the file it reads
 
     node = base.store_node(ids(6, 1))
     old = {k: v for k, v in base.model_id.items() if k != "weights"}
@@ -456,6 +460,9 @@ def test_nodes_and_indexes_of_other_weights_under_one_name_and_config_are_refuse
     assert read_index_file(index, "nodekv-test", 1, base, "test index") == {"n": 1}
     with pytest.raises(IndexFileError, match="built with model model.gguf"):
         read_index_file(index, "nodekv-test", 1, tuned, "test index")
+    check_index_file(index, "nodekv-test", link, "test index")  # before a model loads, as at the read
+    with pytest.raises(IndexFileError, match=r"built with model model.gguf .*, not renamed.gguf:"):
+        check_index_file(index, "nodekv-test", tmp_path / "renamed.gguf", "test index")
     data = json.loads(index.read_text())
     data.pop("checksum")
     data["model"] = old

@@ -124,6 +124,10 @@ def test_eval_takes_t_p_from_a_calibration_that_holds_for_the_run(tmp_path):
     t_p, source = defaults("hotpotqa", {"prompt_style": "restate", "attention": "false"}, "m.gguf")["t_p"]
     assert t_p == 0.31 and "calibrated on 2 dev records" in source  # ablations of the search share it
     assert "warning" not in source
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "current.gguf").symlink_to(tmp_path / "m.gguf")
+    for same in (tmp_path / "m.gguf", tmp_path / "current.gguf"):  # the model file by name, a link by its target's
+        assert defaults("hotpotqa", {"prompt_style": "restate"}, str(same))["t_p"][0] == 0.31
     t_p, source = defaults("hotpotqa", {"prompt_style": "restate"}, "m.gguf", ["z", "b"])["t_p"]
     assert t_p == 0.31 and source.endswith("; warning: 1 of this run's records were among them (b), so their scores "
                                            "are not held out")  # an eval over a dev record
