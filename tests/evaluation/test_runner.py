@@ -233,6 +233,21 @@ def test_a_meta_from_before_the_cache_dtype_was_kept_held_the_models_dtype(tmp_p
         check_resumable(path, {"model": "m.gguf", "dtype": "float32", "kv_dtype": "float16"}, resuming=True)
 
 
+def test_a_run_resumes_on_its_model_file_by_name_through_a_link_or_from_another_machine(tmp_path):
+    """The model is compared by file name, a link's by its target's: a run written with /elsewhere/m.gguf resumes with
+    ./m.gguf or a link to it, not with another file."""
+    from nodekv.evaluation.runner import check_resumable
+
+    path = tmp_path / "run-hotpotqa.jsonl"
+    path.with_suffix(".meta.json").write_text(json.dumps({"model": "/elsewhere/m.gguf"}))
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "current.gguf").symlink_to(tmp_path / "m.gguf")
+    for same in ("m.gguf", "current.gguf"):
+        check_resumable(path, {"model": str(tmp_path / same)}, resuming=True)
+    with pytest.raises(ValueError, match="model"):
+        check_resumable(path, {"model": str(tmp_path / "other.gguf")}, resuming=True)
+
+
 def test_a_run_file_without_its_meta_or_with_a_broken_one_is_not_resumed(tmp_path):
     """Answers whose settings are unknown (the meta file gone) or unreadable are not appended to."""
     from nodekv.evaluation.runner import check_resumable
