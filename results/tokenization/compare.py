@@ -1,7 +1,8 @@
 """The relevance probe's ranking, its prompt's parts tokenised apart and whole (relevance-*.jsonl, from
 relevance_study.py), and each run under runs/ against the run of the same name in ../issue31/runs (parts tokenised
 apart) and against full context, paired by record: means, paired differences with 95% bootstrap intervals (2,000
-resamples), support recall and query TFLOPs (8B projection). Usage: python compare.py."""
+resamples; QuALITY's accuracy in the F1 columns), support recall and query TFLOPs (8B projection). Usage: python
+compare.py."""
 from __future__ import annotations
 
 import json
@@ -44,15 +45,18 @@ def runs() -> None:
         ids = sorted(set(new) & set(old) & set(full))
         if not ids:
             continue
-        f1 = {name: [100 * run[i]["metrics"]["f1"] for i in ids] for name, run in
+        metric = "accuracy" if "accuracy" in new[ids[0]]["metrics"] else "f1"  # QuALITY's is accuracy
+        f1 = {name: [100 * run[i]["metrics"][metric] for i in ids] for name, run in
               (("new", new), ("old", old), ("full", full))}
         cells = [f"{sum(f1[k]) / len(ids):.1f}" for k in ("old", "new")]
         for base in ("old", "full"):
             diff, low, high = bootstrap_difference(f1["new"], f1[base])
             cells.append(f"{diff:+.1f} ({low:+.1f} .. {high:+.1f})")
-        recall = [sum(run[i]["support_recall"] for i in ids) / len(ids) for run in (old, new)]
+        recall = [sum(run[i]["support_recall"] for i in ids) / len(ids) for run in (old, new)] \
+            if "support_recall" in new[ids[0]] else None  # sets with supporting-passage labels only
         flops = [sum(run[i]["query_flops_8b"] for i in ids) / len(ids) / 1e12 for run in (old, new)]
-        cells += [f"{100 * recall[0]:.1f}% / {100 * recall[1]:.1f}%", f"{flops[0]:.1f} / {flops[1]:.1f}"]
+        cells += [f"{100 * recall[0]:.1f}% / {100 * recall[1]:.1f}%" if recall else "-",
+                  f"{flops[0]:.1f} / {flops[1]:.1f}"]
         print(f"| {new_path.stem} | {len(ids)} | " + " | ".join(cells) + " |")
 
 
