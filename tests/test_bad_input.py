@@ -220,12 +220,12 @@ CASES = [  # argv, the one line on stderr
 @pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_the_cli_refuses_bad_input_in_one_line_before_any_model_work(argv, message, files, no_model, capsys):
     (files / "doc.txt.pecan").write_text("{}")
-    t = time.perf_counter()
+    t = time.process_time()  # this process's CPU time: work done, not how busy the machine is
     try:
         status = main([a.format(tmp=files) for a in argv])
     except SystemExit as e:  # argparse's own refusals (types, choices) exit from the parser
         status = e.code
-    assert status == 2 and time.perf_counter() - t < 5
+    assert status == 2 and time.process_time() - t < 5
     err = capsys.readouterr().err
     assert err.startswith(message.format(tmp=files)) and err.count("\n") == 1, err
 
