@@ -43,10 +43,10 @@ def calibration_path(runs: str | Path, dataset: str, prompt_style: str) -> Path:
 def with_calibration(method_class: type, defaults: dict, dataset: str, runs: Path, options: dict,
                      model: str | None, ids: Iterable[str] = ()) -> dict:
     """A method's `defaults` for `dataset`, with PECAN's t_p taken from `nodekv calibrate`'s file in the run directory
-    `runs` when there is one made for this dataset, model file (`model_file_name`), prompt style, patience and index
-    options (explicit options win over both, in the runner). A file made for other settings is named in the default's
-    source, and so are the run's record `ids` that were the calibration's dev records (t_p was chosen on them: not held
-    out)."""
+    `runs` when there is one made for this dataset, model file (`model_file_name`), prompt style, patience, search
+    window and index options (explicit options win over both, in the runner). A file made for other settings is named
+    in the default's source, and so are the run's record `ids` that were the calibration's dev records (t_p was chosen
+    on them: not held out)."""
     if not issubclass(method_class, Pecan):
         return defaults
     run = Pecan.configure(**{k: v for k, v in options.items() if k != "t_p"})
@@ -55,7 +55,8 @@ def with_calibration(method_class: type, defaults: dict, dataset: str, runs: Pat
         return defaults
     calibration = json.loads(path.read_text())
     made_for = Pecan.configure(**{k: v for k, v in calibration["options"].items() if k != "t_p"})
-    differ = [k for k in (*INDEX_OPTIONS, "prompt_style", "t_n") if getattr(run, k) != getattr(made_for, k)]
+    differ = [k for k in (*INDEX_OPTIONS, "prompt_style", "t_n", "search_tokens")
+              if getattr(run, k) != getattr(made_for, k)]
     made_with = calibration.get("model")
     if model is not None and (made_with is None or model_file_name(made_with) != model_file_name(model)):
         differ.append("model")

@@ -191,11 +191,12 @@ def check_room(model: int, spec: PromptSpec, window: int | None = None) -> int:
     return window - spec.max_new_tokens
 
 
-def check_prompt_fits(tokens: int, model: int, what: str) -> None:
-    """A ContextOverflowError (a ValueError) naming `what` when its `tokens` exceed the model's window of `model`
-    tokens: a method that builds its own prompt around a question checks it before prefilling any part of it."""
-    if tokens > model:
-        raise ContextOverflowError(f"{what} takes {tokens} tokens, more than the model's window of {model}")
+def check_prompt_fits(tokens: int, window: int, what: str, window_name: str = "the model's window") -> None:
+    """A ContextOverflowError (a ValueError) naming `what` when its `tokens` exceed a window of `window` tokens (the
+    model's, or a shorter one the method keeps to, named by `window_name`): a method that builds its own prompt around
+    a question checks it before prefilling any part of it."""
+    if tokens > window:
+        raise ContextOverflowError(f"{what} takes {tokens} tokens, more than {window_name} of {window}")
 
 
 class Reader:

@@ -69,6 +69,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
         Option("t_p", float, 0.5, "confidence threshold on the normalised p(Yes)", low=0.0, high=1.0),
         Option("node_budget", int, 0, "nodes retrieved beyond the top level at most; 0: no budget, the window is "
                "the limit (the paper's rule)", low=0),
+        Option("search_tokens", int, 8192, "s for the search: its session's tokens at most, the probe, second turn "
+               "and answer included (§4 caps every step at s); 0: the model's window", low=0),
         Option("answer_tokens", int, 64, "answer budget when no dataset prompt gives one", low=1),
         Option("attention", bool, True, "false: w/o attention-guided retrieval (embedding similarity only)"),
         Option("embedding", bool, True, "false: w/o embedding similarity"),
@@ -183,7 +185,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
         node also "z", "sim" and "by_sim" (the node similarity alone would have picked), plus
         "p_yes" from a rolled-back probe once the whole top level is in (when `probe`). Ends with a step
         {"stop": "budget" | "graph exhausted" | "context full"} unless the caller stops first; "context full" when
-        the next node would leave no room in the window for the probe, the second turn and the answer."""
+        the next node would leave no room in the search's window (`search_tokens`) for the probe, the second turn and
+        the answer."""
         eng, cfg, graph = self.search_engine, self.config, index.graph
         tok = eng.tokenizer
         question = _with_options(question, options)
@@ -192,10 +195,11 @@ class Pecan(Method, name="pecan", title="PECAN"):
         info, probe_ids = turn.around(1)  # the nodes go between
         if cfg.prompt_style == "restate":
             probe_ids = tok.encode(RESTATED_PROBE.format(question)) + probe_ids
-        room = eng.config.max_seq_len - max(len(probe_ids), len(self._second_turn_ids(question, options))
-                                            + self._answer_budget())
+        window = min(cfg.search_tokens or eng.config.max_seq_len, eng.config.max_seq_len)
+        room = window - max(len(probe_ids), len(self._second_turn_ids(question, options)) + self._answer_budget())
         first = [turn.head + before, query, after + info]
-        check_prompt_fits(sum(map(len, first)), eng.config.max_seq_len, "PECAN's first turn with this question")
+        check_prompt_fits(sum(map(len, first)), window, "PECAN's first turn with this question", "the model's window"
+                          if window == eng.config.max_seq_len else "the search's window (search_tokens)")
         sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
         s.append(first[0], node_id="head")
         q_len = len(s.append(first[1], node_id="query"))

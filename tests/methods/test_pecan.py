@@ -205,7 +205,10 @@ def test_the_shared_reader_pays_the_search_without_its_answer_turn_plus_one_read
     assert shared.prompt_tokens == len(ids) and shared.flops == search + reading
 
 
-def test_search_stops_before_the_window_is_full(built, monkeypatch):
+@pytest.mark.parametrize("limit", ["model", "search_tokens"])
+def test_search_stops_before_the_window_is_full(built, limit, monkeypatch):
+    """The window is the model's, or `search_tokens` (§4's s) where that is shorter: the search stops where the
+    answer's prompt would no longer fit it, whichever sets it."""
     from nodekv.methods.pecan.pecan import Pecan
 
     eng, method, index = built
@@ -218,10 +221,29 @@ def test_search_stops_before_the_window_is_full(built, monkeypatch):
     head = free.prompt_tokens - sum(len(eng.tokenizer.encode("* " + index.graph.nodes[s["node"]].text.strip() + "\n"))
                                     for s in steps)
     window = head + first + method.config.answer_tokens + 1
-    monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, max_seq_len=window))
+    if limit == "model":
+        monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, max_seq_len=window))
+    else:
+        method = Pecan(eng, **{**dataclasses.asdict(method.config), "search_tokens": window})
     cut = method.answer(index, "Who kept the lamps burning?")
     assert cut.trace[-1] == {"stop": "context full"} and cut.nodes == free.nodes[:1]
-    assert cut.prompt_tokens + cut.generated_tokens <= eng.config.max_seq_len
+    assert cut.prompt_tokens + cut.generated_tokens <= window
+
+
+def test_the_search_window_is_the_papers_s_and_a_first_turn_beyond_it_is_refused_before_any_forward(built):
+    """§4 caps every step's input at s = 8K, the search's included; search_tokens=0 leaves the model's window."""
+    from nodekv.methods.pecan.pecan import Pecan
+
+    eng, method, index = built
+    assert Pecan.Config().search_tokens == Pecan.Config().batch_tokens == 8192
+    question = "Who kept the lamps burning? " * 40  # ~280 tokens: within the model's window, beyond a 200-token s
+    config = {**dataclasses.asdict(method.config), "t_p": 1.0}
+    total = eng.flops.total
+    with pytest.raises(ValueError, match="PECAN's first turn with this question takes .* more than the search's "
+                                         "window \\(search_tokens\\) of 200"):
+        Pecan(eng, **{**config, "search_tokens": 200}).answer(index, question)
+    assert eng.flops.total == total
+    assert Pecan(eng, **{**config, "search_tokens": 0}).answer(index, question).trace[-1] == {"stop": "graph exhausted"}
 
 
 @pytest.mark.parametrize("reader", ["shared", "paper"])
