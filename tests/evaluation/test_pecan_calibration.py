@@ -133,6 +133,7 @@ def test_eval_takes_t_p_from_a_calibration_that_holds_for_the_run(tmp_path):
                                            "are not held out")  # an eval over a dev record
     for run, model, why in [({"prompt_style": "restate", "batch_tokens": 1024}, "m.gguf", "batch_tokens"),
                             ({"prompt_style": "restate", "t_n": 2}, "m.gguf", "t_n"),
+                            ({"prompt_style": "restate", "search_tokens": 0}, "m.gguf", "search_tokens"),
                             ({"prompt_style": "restate"}, "other.gguf", "model")]:
         t_p, source = defaults("hotpotqa", run, model)["t_p"]
         assert t_p == 0.5 and f"made for another {why}" in source
