@@ -188,19 +188,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
         the next node would leave no room in the search's window (`search_tokens`) for the probe, the second turn and
         the answer."""
         eng, cfg, graph = self.search_engine, self.config, index.graph
-        tok = eng.tokenizer
-        question = _with_options(question, options)
-        turn = ChatPrompt(tok, [{"role": "user", "content": FIRST_TURN}])
-        before, query, after = turn.fill_parts(0, question)
-        info, probe_ids = turn.around(1)  # the nodes go between
-        if cfg.prompt_style == "restate":
-            probe_ids = tok.encode(RESTATED_PROBE.format(question)) + probe_ids
-        window = min(cfg.search_tokens or eng.config.max_seq_len, eng.config.max_seq_len)
-        room = window - max(len(probe_ids), len(self._second_turn_ids(question, options)) + self._answer_budget())
-        first = [turn.head + before, query, after + info]
-        check_prompt_fits(sum(map(len, first)), window, "PECAN's first turn with this question", "the model's window"
-                          if window == eng.config.max_seq_len else "the search's window (search_tokens)")
-        sim = dict(enumerate((index.vectors @ self.embedder.encode([question])[0]).tolist()))
+        first, probe_ids, room = self.search_prompt(question, options)
+        sim = dict(enumerate((index.vectors @ self.embedder.encode([_with_options(question, options)])[0]).tolist()))
         s.append(first[0], node_id="head")
         q_len = len(s.append(first[1], node_id="query"))
         s.append(first[2], node_id="info")
@@ -239,6 +228,25 @@ class Pecan(Method, name="pecan", title="PECAN"):
             if probe and not pending:  # probes start once the whole top level is in
                 step["p_yes"] = s.probe(["Yes", "No"], tokens=probe_ids)["Yes"]
             yield step
+
+    def search_prompt(self, question: str, options: tuple[str, ...] = ()) -> tuple[list[list[int]], list[int], int]:
+        """What a search for `question` appends around its nodes: the first turn's ids in three parts (the head, the
+        query node, the rest up to where the nodes go), the probe's ids, and the room for the first turn and the nodes:
+        the search's window less the probe or the second turn and the answer, whichever is longer. A first turn the
+        window cannot hold is refused (ContextOverflowError)."""
+        eng, cfg = self.search_engine, self.config
+        asked = _with_options(question, options)
+        turn = ChatPrompt(eng.tokenizer, [{"role": "user", "content": FIRST_TURN}])
+        before, query, after = turn.fill_parts(0, asked)
+        info, probe_ids = turn.around(1)  # the nodes go between
+        if cfg.prompt_style == "restate":
+            probe_ids = eng.tokenizer.encode(RESTATED_PROBE.format(asked)) + probe_ids
+        window = min(cfg.search_tokens or eng.config.max_seq_len, eng.config.max_seq_len)
+        room = window - max(len(probe_ids), len(self._second_turn_ids(asked, options)) + self._answer_budget())
+        first = [turn.head + before, query, after + info]
+        check_prompt_fits(sum(map(len, first)), window, "PECAN's first turn with this question", "the model's window"
+                          if window == eng.config.max_seq_len else "the search's window (search_tokens)")
+        return first, probe_ids, room
 
     def _stored(self, index: PecanIndex, node: int) -> StoredNode | None:
         """The node's stored KV if it is to be placed: the index holds KV, and the node is a chunk or kv_levels=all.
