@@ -242,7 +242,9 @@ class Pecan(Method, name="pecan", title="PECAN"):
         if cfg.prompt_style == "restate":
             probe_ids = eng.tokenizer.encode(RESTATED_PROBE.format(asked)) + probe_ids
         window = min(cfg.search_tokens or eng.config.max_seq_len, eng.config.max_seq_len)
-        room = window - max(len(probe_ids), len(self._second_turn_ids(asked, options)) + self._answer_budget())
+        # the second turn as `respond` appends it: from the question and its options apart, not from `asked`, which
+        # a restated turn would repeat the options after
+        room = window - max(len(probe_ids), len(self._second_turn_ids(question, options)) + self._answer_budget())
         first = [turn.head + before, query, after + info]
         check_prompt_fits(sum(map(len, first)), window, "PECAN's first turn with this question", "the model's window"
                           if window == eng.config.max_seq_len else "the search's window (search_tokens)")

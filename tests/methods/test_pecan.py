@@ -205,15 +205,18 @@ def test_the_shared_reader_pays_the_search_without_its_answer_turn_plus_one_read
     assert shared.prompt_tokens == len(ids) and shared.flops == search + reading
 
 
-@pytest.mark.parametrize("limit", ["model", "search_tokens"])
-def test_search_stops_before_the_window_is_full(built, limit, monkeypatch):
+@pytest.mark.parametrize("limit, style", [("model", "paper"), ("search_tokens", "paper"), ("model", "restate")])
+def test_search_stops_before_the_window_is_full(built, limit, style, monkeypatch):
     """The window is the model's, or `search_tokens` (§4's s) where that is shorter: the search stops where the
-    answer's prompt would no longer fit it, whichever sets it."""
+    answer's prompt would no longer fit it, whichever sets it, and with the second turn that it appends (restated:
+    the question with its options once)."""
     from nodekv.methods.pecan.pecan import Pecan
 
     eng, method, index = built
-    method = Pecan(eng, **{**dataclasses.asdict(method.config), "reader": "paper"})  # the window holds its answer
-    free = method.answer(index, "Who kept the lamps burning?")
+    # the window holds its answer
+    method = Pecan(eng, **{**dataclasses.asdict(method.config), "reader": "paper", "prompt_style": style})
+    ask = ("Who kept the lamps burning?", ("Ida Brecht", "Olek Sand") if style == "restate" else ())
+    free = method.answer(index, *ask)
     steps = [s for s in free.trace if "node" in s]
     assert len(steps) >= 2
     # a window that holds the answer's prompt only up to the first visited node
@@ -225,7 +228,7 @@ def test_search_stops_before_the_window_is_full(built, limit, monkeypatch):
         monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, max_seq_len=window))
     else:
         method = Pecan(eng, **{**dataclasses.asdict(method.config), "search_tokens": window})
-    cut = method.answer(index, "Who kept the lamps burning?")
+    cut = method.answer(index, *ask)
     assert cut.trace[-1] == {"stop": "context full"} and cut.nodes == free.nodes[:1]
     assert cut.prompt_tokens + cut.generated_tokens <= window
 
