@@ -83,6 +83,10 @@ class Gor(Method, name="gor", title="GoR"):
         Option("epochs", int, 150, "training epochs", low=1),
         Option("batch", int, 32, "graphs per training step", low=1),
         Option("lr", float, 1e-3, "Adam's learning rate, decayed to 0", low=0.0),
+        Option("recipe", str, "paper", "paper: Eq. 7 summed over ranked pairs, edges both ways, the GAT's first "
+               "layer's heads concatenated (ELU) and its second's averaged; public (the authors' code): Eq. 7 "
+               "averaged over pairs, edges from a retrieved node to its response only, each layer's heads "
+               "averaged after batch norm and PReLU, the max over the layers", choices=("paper", "public")),
         *KV_REUSE_OPTIONS,
     )
 
@@ -122,7 +126,7 @@ class Gor(Method, name="gor", title="GoR"):
     def train_config(self) -> TrainConfig:
         c = self.config
         return TrainConfig(hidden=int(self.embedder.dim), dropout=c.dropout, epochs=c.epochs, lr=c.lr, batch=c.batch,
-                           tau=c.tau, alpha=c.alpha, cl=c.cl, in_batch=c.in_batch, seed=c.seed)
+                           tau=c.tau, alpha=c.alpha, cl=c.cl, in_batch=c.in_batch, seed=c.seed, recipe=c.recipe)
 
     def chunks(self, document: str) -> list[str]:
         tok, c = self.engine.tokenizer, self.config
@@ -153,7 +157,8 @@ class Gor(Method, name="gor", title="GoR"):
         """`index` with a GAT trained on its own graph under the current training options (kept if it has one)."""
         wanted = self.train_config()
         if self.config.train == "gat" and index.trained_with != wanted and len(index.queries):
-            index.gat, index.trained_with = train_gat([_data(index, index.queries, index.ranking)], wanted), wanted
+            graph = self._data(index, index.queries, index.ranking)
+            index.gat, index.trained_with = train_gat([graph], wanted), wanted
         return index
 
     def fit(self, examples: Sequence[tuple[GorIndex, Any]]) -> None:
@@ -166,13 +171,13 @@ class Gor(Method, name="gor", title="GoR"):
             if self.config.supervision == "self":
                 if id(index) not in seen:
                     seen.add(id(index))
-                    graphs.append(_data(index, index.queries, index.ranking))
+                    graphs.append(self._data(index, index.queries, index.ranking))
                 continue
             tokens = self.embedder.token_embeddings(index.graph.texts + list(record.references))
             idf = idf_weights([ids for ids, _ in tokens], set(self.embedder.special_ids))
             nodes, refs = tokens[:len(index.graph.texts)], tokens[len(index.graph.texts):]
             rank = bertscore_ranking(nodes, refs[:1], idf)  # the first reference, as the query's one label
-            graphs.append(_data(index, self._encode([record.question]), rank))
+            graphs.append(self._data(index, self._encode([record.question]), rank))
         graphs = [g for g in graphs if len(g.queries)]
         self._fitted = (train_gat(graphs, self.train_config()), len(seen) or len(graphs)) if graphs else None
 
@@ -194,7 +199,7 @@ class Gor(Method, name="gor", title="GoR"):
         if gat is None:  # no simulated query: nothing trained it
             return index.features, "none (no simulated queries)"
         with torch.no_grad():
-            return gat(index.features, index.graph.edge_index()), how
+            return gat(index.features, self._edges(index)), how
 
     def answer(self, index: GorIndex, question: str, options: tuple[str, ...] = ()) -> Answer:
         if options:
@@ -227,11 +232,13 @@ class Gor(Method, name="gor", title="GoR"):
                 f"{len(g.responses)} responses, {len(g.edges)} edges",
                 f"GAT: {'trained on this graph' if index.gat is not None else 'trained on this graph when asked'}"]
 
+    def _edges(self, index: GorIndex) -> torch.Tensor:
+        return index.graph.edge_index(both_ways=self.config.recipe == "paper")
+
+    def _data(self, index: GorIndex, queries: torch.Tensor, ranking: torch.Tensor) -> GraphData:
+        return GraphData(index.features, self._edges(index), queries, ranking)
+
     def _encode(self, texts: list[str]) -> torch.Tensor:
         if not texts:
             return torch.zeros(0, int(self.embedder.dim))
         return self.embedder.encode(list(texts))
-
-
-def _data(index: GorIndex, queries: torch.Tensor, ranking: torch.Tensor) -> GraphData:
-    return GraphData(index.features, index.graph.edge_index(), queries, ranking)

@@ -62,12 +62,13 @@ class RecordGraph:
     def texts(self) -> list[str]:
         return self.chunks + self.responses
 
-    def edge_index(self) -> torch.Tensor:
-        """[2, 2E] long: every edge in both directions (messages flow between a response and its sources)."""
+    def edge_index(self, both_ways: bool = True) -> torch.Tensor:
+        """[2, 2E] long: every edge in both directions (messages flow between a response and its sources); [2, E]
+        without `both_ways`: retrieved node -> response only, as the public code's graph has them."""
         if not self.edges:
             return torch.zeros(2, 0, dtype=torch.long)
         e = torch.tensor(self.edges, dtype=torch.long).T
-        return torch.cat([e, e.flip(0)], dim=1)
+        return torch.cat([e, e.flip(0)], dim=1) if both_ways else e
 
 
 def simulate_queries(graph: RecordGraph, sample: Sampler, n: int, seed: int, max_attempts: int,

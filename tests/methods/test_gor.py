@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from nodekv.methods.gor.gor import GRAPH_OPTIONS, Gor
 from nodekv.methods.gor.gor_store import IndexFileError, tensors_path
-from nodekv.methods.gor.gor_train import (GAT, GraphData, TrainConfig, _batch_loss, info_nce, pairwise_rank_loss,
-                                      train_gat)
+from nodekv.methods.gor.gor_train import (GAT, GraphData, PublicGAT, TrainConfig, _batch_loss, info_nce,
+                                      pairwise_rank_loss, train_gat)
 from nodekv.methods.reader import Answer
 from conftest import bare_engine
 
@@ -50,6 +50,28 @@ def test_batch_loss_is_eq8_with_the_other_graphs_nodes_as_negatives():
     own = (cl(a, ha) + rank(a, ha) + cl(b, hb) + rank(b, hb)) / 2
     torch.testing.assert_close(_batch_loss(gat, [a, b], TrainConfig(4, 2, tau=0.5, alpha=0.3, in_batch=False)), own)
     torch.testing.assert_close(_batch_loss(gat, [a], TrainConfig(4, 2, tau=0.5, alpha=0.3, cl=False)), rank(a, ha))
+
+
+def test_public_batch_loss_forwards_the_graphs_as_one_and_averages_eq7_over_pairs():
+    """In training, the public recipe's batch norm normalises over every node of the step: one forward over the
+    disjoint union (the second graph's edges shifted by the first's size), then Eq. 8 per graph with L_RANK the mean
+    over pairs."""
+    torch.manual_seed(0)
+    a, b = _graph(1), _graph(2, n=7)
+    gat = PublicGAT(6, 6, heads=2).train()
+    for layer in gat.layers:
+        layer.attn_dropout.p = 0.0  # deterministic, so the loss can be recomputed
+    cfg = TrainConfig(hidden=6, heads=2, tau=0.5, alpha=0.3, recipe="public")
+    ha, hb = gat(torch.cat([a.features, b.features]), torch.cat([a.edges, b.edges + 10], 1)).split([10, 7])
+
+    def loss(g, h, negatives):
+        rank = pairwise_rank_loss(g.queries, h, g.ranking, 0.5) / (len(h) * (len(h) - 1) / 2)
+        return info_nce(g.queries, h, g.ranking[:, 0], 0.5, negatives) + 0.3 * rank
+
+    torch.testing.assert_close(_batch_loss(gat, [a, b], cfg), (loss(a, ha, hb) + loss(b, hb, ha)) / 2)
+    apart = gat(a.features, a.edges), gat(b.features, b.edges)  # batch norm over each graph alone differs
+    assert not torch.allclose(_batch_loss(gat, [a, b], cfg), (loss(a, apart[0], apart[1]) + loss(b, apart[1],
+                                                                                                apart[0])) / 2)
 
 
 def test_training_is_deterministic_and_brings_the_top_ranked_node_to_rank_one():
@@ -171,6 +193,16 @@ def test_which_model_answers_and_what_is_refused():
     assert fitted.node_vectors(a)[1] == "fitted on 1 other document"
     with pytest.raises(ValueError, match="needs a fit"):
         _gor(eng, supervision="summary").node_vectors(a)
+    public = _gor(eng, recipe="public", epochs=2)
+    public.fit([(b, None)])
+    gat = public._fitted[0]
+    assert isinstance(gat, PublicGAT) and public.node_vectors(a)[1] == "fitted on 1 other document"
+    chunks = len(a.graph.chunks)
+    moved = a.features.clone()
+    moved[chunks:] += 1.0  # the responses: no edge leads from a response to a chunk in the public code's graph
+    with torch.no_grad():
+        torch.testing.assert_close(gat(moved, a.graph.edge_index(both_ways=False))[:chunks],
+                                   public.node_vectors(a)[0][:chunks])
     with pytest.raises(ValueError, match="document is empty"):
         _gor(eng).index("  ")
     with pytest.raises(ValueError, match="chunk_overlap .* below chunk_tokens"):

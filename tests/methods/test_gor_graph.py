@@ -70,6 +70,7 @@ def test_each_round_retrieves_over_chunks_and_earlier_responses_and_links_them()
     linked = {j for e in graph.edges for j in e}
     assert {3, 4} - linked == {3, 4}  # "dd", "ee" were never retrieved: isolated
     assert graph.edge_index().shape == (2, 2 * len(graph.edges))
+    assert graph.edge_index(both_ways=False).T.tolist() == [list(e) for e in graph.edges]
 
 
 @pytest.mark.model

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nodekv.methods.gor.gor_train import (GAT, GATLayer, bertscore_f1, bertscore_ranking, idf_weights, info_nce,
-                                      pairwise_rank_loss)
+from nodekv.methods.gor.gor_train import (GAT, GATLayer, PublicGAT, bertscore_f1, bertscore_ranking, idf_weights,
+                                      info_nce, pairwise_rank_loss)
 
 
 def dense_gat(layer: GATLayer, h: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
@@ -24,7 +24,7 @@ def dense_gat(layer: GATLayer, h: torch.Tensor, edges: torch.Tensor) -> torch.Te
         e = F.leaky_relu((z[:, k] @ layer.att_dst[k])[:, None] + (z[:, k] @ layer.att_src[k])[None, :], 0.2)
         alpha = torch.softmax(e.masked_fill(~mask, float("-inf")), dim=1)
         out[:, k] = alpha @ z[:, k]
-    return out
+    return out if layer.bias is None else out + layer.bias
 
 
 @pytest.mark.parametrize("n, heads, seed", [(1, 1, 0), (7, 4, 1), (40, 2, 2)])
@@ -43,6 +43,42 @@ def test_an_isolated_node_keeps_its_own_projection_and_gat_maps_back_to_the_inpu
     out = layer(h, torch.tensor([[0], [1]]))
     torch.testing.assert_close(out[2], layer.linear(h[2]).view(2, 3))
     assert GAT(6, 4, heads=4)(h, torch.tensor([[0], [1]])).shape == (3, 6)
+
+
+def test_public_gat_matches_its_layers_written_out_in_float64():
+    """Each layer: dense masked attention plus bias, batch norm by its running statistics (eval), PReLU with a
+    weight per channel; a layer's vector is its heads' mean and the output the max over the two layers."""
+    torch.manual_seed(0)
+    n, dim, heads = 9, 6, 3
+    gat = PublicGAT(dim, dim, heads).double().eval()
+    for layer, norm, act in zip(gat.layers, gat.norms, gat.acts):
+        for t in (layer.bias, norm.weight, norm.bias, norm.running_mean, act.weight):
+            t.data = torch.randn_like(t)
+        norm.running_var = torch.rand_like(norm.running_var) + 0.5
+    h = torch.randn(n, dim, dtype=torch.float64)
+    edges = torch.tensor([[0, 1, 2, 5, 7], [4, 4, 4, 8, 8]])
+    x, layers = h, []
+    for layer, norm, act in zip(gat.layers, gat.norms, gat.acts):
+        y = dense_gat(layer, x, edges).reshape(n, -1)
+        y = (y - norm.running_mean) / torch.sqrt(norm.running_var + norm.eps) * norm.weight + norm.bias
+        x = torch.where(y >= 0, y, act.weight * y)
+        layers.append(x.view(n, heads, dim).mean(1))
+    torch.testing.assert_close(gat(h, edges), torch.maximum(*layers), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="must equal the input's 6"):
+        PublicGAT(dim, 4)
+
+
+def test_public_gat_is_initialised_as_dgls_gatconv():
+    """Xavier-normal with ReLU's gain: std = √2·√(2 / (fan_in + fan_out)); a (1, heads, out) attention vector has
+    fans heads·out and out. (The paper's GAT's Xavier-uniform, gain 1, is 1/√2 of these for the weights.)"""
+    torch.manual_seed(0)
+    dim, heads = 128, 4
+    first = PublicGAT(dim, dim, heads).layers[0].requires_grad_(False)
+    std = lambda fan_in, fan_out: math.sqrt(2) * math.sqrt(2 / (fan_in + fan_out))  # noqa: E731
+    assert float(first.linear.weight.std()) == pytest.approx(std(dim, heads * dim), rel=0.03)
+    attention = torch.cat([first.att_src.flatten(), first.att_dst.flatten()])
+    assert float(attention.std()) == pytest.approx(std(heads * dim, dim), rel=0.06)
+    assert torch.equal(first.bias, torch.zeros(heads, dim)) and first.attn_dropout.p == 0.1
 
 
 def test_bertscore_matches_a_double_loop():
@@ -102,6 +138,7 @@ def test_pairwise_rank_loss_by_hand():
             for b in range(a + 1, 4):  # order[b] ranks below order[a]
                 total += math.log(1 + s(q[k], nodes[order[b]]) / s(q[k], nodes[order[a]]))
     assert float(pairwise_rank_loss(q, nodes, ranking, tau)) == pytest.approx(total / 2, rel=1e-5)
+    assert float(pairwise_rank_loss(q, nodes, ranking, tau, pair_mean=True)) == pytest.approx(total / 2 / 6, rel=1e-5)
 
 
 def test_training_on_a_toy_graph_brings_the_labelled_node_to_rank_one():
