@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -152,15 +153,18 @@ def kv_dtype_name(engine: Engine) -> str:
 RESUMED_AS_WRITTEN = ("model", "precision", "dtype", "kv_dtype", "options", "config", "generation")  # kept on resume
 
 
-def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bool = False) -> None:
+def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bool = False,
+                    added: dict[str, Any] | None = None) -> None:
     """Refuse (ValueError, before any work) to append to a run file that was written under another model file,
     precision, dtype, KV cache dtype, option set, method config or answer decoding (`generation`): a calibration
     file written since (PECAN's t_p), a method default or a prompt's budget changed since would otherwise mix two
     settings in one file under one label; and to append to one whose meta file is gone, which says nothing of its
     settings. A method that learns across documents (`across_documents`) also keeps the run's record count: its
     folds are dealt over the run's documents, so a run extended from 10 records to 30 would mix answers fitted on 8
-    other documents with answers fitted on 24. Keys an older meta file lacks are not checked; the model is compared
-    by file name (`model_file_name`), so a run moves between machines."""
+    other documents with answers fitted on 24. Keys an older meta file lacks are not checked, but a method config
+    written before an option was added reads as that option's `before` value (`added`: name -> value), the value
+    that runs as the code did then; the model is compared by file name (`model_file_name`), so a run moves between
+    machines."""
     meta_path = path.with_suffix(".meta.json")
     if not resuming:
         return
@@ -172,6 +176,8 @@ def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bo
         old.setdefault("kv_dtype", old["dtype"])
     if "model" in old:
         old["model"], new["model"] = model_file_name(old["model"]), model_file_name(new["model"])
+    if "config" in old:
+        old["config"] = {**(added or {}), **old["config"]}
     keys = RESUMED_AS_WRITTEN + (("records",) if across_documents else ())
     changes: dict[str, str] = {}  # one line per changed setting or option
     for key in (key for key in keys if key in old and old[key] != new[key]):
@@ -183,6 +189,11 @@ def check_resumable(path: Path, meta: dict, resuming: bool, across_documents: bo
     if changes:
         raise ValueError(f"{path} was written under other settings; resume it with the code and options that wrote "
                          "it, or give this run another --label:" + "".join(f"\n  {line}" for line in changes.values()))
+
+
+def added_options(method_class: type[Method]) -> dict[str, Any]:
+    """The options of `method_class` added since some run files were written, with the value that runs as before."""
+    return {o.name: o.before for o in method_class.options if o.before is not None}
 
 
 def check_answered_records(path: Path, lines: list[dict], loaded: LoadResult) -> None:
@@ -236,7 +247,8 @@ def check_run(cfg: RunConfig, model: str | None, precision: str, dtype: str = "f
         _answered(Path(cfg.match), cfg.dataset, str(resolve_model(model)))
     else:
         meta = _run_meta(cfg, str(resolve_model(model)), precision, dtype, kv_dtype or dtype, loaded)
-        check_resumable(cfg.path, meta, bool(lines), get(cfg.method).learns_across_documents)
+        method_class = get(cfg.method)
+        check_resumable(cfg.path, meta, bool(lines), method_class.learns_across_documents, added_options(method_class))
     check_answered_records(cfg.path, lines, loaded)  # after: a cross-fitted run's own refusal says more
 
 
@@ -259,7 +271,7 @@ def run(engine: Engine, cfg: RunConfig, progress: bool = True, ray: RayPlan | No
     with cfg.path.open("a") as out:  # held to the end: the lock is on it, and the lines go to it
         _lock(out, cfg.path)
         lines = current_lines(read_json_lines(cfg.path, cut_torn_tail=True))
-        check_resumable(cfg.path, meta, bool(lines), method_class.learns_across_documents)
+        check_resumable(cfg.path, meta, bool(lines), method_class.learns_across_documents, added_options(method_class))
         check_answered_records(cfg.path, lines, loaded)
         write_atomic(cfg.path.with_suffix(".meta.json"), json.dumps(meta, indent=1))
         for rid, why in loaded.problems:

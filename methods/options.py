@@ -24,6 +24,8 @@ class Option:
     low: float | None = None    # inclusive bounds of an int or float option
     high: float | None = None
     choices: tuple = ()         # the values allowed, when they are few
+    before: Any = None          # the value that runs as the code did before this option existed, if one does: a run
+                                # file written then resumes under it (`evaluation.runner.check_resumable`)
 
     def __post_init__(self):
         if self.type not in TYPES:

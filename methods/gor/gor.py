@@ -86,7 +86,8 @@ class Gor(Method, name="gor", title="GoR"):
         Option("recipe", str, "paper", "paper: Eq. 7 summed over ranked pairs, edges both ways, the GAT's first "
                "layer's heads concatenated (ELU) and its second's averaged; public (the authors' code): Eq. 7 "
                "averaged over pairs, edges from a retrieved node to its response only, each layer's heads "
-               "averaged after batch norm and PReLU, the max over the layers", choices=("paper", "public")),
+               "averaged after batch norm and PReLU, the max over the layers", choices=("paper", "public"),
+               before="paper"),
         *KV_REUSE_OPTIONS,
     )
 

@@ -143,9 +143,10 @@ def test_top_x_matches_a_reference_runs_flops(tmp_path):
         match_k(eng, RunConfig("full", "hotpotqa", data_dir=str(data), match=str(ref)), ref)
 
 
-def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
+def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys, monkeypatch):
     """A run file whose meta names other options or another config (a changed default) is refused before any work
-    and left as it was; a meta written before the config was kept is checked on what it has."""
+    and left as it was, unless the option is newer than the file and declares the value that ran before it; a meta
+    written before the config was kept is checked on what it has."""
     data = tmp_path / "data"
     _write_data(data)
     assert _eval(data, tmp_path, "--label", "run", "--limit", "1") == 0
@@ -169,6 +170,16 @@ def test_a_run_file_is_resumed_only_under_its_own_settings(tmp_path, capsys):
     assert _eval(data, tmp_path, "--label", "run") == 2
     assert "chunk_tokens=200 now 300" in capsys.readouterr().err
     assert path.read_text() == written
+
+    meta["config"]["chunk_tokens"] = 300
+    del meta["config"]["kv_reuse"]  # as if written before kv_reuse existed
+    meta_path.write_text(json.dumps(meta))
+    assert _eval(data, tmp_path, "--label", "run") == 2
+    assert "kv_reuse=(unset) now off" in capsys.readouterr().err
+    monkeypatch.setattr("nodekv.evaluation.runner.added_options", lambda method_class: {"kv_reuse": "off"})
+    assert _eval(data, tmp_path, "--label", "run", "--limit", "1") == 0  # "off" ran as the code before it did
+    assert path.read_text() == written
+    monkeypatch.undo()
 
     del meta["config"], meta["precision"], meta["dtype"]  # an older meta: checked on model and options only
     meta["model"] = "/elsewhere/" + meta["model"].rsplit("/", 1)[-1]  # the same file on another machine
@@ -231,6 +242,22 @@ def test_a_meta_from_before_the_cache_dtype_was_kept_held_the_models_dtype(tmp_p
     check_resumable(path, {"model": "m.gguf", "dtype": "float32", "kv_dtype": "float32"}, resuming=True)
     with pytest.raises(ValueError, match="\n  kv_dtype float32 now float16$"):
         check_resumable(path, {"model": "m.gguf", "dtype": "float32", "kv_dtype": "float16"}, resuming=True)
+
+
+def test_a_config_from_before_an_option_was_added_reads_as_the_value_that_ran_then(tmp_path):
+    """An option declared with `before` (the value that runs as the code before it did) lets a run file written
+    before it existed resume under that value and no other; an option without one is refused as unset."""
+    from nodekv.evaluation.runner import added_options, check_resumable
+    from nodekv.methods import get
+
+    path = tmp_path / "run-multi_news.jsonl"
+    path.with_suffix(".meta.json").write_text(json.dumps({"config": {"alpha": 0.7}}))
+    assert added_options(get("gor"))["recipe"] == "paper"
+    check_resumable(path, {"config": {"alpha": 0.7, "recipe": "paper"}}, True, added={"recipe": "paper"})
+    with pytest.raises(ValueError, match="\n  recipe=paper now public$"):
+        check_resumable(path, {"config": {"alpha": 0.7, "recipe": "public"}}, True, added={"recipe": "paper"})
+    with pytest.raises(ValueError, match=r"\n  recipe=\(unset\) now paper$"):
+        check_resumable(path, {"config": {"alpha": 0.7, "recipe": "paper"}}, True)
 
 
 def test_a_run_resumes_on_its_model_file_by_name_through_a_link_or_from_another_machine(tmp_path):
