@@ -158,8 +158,7 @@ class Gor(Method, name="gor", title="GoR"):
         """`index` with a GAT trained on its own graph under the current training options (kept if it has one)."""
         wanted = self.train_config()
         if self.config.train == "gat" and index.trained_with != wanted and len(index.queries):
-            graph = self._data(index, index.queries, index.ranking)
-            index.gat, index.trained_with = train_gat([graph], wanted), wanted
+            index.gat, index.trained_with = train_gat([self._data(index, index.queries, index.ranking)], wanted), wanted
         return index
 
     def fit(self, examples: Sequence[tuple[GorIndex, Any]]) -> None:
