@@ -203,6 +203,8 @@ def test_which_model_answers_and_what_is_refused():
     with torch.no_grad():
         torch.testing.assert_close(gat(moved, a.graph.edge_index(both_ways=False))[:chunks],
                                    public.node_vectors(a)[0][:chunks])
+        both = a.graph.edge_index()  # the paper recipe's edges would carry the move to the chunks the responses read
+        assert not torch.allclose(gat(moved, both)[:chunks], gat(a.features, both)[:chunks])
     with pytest.raises(ValueError, match="document is empty"):
         _gor(eng).index("  ")
     with pytest.raises(ValueError, match="chunk_overlap .* below chunk_tokens"):
