@@ -70,7 +70,8 @@ class Pecan(Method, name="pecan", title="PECAN"):
         Option("node_budget", int, 0, "nodes retrieved beyond the top level at most; 0: no budget, the window is "
                "the limit (the paper's rule)", low=0),
         Option("search_tokens", int, 8192, "s for the search: its session's tokens at most, the probe, second turn "
-               "and answer included (§4 caps every step at s); 0: the model's window", low=0),
+               "and answer included (§4 caps every step at s); 0: the model's window", low=0,
+               before=0),
         Option("answer_tokens", int, 64, "answer budget when no dataset prompt gives one", low=1),
         Option("attention", bool, True, "false: w/o attention-guided retrieval (embedding similarity only)"),
         Option("embedding", bool, True, "false: w/o embedding similarity"),

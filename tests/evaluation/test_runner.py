@@ -253,6 +253,7 @@ def test_a_config_from_before_an_option_was_added_reads_as_the_value_that_ran_th
     path = tmp_path / "run-multi_news.jsonl"
     path.with_suffix(".meta.json").write_text(json.dumps({"config": {"alpha": 0.7}}))
     assert added_options(get("gor"))["recipe"] == "paper"
+    assert added_options(get("pecan"))["search_tokens"] == 0  # the model's window, as before the search had its own
     check_resumable(path, {"config": {"alpha": 0.7, "recipe": "paper"}}, True, added={"recipe": "paper"})
     with pytest.raises(ValueError, match="\n  recipe=paper now public$"):
         check_resumable(path, {"config": {"alpha": 0.7, "recipe": "public"}}, True, added={"recipe": "paper"})
