@@ -1,7 +1,7 @@
 """The relevance probe's ranking, its prompt's parts tokenised apart and whole (relevance-*.jsonl, from
 relevance_study.py), and each run under runs/ against the run of the same name in ../issue31/runs (parts tokenised
 apart) and against full context, paired by record: means, paired differences with 95% bootstrap intervals (2,000
-resamples; QuALITY's accuracy in the F1 columns), support recall and query TFLOPs (8B projection). Usage: python
+resamples; QuALITY's accuracy and Multi-News' ROUGE-L in the F1 columns), support recall and query TFLOPs (8B projection). Usage: python
 compare.py."""
 from __future__ import annotations
 
@@ -39,13 +39,15 @@ def runs() -> None:
           "before / now | query TFLOPs before / now |")
     print("|---|---:|---:|---:|---|---|---|---|")
     for new_path in sorted((HERE / "runs").glob("*.jsonl")):
+        if not (OLD / new_path.name).is_file():  # a run new here (GoR's public recipe): nothing before to pair
+            continue
         new, old = lines(new_path), lines(OLD / new_path.name)
         dataset = new_path.stem.rsplit("-", 1)[1]
         full = lines(OLD / f"full-{dataset}.jsonl")
         ids = sorted(set(new) & set(old) & set(full))
         if not ids:
             continue
-        metric = "accuracy" if "accuracy" in new[ids[0]]["metrics"] else "f1"  # QuALITY's is accuracy
+        metric = next(m for m in ("accuracy", "rougeL", "f1") if m in new[ids[0]]["metrics"])  # QuALITY, Multi-News
         f1 = {name: [100 * run[i]["metrics"][metric] for i in ids] for name, run in
               (("new", new), ("old", old), ("full", full))}
         cells = [f"{sum(f1[k]) / len(ids):.1f}" for k in ("old", "new")]
