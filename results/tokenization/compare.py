@@ -1,8 +1,8 @@
 """The relevance probe's ranking, its prompt's parts tokenised apart and whole (relevance-*.jsonl, from
 relevance_study.py), and each run under runs/ against the run of the same name in ../issue31/runs (parts tokenised
 apart) and against full context, paired by record: means, paired differences with 95% bootstrap intervals (2,000
-resamples; QuALITY's accuracy and Multi-News' ROUGE-L in the F1 columns), support recall and query TFLOPs (8B projection). Usage: python
-compare.py."""
+resamples; QuALITY's accuracy and Multi-News' ROUGE-L in the F1 columns), support recall and query TFLOPs (8B
+projection). Usage: python compare.py."""
 from __future__ import annotations
 
 import json
