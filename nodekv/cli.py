@@ -271,9 +271,19 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--option {', '.join(twice)} given more than once")
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line read by `build_parser`'s parser. `eval`'s run files may stand on either side of its flags
+    (`eval report a.jsonl --paired full b.jsonl`): argparse alone takes a list of positionals once, before the first
+    flag, and would refuse the files after it as unrecognised, or blame them for a flag `check_eval_flags` names."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:
+        return parser.commands["eval"].parse_intermixed_args(argv[1:], argparse.Namespace(command="eval"))
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         check_counts(args)
         check_options(args)

@@ -169,6 +169,9 @@ CASES = [  # argv, the one line on stderr
     (["eval", "report", "run.jsonl", "--limit", "5"], "error: --limit is not `eval report`'s: it reads the run files"),
     (["eval", "report", "run.jsonl", "--method", "bm25", "--option", "k=3", "--threads", "1", "--precision", "int8"],
      "error: --method, --option, --precision, --threads are not `eval report`'s"),
+    (["eval", "report", "--method", "bm25", "run.jsonl", "--limit", "5"],  # flags on either side of the run files
+     "error: --method, --limit are not `eval report`'s"),
+    (["eval", "report", "run.jsonl", "--reference", "full", "typo.jsonl"], "error: typo.jsonl does not exist"),
     ([*EVAL, "--paired", "full"], "error: --paired is `eval report`'s, not a run's: report the run with"),
     (["eval", "rescore", "run.jsonl", "--paired", "full"], "error: --paired is not `eval rescore`'s: it reads the run"),
     (["eval", "rescore", "typo.jsonl"], "error: typo.jsonl does not exist"),
